@@ -1,0 +1,97 @@
+"""DSpark parallel backbone: context projection and block attention over [ctx ; block].
+
+Shapes: B batch, N blocks per row (anchors; 1 at decode time), G = block_size,
+S context rows, H hidden, Ld draft layers, Hkv KV heads, D head_dim.
+
+Context keys/values are computed once per layer (``context_kv``) so decoding
+can keep them in a cache and training computes them for the whole sequence.
+Each block attends jointly (one softmax) to the context rows it may see and
+to every position of its own block, at cost O(N*G*(S+G)) per head.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dspark_jax import nn
+from dspark_jax.config import DraftConfig
+
+
+def project_context(params: dict, config: DraftConfig, target_features: jax.Array) -> jax.Array:
+    """[B, S, n*H] concatenated target layer outputs -> ctx [B, S, H] = RMSNorm(fc(x))."""
+    x = target_features.astype(params["fc"].dtype) @ params["fc"]
+    return nn.rms_norm(x, params["hidden_norm"], config.rms_norm_eps)
+
+
+def context_kv(params: dict, config: DraftConfig, ctx: jax.Array, positions: jax.Array):
+    """Per-layer keys/values of ctx [B, S, H] at ``positions [B, S]``.
+
+    Returns k, v [Ld, B, S, Hkv, D] (k normed and rotated), the same for every
+    layer's input since ctx does not pass through the layers' input norms.
+    """
+    cos, sin = nn.rope_cos_sin(positions, config.head_dim, config.rope_theta)
+
+    def one_layer(p):
+        k, v = nn.kv_heads(ctx, p, config.num_key_value_heads, config.head_dim, config.rms_norm_eps)
+        return nn.apply_rope(k, cos, sin), v
+
+    return jax.lax.map(one_layer, params["layers"])
+
+
+def _block_attention(q, k_blk, v_blk, k_ctx, v_ctx, ctx_mask, block_valid):
+    """q, k_blk, v_blk [B,N,G,H*,D]; k_ctx, v_ctx [B,S,Hkv,D]; ctx_mask [B,N,S]; block_valid [B,N]."""
+    b, n, g, hq, d = q.shape
+    hkv = k_ctx.shape[2]
+    q = q.reshape(b, n, g, hkv, hq // hkv, d)
+    s_ctx = jnp.einsum("bngjrd,bsjd->bjrngs", q, k_ctx, preferred_element_type=jnp.float32)
+    s_blk = jnp.einsum("bngjrd,bnkjd->bjrngk", q, k_blk, preferred_element_type=jnp.float32)
+    scores = jnp.concatenate([s_ctx, s_blk], axis=-1) * (d ** -0.5)
+    vis_ctx = ctx_mask & block_valid[:, :, None]
+    vis_blk = jnp.broadcast_to(block_valid[:, :, None], (b, n, g))
+    visible = jnp.concatenate([vis_ctx, vis_blk], axis=-1)[:, None, None, :, None, :]
+    scores = jnp.where(visible, scores, nn.NEG_INF)
+    probs = jnp.where(visible, jax.nn.softmax(scores, axis=-1), 0.0).astype(v_ctx.dtype)
+    s = k_ctx.shape[1]
+    out = (jnp.einsum("bjrngs,bsjd->bngjrd", probs[..., :s], v_ctx)
+           + jnp.einsum("bjrngk,bnkjd->bngjrd", probs[..., s:], v_blk))
+    return out.reshape(b, n, g, hq * d)
+
+
+def block_forward(
+    params: dict,
+    config: DraftConfig,
+    block_embeds: jax.Array,
+    block_positions: jax.Array,
+    ctx_k: jax.Array,
+    ctx_v: jax.Array,
+    ctx_mask: jax.Array,
+    block_valid: jax.Array,
+) -> jax.Array:
+    """Run the backbone over blocks.
+
+    block_embeds [B, N, G, H]; block_positions [B, N, G]; ctx_k/ctx_v
+    [Ld, B, S, Hkv, D] from ``context_kv``; ctx_mask [B, N, S] marks the context
+    rows each block sees (position < anchor); block_valid [B, N] (False: the
+    block sees nothing and its attention output is zero).
+    Returns hidden [B, N, G, H] after the final norm.
+    """
+    b, n, g, h = block_embeds.shape
+    cos, sin = nn.rope_cos_sin(block_positions.reshape(b, n * g), config.head_dim, config.rope_theta)
+    eps = config.rms_norm_eps
+
+    def layer(x, xs):
+        p, k_ctx, v_ctx = xs
+        hx = nn.rms_norm(x, p["input_layernorm"], eps).reshape(b, n * g, h)
+        q, k, v = nn.qkv_heads(hx, p, config.num_attention_heads, config.num_key_value_heads,
+                               config.head_dim, eps)
+        q, k = nn.apply_rope(q, cos, sin), nn.apply_rope(k, cos, sin)
+        split = lambda a: a.reshape(b, n, g, *a.shape[2:])
+        attn = _block_attention(split(q), split(k), split(v), k_ctx.astype(q.dtype),
+                                v_ctx.astype(q.dtype), ctx_mask, block_valid)
+        x = x + attn @ p["o_proj"]
+        x = x + nn.swiglu_mlp(nn.rms_norm(x, p["post_attention_layernorm"], eps), p)
+        return x, None
+
+    x, _ = jax.lax.scan(layer, block_embeds, (params["layers"], ctx_k, ctx_v))
+    return nn.rms_norm(x, params["norm"], eps)

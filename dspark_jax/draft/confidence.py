@@ -1,0 +1,38 @@
+"""Confidence head: c_k = sigmoid(w . [h_k ; W1[prev_k]] + b), one linear unit per position.
+
+Params (``params["confidence_head"]``): kernel [D, 1], bias [1], where
+D = H (+ r with Markov features). c_k reads x_{k-1}, never x_k.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dspark_jax.config import DraftConfig
+from dspark_jax.draft import markov
+
+
+def input_dim(config: DraftConfig) -> int:
+    return config.hidden_size + (config.markov_rank if config.confidence_uses_markov else 0)
+
+
+def init_params(config: DraftConfig, rng: jax.Array, dtype=jnp.float32, std: float = 0.02) -> dict:
+    return {"kernel": (std * jax.random.normal(rng, (input_dim(config), 1))).astype(dtype),
+            "bias": jnp.zeros((1,), dtype)}
+
+
+def param_axes(config: DraftConfig) -> dict:
+    return {"kernel": (None, None), "bias": (None,)}
+
+
+def logits(params: dict, config: DraftConfig, hidden: jax.Array, prev_tokens: jax.Array) -> jax.Array:
+    """hidden [..., H]; prev_tokens [...] -> confidence logits [...] (float32, before sigmoid)."""
+    features = hidden
+    if config.confidence_uses_markov:
+        e = markov.prev_embeddings(params["markov_head"], prev_tokens).astype(hidden.dtype)
+        features = jnp.concatenate([hidden, e], axis=-1)
+    head = params["confidence_head"]
+    out = jnp.einsum("...d,do->...o", features, head["kernel"].astype(features.dtype),
+                     preferred_element_type=jnp.float32)
+    return out[..., 0] + head["bias"][0].astype(jnp.float32)

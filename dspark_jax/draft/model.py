@@ -1,0 +1,132 @@
+"""The DSpark drafter: params, logical axes and the training forward.
+
+Params (names follow the PyTorch state dict; kernels are [in, out])::
+
+    embed_tokens [V, H]   lm_head [H, V]   (frozen copies of the target's)
+    fc [n*H, H]   hidden_norm [H]   norm [H]   layers {stacked, leading axis Ld}
+    markov_head {...}        (markov_rank > 0, see markov.py)
+    confidence_head {...}    (enable_confidence_head, see confidence.py)
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from dspark_jax import nn
+from dspark_jax.config import DraftConfig
+from dspark_jax.draft import backbone, confidence, markov
+from dspark_jax.train import batch as batch_lib
+
+FROZEN_KEYS = ("embed_tokens", "lm_head")
+
+
+def init_params(config: DraftConfig, rng: jax.Array, dtype=jnp.float32, *,
+                embed_tokens: jax.Array | None = None, lm_head: jax.Array | None = None) -> dict:
+    """Random drafter params; pass the target's ``embed_tokens``/``lm_head`` [H, V] to share them."""
+    keys = jax.random.split(rng, 6)
+    h, v, n = config.hidden_size, config.vocab_size, config.num_context_features
+    params = {
+        "embed_tokens": (embed_tokens if embed_tokens is not None
+                         else 0.02 * jax.random.normal(keys[0], (v, h))).astype(dtype),
+        "lm_head": (lm_head if lm_head is not None
+                    else 0.02 * jax.random.normal(keys[1], (h, v))).astype(dtype),
+        "fc": (0.02 * jax.random.normal(keys[2], (n * h, h))).astype(dtype),
+        "hidden_norm": jnp.ones((h,), dtype),
+        "norm": jnp.ones((h,), dtype),
+        "layers": nn.init_decoder_layers(keys[3], config.num_hidden_layers, h, config.intermediate_size,
+                                         config.num_attention_heads, config.num_key_value_heads,
+                                         config.head_dim, dtype),
+    }
+    if config.has_markov:
+        params["markov_head"] = markov.init_params(config, keys[4], dtype)
+    if config.enable_confidence_head:
+        params["confidence_head"] = confidence.init_params(config, keys[5], dtype)
+    return params
+
+
+def param_axes(config: DraftConfig) -> dict:
+    """Logical axis names, same tree structure as ``init_params``."""
+    axes = {
+        "embed_tokens": ("vocab", "embed"),
+        "lm_head": ("embed", "vocab"),
+        "fc": (None, "embed"),
+        "hidden_norm": (None,),
+        "norm": (None,),
+        "layers": dict(nn.DECODER_LAYER_AXES),
+    }
+    if config.has_markov:
+        axes["markov_head"] = markov.param_axes(config)
+    if config.enable_confidence_head:
+        axes["confidence_head"] = confidence.param_axes(config)
+    return axes
+
+
+def compute_logits(params: dict, hidden: jax.Array) -> jax.Array:
+    """Base logits U = LMHead(h): [..., H] -> [..., V] float32."""
+    return jnp.einsum("...h,hv->...v", hidden, params["lm_head"].astype(hidden.dtype),
+                      preferred_element_type=jnp.float32)
+
+
+class TrainForward(NamedTuple):
+    """One training forward. All [B, N, G] unless noted; V = vocab."""
+
+    draft_logits: jax.Array           # [B, N, G, V] after the Markov bias
+    confidence_logits: jax.Array | None  # before the sigmoid
+    target_ids: jax.Array             # labels y
+    eval_mask: jax.Array              # bool, contiguous prefix per block
+    aligned_target_logits: jax.Array | None  # [B, N, G, V] target logits T
+    block_keep_mask: jax.Array        # [B, N]
+
+
+def training_forward(
+    params: dict,
+    config: DraftConfig,
+    input_ids: jax.Array,
+    target_hidden_states: jax.Array,
+    loss_mask: jax.Array,
+    anchor_positions: jax.Array,
+    block_keep_mask: jax.Array,
+    target_last_hidden_states: jax.Array | None = None,
+    compute_dtype=None,
+) -> TrainForward:
+    """All anchors' blocks in one backbone call (SPEC sections 3-6).
+
+    input_ids [B, S]; target_hidden_states [B, S, n*H] (raw layer outputs,
+    concatenated in target_layer_ids order); loss_mask [B, S];
+    anchor_positions, block_keep_mask [B, N]; target_last_hidden_states
+    [B, S, H] (post final norm) for the aligned target logits.
+    """
+    dtype = compute_dtype or params["fc"].dtype
+    p = jax.tree.map(lambda a: a.astype(dtype), params)
+    b, s = input_ids.shape
+    g = config.block_size
+    anchors = anchor_positions.astype(jnp.int32)
+    keep = block_keep_mask.astype(bool)
+
+    labels, eval_mask, safe = batch_lib.block_targets(input_ids, loss_mask, anchors, keep, g)
+    block_ids = batch_lib.block_input_ids(input_ids, anchors, keep, g, config.mask_token_id)
+
+    ctx = backbone.project_context(p, config, target_hidden_states.astype(dtype))
+    ctx_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    ctx_k, ctx_v = backbone.context_kv(p, config, ctx, ctx_pos)
+    ctx_mask = jnp.arange(s)[None, None, :] < anchors[:, :, None]
+    block_pos = anchors[:, :, None] + jnp.arange(g, dtype=jnp.int32)
+    hidden = backbone.block_forward(p, config, p["embed_tokens"][block_ids], block_pos,
+                                    ctx_k, ctx_v, ctx_mask, keep)
+
+    logits = compute_logits(p, hidden)
+    anchor_tok = jnp.take_along_axis(input_ids, anchors, axis=1)
+    prev = jnp.concatenate([anchor_tok[..., None], labels[..., :-1]], axis=-1)
+    if config.has_markov:
+        logits = markov.teacher_forced(p["markov_head"], config, logits, prev, hidden)
+    conf = confidence.logits(p, config, hidden, prev) if config.enable_confidence_head else None
+
+    aligned = None
+    if target_last_hidden_states is not None:
+        idx = jnp.maximum(safe - 1, 0).reshape(b, -1)
+        th = jnp.take_along_axis(target_last_hidden_states.astype(dtype), idx[..., None], axis=1)
+        aligned = compute_logits(p, th.reshape(*safe.shape, -1))
+    return TrainForward(logits, conf, labels, eval_mask, aligned, keep)

@@ -1,0 +1,121 @@
+"""Shared pure layers: RMSNorm, rotate-half RoPE, masked GQA attention, SwiGLU MLP.
+
+Conventions: activations are [batch, seq, ...]; dense kernels are stored
+[in, out] (the transpose of torch ``nn.Linear.weight``); per-layer params of a
+stack carry a leading ``layers`` axis and are consumed by ``lax.scan``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -1e30  # large finite negative, so fully masked rows stay NaN-free
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Qwen3 RMSNorm: normalise in float32, cast back, then scale by ``weight``."""
+    dtype = x.dtype
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(dtype)
+
+
+def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables [*positions.shape, head_dim] for rotate-half RoPE (float32)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [B, S, heads, head_dim]; cos/sin [B, S, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos = cos[:, :, None, :].astype(x.dtype)
+    sin = sin[:, :, None, :].astype(x.dtype)
+    return x * cos + rotated * sin
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Masked GQA attention.
+
+    q [B, Q, Hq, D]; k, v [B, K, Hkv, D]; mask [B, Q, K] (True = visible).
+    Rows with no visible key return zeros. Returns [B, Q, Hq, D].
+    """
+    b, nq, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    qg = q.reshape(b, nq, hkv, g, d)
+    scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (d ** -0.5)
+    m = mask[:, None, None, :, :]
+    scores = jnp.where(m, scores, NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(m, probs, 0.0)
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v)
+    return out.reshape(b, nq, hq, d)
+
+
+def swiglu_mlp(x: jax.Array, p: dict) -> jax.Array:
+    """down(silu(gate(x)) * up(x)); kernels [H, I], [H, I], [I, H]."""
+    gate = x @ p["gate_proj"]
+    up = x @ p["up_proj"]
+    return (jax.nn.silu(gate) * up) @ p["down_proj"]
+
+
+def qkv_heads(x: jax.Array, p: dict, num_heads: int, num_kv_heads: int, head_dim: int, eps: float):
+    """Project x [B, S, H] to q [B,S,Hq,D] and k, v [B,S,Hkv,D]; q/k per-head RMSNorm applied."""
+    b, s, _ = x.shape
+    q = (x @ p["q_proj"]).reshape(b, s, num_heads, head_dim)
+    k = (x @ p["k_proj"]).reshape(b, s, num_kv_heads, head_dim)
+    v = (x @ p["v_proj"]).reshape(b, s, num_kv_heads, head_dim)
+    return rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps), v
+
+
+def kv_heads(x: jax.Array, p: dict, num_kv_heads: int, head_dim: int, eps: float):
+    """k (normed) and v [B, S, Hkv, D] of x [B, S, H]."""
+    b, s, _ = x.shape
+    k = (x @ p["k_proj"]).reshape(b, s, num_kv_heads, head_dim)
+    v = (x @ p["v_proj"]).reshape(b, s, num_kv_heads, head_dim)
+    return rms_norm(k, p["k_norm"], eps), v
+
+
+def init_decoder_layers(rng, num_layers: int, hidden: int, intermediate: int, num_heads: int,
+                        num_kv_heads: int, head_dim: int, dtype, std: float = 0.02) -> dict:
+    """Stacked Qwen3 decoder-layer params, leading axis = layer."""
+    shapes = {
+        "q_proj": (hidden, num_heads * head_dim),
+        "k_proj": (hidden, num_kv_heads * head_dim),
+        "v_proj": (hidden, num_kv_heads * head_dim),
+        "o_proj": (num_heads * head_dim, hidden),
+        "gate_proj": (hidden, intermediate),
+        "up_proj": (hidden, intermediate),
+        "down_proj": (intermediate, hidden),
+    }
+    keys = jax.random.split(rng, len(shapes))
+    layers = {
+        name: (std * jax.random.normal(key, (num_layers, *shape), jnp.float32)).astype(dtype)
+        for key, (name, shape) in zip(keys, shapes.items())
+    }
+    for name, size in (("q_norm", head_dim), ("k_norm", head_dim),
+                       ("input_layernorm", hidden), ("post_attention_layernorm", hidden)):
+        layers[name] = jnp.ones((num_layers, size), dtype)
+    return layers
+
+
+# Logical axis names of one stacked decoder layer (see sharding.py).
+DECODER_LAYER_AXES = {
+    "q_proj": ("layers", "embed", "heads"),
+    "k_proj": ("layers", "embed", "kv_heads"),
+    "v_proj": ("layers", "embed", "kv_heads"),
+    "o_proj": ("layers", "heads", "embed"),
+    "gate_proj": ("layers", "embed", "mlp"),
+    "up_proj": ("layers", "embed", "mlp"),
+    "down_proj": ("layers", "mlp", "embed"),
+    "q_norm": ("layers", None),
+    "k_norm": ("layers", None),
+    "input_layernorm": ("layers", None),
+    "post_attention_layernorm": ("layers", None),
+}

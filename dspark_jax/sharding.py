@@ -1,0 +1,127 @@
+"""Mesh construction and the logical-axis -> mesh-axis rules table.
+
+Params carry logical axis names (``param_axes`` of each model mirrors its
+params tree). One rules table maps them onto a Mesh with axes
+``("data", "fsdp", "tensor")``: weights are sharded over ``fsdp`` (ZeRO-3
+style) and ``tensor`` (Megatron style); activations' batch over
+``("data", "fsdp")``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# logical axis -> mesh axis (or tuple of mesh axes, or None = replicated)
+DEFAULT_RULES: dict[str, object] = {
+    "batch": ("data", "fsdp"),
+    "vocab": "tensor",
+    "embed": "fsdp",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "mlp": "tensor",
+    "rank": None,
+    "layers": None,
+}
+
+
+def parse_mesh_spec(spec: str | Mapping[str, int] | None) -> dict[str, int]:
+    """``"data=2,fsdp=2,tensor=1"`` -> {"data": 2, "fsdp": 2, "tensor": 1}; -1 = the rest."""
+    if spec is None or spec == "":
+        sizes: dict[str, int] = {}
+    elif isinstance(spec, str):
+        sizes = {}
+        for part in spec.split(","):
+            if "=" not in part:
+                raise ValueError(f"mesh spec part {part!r} is not of the form axis=size")
+            name, value = part.split("=", 1)
+            sizes[name.strip()] = int(value)
+    else:
+        sizes = dict(spec)
+    unknown = set(sizes) - set(MESH_AXES)
+    if unknown:
+        raise ValueError(f"unknown mesh axes {sorted(unknown)}; expected {MESH_AXES}")
+    return {a: sizes.get(a, 1) for a in MESH_AXES}
+
+
+def make_mesh(spec: str | Mapping[str, int] | None = None, devices: Sequence | None = None) -> Mesh:
+    """A ("data", "fsdp", "tensor") mesh over ``devices`` (default: all).
+
+    Missing axes are 1; one axis may be -1 to take the remaining devices.
+    With no spec, all devices go to ``data``.
+    """
+    devices = list(devices if devices is not None else jax.devices())
+    sizes = parse_mesh_spec(spec)
+    if spec is None or spec == "":
+        sizes["data"] = -1
+    free = [a for a, s in sizes.items() if s == -1]
+    if len(free) > 1:
+        raise ValueError("at most one mesh axis may be -1")
+    fixed = math.prod(s for s in sizes.values() if s != -1)
+    if free:
+        if len(devices) % fixed:
+            raise ValueError(f"{len(devices)} devices do not divide into fixed mesh axes of size {fixed}")
+        sizes[free[0]] = len(devices) // fixed
+    total = math.prod(sizes.values())
+    if total != len(devices):
+        raise ValueError(f"mesh {sizes} needs {total} devices but {len(devices)} are available")
+    arr = np.asarray(devices, dtype=object).reshape([sizes[a] for a in MESH_AXES])
+    return Mesh(arr, MESH_AXES)
+
+
+def logical_to_spec(axes: Sequence[str | None], rules: Mapping[str, object] = DEFAULT_RULES,
+                    shape: Sequence[int] | None = None, mesh: Mesh | None = None) -> P:
+    """PartitionSpec for logical ``axes``; a mesh axis is used at most once, and an
+    axis is left replicated where its size does not divide (when shape/mesh given)."""
+    used: set[str] = set()
+    spec = []
+    for i, name in enumerate(axes):
+        target = rules.get(name) if name is not None else None
+        names = (target,) if isinstance(target, str) else tuple(target or ())
+        names = tuple(n for n in names if n not in used)
+        if names and shape is not None and mesh is not None:
+            size = math.prod(mesh.shape[n] for n in names)
+            if shape[i] % size:
+                names = ()
+        used.update(names)
+        spec.append(None if not names else names[0] if len(names) == 1 else names)
+    return P(*spec)
+
+
+def is_axes_leaf(x) -> bool:
+    return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
+
+
+def param_shardings(axes_tree, mesh: Mesh, shapes_tree=None, rules: Mapping[str, object] = DEFAULT_RULES):
+    """NamedSharding tree for a params tree whose logical axes are ``axes_tree``.
+
+    ``shapes_tree`` (params or ``jax.eval_shape`` of them) lets indivisible axes
+    fall back to replication.
+    """
+    if shapes_tree is None:
+        return jax.tree.map(lambda ax: NamedSharding(mesh, logical_to_spec(ax, rules)),
+                            axes_tree, is_leaf=is_axes_leaf)
+    return jax.tree.map(
+        lambda ax, x: NamedSharding(mesh, logical_to_spec(ax, rules, x.shape, mesh)),
+        axes_tree, shapes_tree, is_leaf=is_axes_leaf)
+
+
+def batch_sharding(mesh: Mesh, ndim: int, rules: Mapping[str, object] = DEFAULT_RULES) -> NamedSharding:
+    """Shard dim 0 of an activation/batch array over the batch mesh axes."""
+    return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), rules))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def shard_params(params, axes_tree, mesh: Mesh, rules: Mapping[str, object] = DEFAULT_RULES):
+    """Place a params tree on ``mesh`` according to its logical axes."""
+    shardings = param_shardings(axes_tree, mesh, params, rules)
+    return jax.tree.map(jax.device_put, params, shardings)

@@ -166,6 +166,8 @@ class DraftConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        if not self.enable_confidence_head:  # meaningless without the head; keep configs comparable
+            object.__setattr__(self, "confidence_head_with_markov", False)
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "num_target_layers",
                      "block_size", "num_anchors", "max_position_embeddings"):

@@ -1,39 +1,407 @@
-"""Load and save drafters and targets (PyTorch/HF directories and our own format).
+"""Load and save drafters and targets: PyTorch/HF directories and our own format.
 
-MINIMAL VERSION: HF directories with a single model.safetensors only. The
-conversion work extends this module (sharded index, own format, validation,
-atomic writes) without changing these signatures.
+Two on-disk formats, detected by ``detect_format``:
+
+* ``"torch"``: a Hugging Face directory, ``config.json`` plus ``model.safetensors``
+  or a sharded ``model.safetensors.index.json`` (tensor names/layouts per SPEC
+  section 11 for drafters, ``Qwen3ForCausalLM`` for targets). Pickled
+  ``*.bin``/``*.pt`` weights only with ``allow_pickle=True``.
+* ``"jax"``: a directory with ``dspark_jax.json`` ::
+
+      {"format": "dspark-jax", "version": 1, "kind": "draft"|"target",
+       "dtype": "float32", "config": <HF config dict>, "extras": {...}}
+
+  and the params pytree (our layout: kernels [in, out], stacked layers) saved
+  with orbax under ``params/``. Restores are bit-exact (bfloat16 included).
+
+Every load validates names, shapes and dtypes against the config before any
+tensor data is read, and raises CheckpointError/ConfigError naming the
+offending tensor or field. Every save writes into a temporary directory next
+to the destination and renames it at the end; an existing destination is
+refused unless ``force=True``; a failure leaves nothing behind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shutil
+import uuid
 from pathlib import Path
+from typing import Any, Iterator, Mapping
 
+import jax
 import jax.numpy as jnp
-from safetensors.numpy import load_file
+import ml_dtypes
+import numpy as np
 
 from dspark_jax.config import DraftConfig, TargetConfig
-from dspark_jax.convert import mapping
+from dspark_jax.convert import mapping, safetensors_io
+from dspark_jax.errors import CheckpointError, ConfigError, InputError
+
+META_NAME = "dspark_jax.json"
+PARAMS_DIR = "params"
+FORMAT_VERSION = 1
+# Files copied alongside the weights when converting (tokenizer, generation defaults).
+SIDECAR_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
+                 "tokenizer.model", "chat_template.jinja", "chat_template.json")
+DRAFT_ARCHITECTURES = ("Qwen3DSparkModel",)
+TARGET_ARCHITECTURES = ("Qwen3ForCausalLM",)
+_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
+           "float16": np.dtype(np.float16)}
 
 
-def load_draft(path) -> tuple[DraftConfig, dict]:
-    """(config, params with jnp leaves) from a drafter directory."""
-    path = Path(path)
-    cfg = DraftConfig.from_hf(json.loads((path / "config.json").read_text()))
-    params = mapping.draft_from_torch(cfg, load_file(str(path / "model.safetensors")))
-    return cfg, _to_jnp(params)
+# --------------------------------------------------------------------------- helpers
+
+def _np_dtype(dtype) -> np.dtype | None:
+    if dtype is None:
+        return None
+    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    if name not in _DTYPES:
+        raise InputError(f"dtype {dtype!r} is not supported; use one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
 
 
-def load_target(path) -> tuple[TargetConfig, dict]:
-    """(config, params with jnp leaves) from a target directory."""
-    path = Path(path)
-    cfg = TargetConfig.from_hf(json.loads((path / "config.json").read_text()))
-    params = mapping.target_from_torch(cfg, load_file(str(path / "model.safetensors")))
-    return cfg, _to_jnp(params)
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{path}: {what} is missing") from e
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot parse {what} ({e})") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: {what} must be a JSON object")
+    return data
 
 
-def _to_jnp(tree):
-    if isinstance(tree, dict):
-        return {k: _to_jnp(v) for k, v in tree.items()}
-    return jnp.asarray(tree)
+def _tree_dtype(params) -> np.dtype:
+    dtypes = {np.dtype(x.dtype) for x in jax.tree.leaves(params)}
+    return dtypes.pop() if len(dtypes) == 1 else np.dtype(np.float32)
+
+
+def _cast_tree(tree, dtype: np.dtype | None):
+    """numpy leaves -> jnp leaves (optionally cast)."""
+    def leaf(x):
+        x = np.asarray(x)
+        if dtype is not None and x.dtype != dtype:
+            x = x.astype(dtype)
+        return jnp.asarray(x)
+    return jax.tree.map(leaf, tree)
+
+
+def _kind_of_hf(hf: Mapping[str, Any], where: str) -> str:
+    arch = hf.get("architectures") or []
+    if not isinstance(arch, list):
+        raise ConfigError(f"{where}: field 'architectures' must be a list, got {arch!r}")
+    name = arch[0] if arch else None
+    if name in DRAFT_ARCHITECTURES:
+        return "draft"
+    if name in TARGET_ARCHITECTURES or (name is None and hf.get("model_type") == "qwen3"
+                                        and "target_layer_ids" not in hf):
+        return "target"
+    if name is None and "target_layer_ids" in hf:
+        return "draft"
+    raise ConfigError(f"{where}: unknown architecture {name or hf.get('model_type')!r} in field "
+                      f"'architectures'; supported: drafters {list(DRAFT_ARCHITECTURES)}, "
+                      f"targets {list(TARGET_ARCHITECTURES)}")
+
+
+def detect_format(path) -> str:
+    """'jax' (``dspark_jax.json`` present) or 'torch' (``config.json`` + weights)."""
+    p = Path(path)
+    if not p.is_dir():
+        raise CheckpointError(f"{p}: checkpoint directory does not exist")
+    if (p / META_NAME).is_file():
+        return "jax"
+    if (p / "config.json").is_file():
+        return "torch"
+    raise CheckpointError(f"{p}: neither {META_NAME} (dspark-jax format) nor config.json "
+                          "(PyTorch / Hugging Face format) found")
+
+
+def detect_kind(path) -> str:
+    """'draft' or 'target', from the stored config's architectures."""
+    p = Path(path)
+    if detect_format(p) == "jax":
+        meta = _read_meta(p)
+        return meta["kind"]
+    return _kind_of_hf(_read_json(p / "config.json", "config.json"), str(p / "config.json"))
+
+
+def _read_meta(p: Path) -> dict:
+    meta = _read_json(p / META_NAME, META_NAME)
+    where = str(p / META_NAME)
+    if meta.get("format") != "dspark-jax":
+        raise CheckpointError(f"{where}: field 'format' is {meta.get('format')!r}, expected 'dspark-jax'")
+    if meta.get("version") != FORMAT_VERSION:
+        raise CheckpointError(f"{where}: field 'version' is {meta.get('version')!r}; this build reads "
+                              f"version {FORMAT_VERSION}")
+    if meta.get("kind") not in ("draft", "target"):
+        raise CheckpointError(f"{where}: field 'kind' is {meta.get('kind')!r}, expected 'draft' or 'target'")
+    if not isinstance(meta.get("config"), dict):
+        raise CheckpointError(f"{where}: field 'config' is missing")
+    return meta
+
+
+# --------------------------------------------------------------------------- atomic output
+
+@contextlib.contextmanager
+def atomic_dir(dst, *, force: bool = False) -> Iterator[Path]:
+    """Yield a fresh temp dir next to ``dst``; on success it replaces ``dst``.
+
+    Refuses an existing ``dst`` unless ``force``; on any error the temp dir is
+    removed and ``dst`` is left untouched.
+    """
+    dst = Path(dst).absolute()
+    if (dst.exists() or dst.is_symlink()) and not force:
+        raise InputError(f"{dst}: destination exists; pass force=True (--force) to replace it")
+    if not dst.parent.is_dir():
+        raise InputError(f"{dst.parent}: parent directory of the destination does not exist")
+    tmp = dst.parent / f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        if dst.exists() or dst.is_symlink():
+            old = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(dst, old)
+            os.replace(tmp, dst)
+            if old.is_dir() and not old.is_symlink():
+                shutil.rmtree(old)
+            else:
+                old.unlink()
+        else:
+            os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# --------------------------------------------------------------------------- validation
+
+def _expected_tree(kind: str, config) -> dict:
+    """ShapeDtypeStruct tree of our params for ``config`` (no allocation)."""
+    if kind == "draft":
+        from dspark_jax.draft import model
+        return jax.eval_shape(lambda: model.init_params(config, jax.random.key(0)))
+    from dspark_jax.target import qwen3
+    return jax.eval_shape(lambda: qwen3.init_params(config, jax.random.key(0)))
+
+
+def _flat(tree) -> dict[str, Any]:
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        out["/".join(str(getattr(k, "key", k)) for k in path)] = leaf
+    return out
+
+
+def check_params(kind: str, config, params, what: str) -> None:
+    """Raise CheckpointError unless ``params`` (ours, any leaf type with shape/dtype) fit ``config``."""
+    want = _flat(_expected_tree(kind, config))
+    have = _flat(params)
+    for k in want:
+        if k not in have:
+            raise CheckpointError(f"{what}: missing param {k!r}")
+    for k in have:
+        if k not in want:
+            raise CheckpointError(f"{what}: unexpected param {k!r} for this config")
+    for k, leaf in have.items():
+        if tuple(leaf.shape) != tuple(want[k].shape):
+            raise CheckpointError(f"{what}: param {k!r} has shape {tuple(leaf.shape)}, "
+                                  f"expected {tuple(want[k].shape)}")
+        dt = np.dtype(leaf.dtype)
+        if dt.name not in _DTYPES:
+            raise CheckpointError(f"{what}: param {k!r} has dtype {dt.name}, expected one of {sorted(_DTYPES)}")
+    names = {np.dtype(leaf.dtype).name: k for k, leaf in have.items()}
+    if len(names) > 1:
+        raise CheckpointError(f"{what}: params have mixed dtypes: "
+                              + ", ".join(f"{k!r} is {d}" for d, k in sorted(names.items())))
+
+
+# --------------------------------------------------------------------------- torch format
+
+def _config_from_hf(kind: str, hf: Mapping[str, Any], where: str):
+    found = _kind_of_hf(hf, where)
+    if found != kind:
+        raise ConfigError(f"{where}: architectures {hf.get('architectures')!r} is a {found}, "
+                          f"not a {kind} checkpoint")
+    return DraftConfig.from_hf(hf) if kind == "draft" else TargetConfig.from_hf(hf)
+
+
+def _load_torch(kind: str, p: Path, *, allow_pickle: bool):
+    hf = _read_json(p / "config.json", "config.json")
+    cfg = _config_from_hf(kind, hf, str(p / "config.json"))
+    reader = safetensors_io.TensorReader(p, allow_pickle=allow_pickle)
+    what = f"{p}"
+    infos = dict(reader.infos)
+    expected = mapping.draft_tensor_shapes(cfg) if kind == "draft" else mapping.target_tensor_shapes(cfg)
+    if kind == "target" and cfg.tie_word_embeddings:
+        infos.pop("lm_head.weight", None)  # checked for equality in mapping.target_from_torch
+    mapping.check_tensors(infos, expected, what)  # headers only: no data read yet
+    tensors = reader.read_all()
+    convert = mapping.draft_from_torch if kind == "draft" else mapping.target_from_torch
+    return cfg, hf, convert(cfg, tensors)
+
+
+def _write_torch(tmp: Path, kind: str, config, params, *, hf_base, extras, max_shard_size) -> None:
+    host = jax.tree.map(np.asarray, params)
+    check_params(kind, config, host, f"{kind} params")
+    tensors = (mapping.draft_to_torch if kind == "draft" else mapping.target_to_torch)(config, host)
+    hf = {k: v for k, v in (hf_base or {}).items() if k != "dspark_jax"}
+    hf.update(config.to_hf())
+    dtype = _tree_dtype(host).name
+    hf["dtype"] = dtype
+    hf.pop("torch_dtype", None)
+    if extras:
+        hf["dspark_jax"] = {"extras": dict(extras)}
+    safetensors_io.write_tensors(tmp, tensors, max_shard_size=max_shard_size)
+    (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+
+
+# --------------------------------------------------------------------------- jax format
+
+def _load_jax(kind: str, p: Path):
+    import orbax.checkpoint as ocp
+
+    meta = _read_meta(p)
+    if meta["kind"] != kind:
+        raise CheckpointError(f"{p / META_NAME}: field 'kind' is {meta['kind']!r}, not {kind!r}")
+    hf = meta["config"]
+    cfg = _config_from_hf(kind, hf, f"{p / META_NAME} 'config'")
+    params_dir = (p / PARAMS_DIR).absolute()
+    if not params_dir.is_dir():
+        raise CheckpointError(f"{params_dir}: params directory is missing")
+    with ocp.StandardCheckpointer() as ckptr:
+        try:
+            stored = ckptr.metadata(params_dir).item_metadata.tree
+        except Exception as e:
+            raise CheckpointError(f"{params_dir}: cannot read orbax metadata ({e})") from e
+        check_params(kind, cfg, stored, str(params_dir))
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=sharding),
+                                stored)
+        try:
+            params = ckptr.restore(params_dir, abstract)
+        except Exception as e:
+            raise CheckpointError(f"{params_dir}: cannot restore params ({e})") from e
+    return cfg, hf, params, meta.get("extras") or {}
+
+
+def _write_jax(tmp: Path, kind: str, config, params, *, hf_base, extras) -> None:
+    import orbax.checkpoint as ocp
+
+    params = jax.tree.map(jnp.asarray, params)
+    check_params(kind, config, params, f"{kind} params")
+    hf = {k: v for k, v in (hf_base or {}).items() if k != "dspark_jax"}
+    hf.update(config.to_hf())
+    hf["dtype"] = _tree_dtype(params).name
+    hf.pop("torch_dtype", None)
+    meta = {"format": "dspark-jax", "version": FORMAT_VERSION, "kind": kind,
+            "dtype": hf["dtype"], "config": hf, "extras": dict(extras or {})}
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save((tmp / PARAMS_DIR).absolute(), params)
+        ckptr.wait_until_finished()
+    (tmp / META_NAME).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+
+
+# --------------------------------------------------------------------------- public API
+
+def _load(kind: str, path, dtype, allow_pickle: bool):
+    p = Path(path)
+    fmt = detect_format(p)
+    if fmt == "jax":
+        cfg, hf, params, _ = _load_jax(kind, p)
+    else:
+        cfg, hf, params = _load_torch(kind, p, allow_pickle=allow_pickle)
+    return cfg, hf, _cast_tree(params, _np_dtype(dtype))
+
+
+def load_draft(path, dtype=None, *, allow_pickle: bool = False) -> tuple[DraftConfig, dict]:
+    """(config, params with jnp leaves) from a drafter directory (torch or jax format).
+
+    ``dtype`` None keeps the stored dtype; 'float32'/'bfloat16' casts.
+    """
+    cfg, _, params = _load("draft", path, dtype, allow_pickle)
+    return cfg, params
+
+
+def load_target(path, dtype=None, *, allow_pickle: bool = False) -> tuple[TargetConfig, dict]:
+    """(config, params with jnp leaves) from a Qwen3 target directory (torch or jax format)."""
+    cfg, _, params = _load("target", path, dtype, allow_pickle)
+    return cfg, params
+
+
+def read_extras(path) -> dict:
+    """The ``extras`` dict saved with a checkpoint ({} when none)."""
+    p = Path(path)
+    if detect_format(p) == "jax":
+        return dict(_read_meta(p).get("extras") or {})
+    hf = _read_json(p / "config.json", "config.json")
+    return dict((hf.get("dspark_jax") or {}).get("extras") or {})
+
+
+def _save(kind, path, config, params, *, format, force, extras, max_shard_size, hf_base=None,
+          copy_from=None) -> Path:
+    if format not in ("torch", "jax"):
+        raise InputError(f"format={format!r} is unknown; expected 'torch' or 'jax'")
+    with atomic_dir(path, force=force) as tmp:
+        if format == "torch":
+            _write_torch(tmp, kind, config, params, hf_base=hf_base, extras=extras,
+                         max_shard_size=max_shard_size)
+        else:
+            _write_jax(tmp, kind, config, params, hf_base=hf_base, extras=extras)
+        if copy_from is not None:
+            for name in SIDECAR_FILES:
+                if (Path(copy_from) / name).is_file():
+                    shutil.copy2(Path(copy_from) / name, tmp / name)
+    return Path(path)
+
+
+def save_draft(path, config: DraftConfig, params, *, format: str = "torch", force: bool = False,
+               extras: Mapping | None = None, max_shard_size=None) -> Path:
+    """Write a drafter: 'torch' (config.json + safetensors, loadable by the reference) or 'jax'."""
+    return _save("draft", path, config, params, format=format, force=force, extras=extras,
+                 max_shard_size=max_shard_size)
+
+
+def save_target(path, config: TargetConfig, params, *, format: str = "torch", force: bool = False,
+                extras: Mapping | None = None, max_shard_size=None) -> Path:
+    """Write a Qwen3 target: 'torch' (HF Qwen3ForCausalLM directory) or 'jax'."""
+    return _save("target", path, config, params, format=format, force=force, extras=extras,
+                 max_shard_size=max_shard_size)
+
+
+def convert(src, dst, *, to: str | None = None, force: bool = False, allow_pickle: bool = False,
+            dtype=None, max_shard_size=None) -> str:
+    """Convert a drafter or Qwen3 target between formats; returns the format written.
+
+    ``to`` defaults to the other format (torch -> jax, jax -> torch). Unknown
+    config.json fields, extras and tokenizer/generation files are carried over.
+    """
+    src_p, dst_p = Path(src), Path(dst)
+    src_fmt = detect_format(src_p)
+    to = to or ("jax" if src_fmt == "torch" else "torch")
+    if to not in ("torch", "jax"):
+        raise InputError(f"--to {to!r} is unknown; expected 'torch' or 'jax'")
+    if src_p.absolute().resolve() == dst_p.absolute().resolve():
+        raise InputError(f"{dst_p}: destination is the source directory")
+    kind = detect_kind(src_p)
+    if src_fmt == "jax":
+        cfg, hf, params, extras = _load_jax(kind, src_p)
+    else:
+        cfg, hf, params = _load_torch(kind, src_p, allow_pickle=allow_pickle)
+        extras = (hf.get("dspark_jax") or {}).get("extras") or {}
+    params = _cast_tree(params, _np_dtype(dtype))
+    _save(kind, dst_p, cfg, params, format=to, force=force, extras=extras,
+          max_shard_size=max_shard_size, hf_base=hf, copy_from=src_p)
+    return to
+
+
+def describe(path) -> dict:
+    """A JSON-able summary of a checkpoint directory: format, kind, dtype, files, param count."""
+    p = Path(path)
+    fmt, kind = detect_format(p), detect_kind(p)
+    files = sorted(str(f.relative_to(p)) for f in p.rglob("*") if f.is_file())
+    size = sum((p / f).stat().st_size for f in files)
+    return {"path": str(p), "format": fmt, "kind": kind, "files": len(files), "bytes": size}

@@ -1,0 +1,59 @@
+"""`dspark-jax convert SRC DST`: PyTorch/HF checkpoint directories <-> the dspark-jax format."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+HELP = "convert a drafter or Qwen3 target between PyTorch (HF) and dspark-jax formats"
+DESCRIPTION = """\
+Convert a checkpoint directory, in either direction:
+
+  torch -> jax   a Hugging Face directory (config.json + model.safetensors, or a sharded
+                 model.safetensors.index.json) to the dspark-jax format (dspark_jax.json +
+                 an orbax params/ tree);
+  jax -> torch   back to a Hugging Face directory that the PyTorch reference
+                 (Qwen3DSparkModel.from_pretrained) or transformers (Qwen3ForCausalLM) loads.
+
+The kind (drafter 'Qwen3DSparkModel' or target 'Qwen3ForCausalLM') and the source format are
+detected. Every tensor is checked against the config before conversion; values are copied
+bit-exactly unless --dtype casts them. The output is written to a temporary directory next to
+DST and renamed at the end, so a failure leaves nothing behind; an existing DST is refused
+unless --force. Tokenizer and generation_config.json files are copied along.
+"""
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("convert", help=HELP, description=DESCRIPTION,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("src", metavar="SRC", help="source checkpoint directory (either format)")
+    p.add_argument("dst", metavar="DST", help="destination directory (must not exist unless --force)")
+    p.add_argument("--to", choices=("torch", "jax"), default=None,
+                   help="output format (default: the other one than SRC's)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="cast every tensor to this dtype (default: keep the stored dtype)")
+    p.add_argument("--force", action="store_true", help="replace DST if it exists")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="accept PyTorch pickle weights (*.bin/*.pt), read with torch.load(weights_only=True)")
+    p.add_argument("--max-shard-size", default=None, metavar="SIZE",
+                   help="torch output only: split model.safetensors into shards of at most SIZE "
+                        "(e.g. 2GB, 500MB) with a model.safetensors.index.json")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from dspark_jax.convert import checkpoint, safetensors_io
+
+    if args.max_shard_size is not None:
+        safetensors_io.parse_size(args.max_shard_size)  # fail fast on a bad size
+    src_format = checkpoint.detect_format(args.src)
+    to = checkpoint.convert(args.src, args.dst, to=args.to, force=args.force,
+                            allow_pickle=args.allow_pickle, dtype=args.dtype,
+                            max_shard_size=args.max_shard_size)
+    info = checkpoint.describe(args.dst)
+    print(f"wrote {info['kind']} checkpoint ({to} format, {info['files']} files, "
+          f"{info['bytes']} bytes) to {info['path']}")
+    print(json.dumps({"event": "convert", "src": str(args.src), "src_format": src_format,
+                      "dst": info["path"], "format": to, "kind": info["kind"],
+                      "dtype": args.dtype, "files": info["files"], "bytes": info["bytes"]}))
+    return 0

@@ -1,0 +1,276 @@
+"""Read and write the tensors of a Hugging Face checkpoint directory.
+
+Reading: ``model.safetensors``, or a sharded ``model.safetensors.index.json``
+(every listed shard must exist and hold exactly the tensors the index assigns
+to it). ``TensorReader`` opens the files lazily: names, shapes and dtypes are
+known before any data is read (so a checkpoint is validated first), and
+``get``/``__iter__`` read one tensor at a time with ``safe_open``.
+
+PyTorch pickles (``*.bin``/``*.pt``/``*.pth``) are refused unless
+``allow_pickle=True``, and then read only with ``torch.load(weights_only=True)``.
+
+Writing: one ``model.safetensors``, or shards of at most ``max_shard_size``
+bytes plus ``model.safetensors.index.json`` (HF naming:
+``model-00001-of-00003.safetensors``). Values and dtypes are written as given
+(bfloat16 through ``ml_dtypes``), so reading back is bit-exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import Iterator, Mapping
+
+import ml_dtypes
+import numpy as np
+
+from dspark_jax.errors import CheckpointError, InputError
+
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+PICKLE_NAMES = ("pytorch_model.bin", "model.bin", "model.pt", "model.pth")
+PICKLE_INDEX_NAME = "pytorch_model.bin.index.json"
+
+# safetensors dtype tags -> numpy dtypes (bfloat16 / float8 via ml_dtypes).
+_ST_DTYPES = {
+    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "I64": np.dtype(np.int64), "I32": np.dtype(np.int32), "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8), "U64": np.dtype(np.uint64), "U32": np.dtype(np.uint32),
+    "U16": np.dtype(np.uint16), "U8": np.dtype(np.uint8), "BOOL": np.dtype(bool),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """Shape and dtype of a stored tensor, read from the header only."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    file: str
+
+
+def parse_size(text) -> int:
+    """'2GB' / '500MB' / '1.5GiB' / '1000' -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B?)?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise InputError(f"max shard size {text!r} is not a size like '2GB', '500MB' or '1000000'")
+    unit = (m.group(2) or "").upper()
+    base = 1024 if "I" in unit else 1000
+    power = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit[:1] if unit[:1] in "KMGT" else ""]
+    size = int(float(m.group(1)) * base ** power)
+    if size <= 0:
+        raise InputError(f"max shard size {text!r} must be positive")
+    return size
+
+
+def has_weights(directory) -> bool:
+    d = Path(directory)
+    return any((d / n).exists() for n in (WEIGHTS_NAME, INDEX_NAME, PICKLE_INDEX_NAME, *PICKLE_NAMES))
+
+
+def _pickle_files(d: Path) -> list[Path]:
+    if (d / PICKLE_INDEX_NAME).exists():
+        index = _read_index(d / PICKLE_INDEX_NAME)
+        return [d / f for f in sorted(set(index.values()))]
+    found = [d / n for n in PICKLE_NAMES if (d / n).exists()]
+    return found or sorted(p for p in d.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+
+
+def _read_index(path: Path) -> dict[str, str]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot read index ({e})") from e
+    wm = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(wm, dict) or not wm:
+        raise CheckpointError(f"{path}: field 'weight_map' is missing or empty")
+    for name, file in wm.items():
+        if not isinstance(file, str) or "/" in file or file in ("", ".", ".."):
+            raise CheckpointError(f"{path}: weight_map[{name!r}] = {file!r} is not a file name")
+    return wm
+
+
+def _st_dtype(tag: str, name: str, file: Path) -> np.dtype:
+    if tag not in _ST_DTYPES:
+        raise CheckpointError(f"{file}: tensor {name!r} has unsupported dtype {tag}")
+    return _ST_DTYPES[tag]
+
+
+class TensorReader:
+    """Lazy, validated view of the tensors of a checkpoint directory.
+
+    ``infos`` maps name -> TensorInfo (headers only); ``get(name)`` returns a
+    numpy array; iterating yields ``(name, array)`` one tensor at a time.
+    """
+
+    def __init__(self, directory, *, allow_pickle: bool = False):
+        d = Path(directory)
+        self.directory = d
+        self._pickled: dict[str, np.ndarray] | None = None
+        if (d / INDEX_NAME).exists():
+            self.files = self._open_sharded(d)
+        elif (d / WEIGHTS_NAME).exists():
+            self.files = [d / WEIGHTS_NAME]
+            self.infos = self._headers(d / WEIGHTS_NAME)
+        elif d.is_dir() and any(p.suffix in (".bin", ".pt", ".pth") for p in d.iterdir()):
+            files = _pickle_files(d)
+            if not allow_pickle:
+                raise CheckpointError(
+                    f"{d}: weights are PyTorch pickles ({', '.join(p.name for p in files)}); pickles can run "
+                    "code when loaded, so they are refused. Convert them to safetensors, or pass "
+                    "--allow-pickle (allow_pickle=True) to read them with torch.load(weights_only=True)")
+            self.files = files
+            self._pickled = _load_pickles(files)
+            self.infos = {k: TensorInfo(tuple(v.shape), v.dtype, files[0].name) for k, v in self._pickled.items()}
+        else:
+            raise CheckpointError(f"{d}: no weights found (expected {WEIGHTS_NAME} or {INDEX_NAME})")
+
+    @staticmethod
+    def _headers(file: Path) -> dict[str, TensorInfo]:
+        from safetensors import safe_open
+        try:
+            with safe_open(str(file), framework="np") as f:
+                out = {}
+                for name in f.keys():
+                    sl = f.get_slice(name)
+                    out[name] = TensorInfo(tuple(sl.get_shape()), _st_dtype(sl.get_dtype(), name, file), file.name)
+                return out
+        except CheckpointError:
+            raise
+        except Exception as e:  # SafetensorError, OSError
+            raise CheckpointError(f"{file}: not a valid safetensors file ({e})") from e
+
+    def _open_sharded(self, d: Path) -> list[Path]:
+        index_path = d / INDEX_NAME
+        wm = _read_index(index_path)
+        shards = sorted(set(wm.values()))
+        for s in shards:
+            if not (d / s).is_file():
+                first = next(k for k, v in wm.items() if v == s)
+                raise CheckpointError(f"{index_path}: shard {s!r} (holding e.g. {first!r}) does not exist")
+        self.infos = {}
+        for s in shards:
+            infos = self._headers(d / s)
+            listed = {k for k, v in wm.items() if v == s}
+            for name in infos:
+                if name not in listed:
+                    where = f"listed under {wm[name]!r}" if name in wm else "not listed in the index"
+                    raise CheckpointError(f"{d / s}: tensor {name!r} is in this shard but {where}")
+            for name in listed:
+                if name not in infos:
+                    raise CheckpointError(f"{index_path}: tensor {name!r} is listed in shard {s!r}, "
+                                          "which does not contain it")
+            self.infos.update(infos)
+        return [d / s for s in shards]
+
+    def names(self) -> list[str]:
+        return list(self.infos)
+
+    def get(self, name: str) -> np.ndarray:
+        if self._pickled is not None:
+            return self._pickled[name]
+        info = self.infos[name]
+        from safetensors import safe_open
+        file = self.directory / info.file
+        try:
+            with safe_open(str(file), framework="np") as f:
+                return f.get_tensor(name)
+        except Exception as e:
+            raise CheckpointError(f"{file}: cannot read tensor {name!r} ({e})") from e
+
+    def __iter__(self) -> Iterator[tuple[str, np.ndarray]]:
+        if self._pickled is not None:
+            yield from self._pickled.items()
+            return
+        from safetensors import safe_open
+        for file in self.files:
+            names = [k for k, i in self.infos.items() if i.file == file.name]
+            try:
+                with safe_open(str(file), framework="np") as f:
+                    for name in names:
+                        yield name, f.get_tensor(name)
+            except CheckpointError:
+                raise
+            except Exception as e:
+                raise CheckpointError(f"{file}: cannot read tensors ({e})") from e
+
+    def read_all(self) -> dict[str, np.ndarray]:
+        return dict(iter(self))
+
+
+def read_tensors(directory, *, allow_pickle: bool = False) -> dict[str, np.ndarray]:
+    """Every tensor of ``directory`` as numpy arrays (stored dtype)."""
+    return TensorReader(directory, allow_pickle=allow_pickle).read_all()
+
+
+def _torch_to_numpy(t) -> np.ndarray:
+    import torch
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def _load_pickles(files: list[Path]) -> dict[str, np.ndarray]:
+    try:
+        import torch
+    except ImportError as e:
+        raise CheckpointError("reading PyTorch pickle weights needs torch (pip install 'dspark-jax[test]' "
+                              "or torch); better: convert them to safetensors") from e
+    out: dict[str, np.ndarray] = {}
+    for file in files:
+        try:
+            sd = torch.load(str(file), map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise CheckpointError(f"{file}: cannot load with torch.load(weights_only=True) ({e})") from e
+        if not isinstance(sd, Mapping):
+            raise CheckpointError(f"{file}: expected a state dict (name -> tensor), got {type(sd).__name__}")
+        for k, v in sd.items():
+            if not isinstance(v, torch.Tensor):
+                raise CheckpointError(f"{file}: entry {k!r} is a {type(v).__name__}, not a tensor")
+            if k in out:
+                raise CheckpointError(f"{file}: tensor {k!r} appears in more than one file")
+            out[k] = _torch_to_numpy(v)
+    return out
+
+
+def write_tensors(directory, tensors: Mapping[str, np.ndarray], *, max_shard_size=None,
+                  metadata: Mapping[str, str] | None = None) -> list[str]:
+    """Write ``tensors`` into an existing ``directory``; returns the file names written.
+
+    ``max_shard_size`` (bytes or '2GB'): shard when the total exceeds it, with an index.
+    """
+    from safetensors.numpy import save_file
+
+    d = Path(directory)
+    meta = {"format": "pt", **(metadata or {})}
+    arrays = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    total = sum(a.nbytes for a in arrays.values())
+    limit = parse_size(max_shard_size) if max_shard_size is not None else None
+    if limit is None or total <= limit:
+        save_file(arrays, str(d / WEIGHTS_NAME), metadata=meta)
+        return [WEIGHTS_NAME]
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for k, a in arrays.items():
+        if shards[-1] and size + a.nbytes > limit:
+            shards.append({})
+            size = 0
+        shards[-1][k] = a
+        size += a.nbytes
+    n = len(shards)
+    weight_map, names = {}, []
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{n:05d}.safetensors"
+        save_file(shard, str(d / name), metadata=meta)
+        names.append(name)
+        weight_map.update({k: name for k in shard})
+    index = {"metadata": {"total_size": int(total)}, "weight_map": weight_map}
+    (d / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    return names + [INDEX_NAME]

@@ -1,0 +1,247 @@
+"""Stream large safetensors checkpoints onto a Mesh, and back, one tensor slice at a time.
+
+Loading: each params leaf becomes ``jax.make_array_from_callback``; the callback
+reads only the slice a local device holds (``safe_open(...).get_slice``), so a
+process never materialises tensors its devices do not own. Stacked layer
+leaves [L, ...] read just the layers in the requested slice. Exporting writes
+one tensor at a time (gathered to host 0), so peak host memory is about one
+tensor, not the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Callable, Mapping
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from dspark_jax import sharding as sharding_lib
+from dspark_jax.config import DraftConfig, TargetConfig
+from dspark_jax.convert import mapping
+from dspark_jax.convert.safetensors_io import TensorReader
+from dspark_jax.errors import CheckpointError
+
+# One entry per params leaf: our path -> (torch name or per-layer template, transpose).
+# "{i}" in a name marks a stacked leaf (one torch tensor per layer).
+
+
+def param_sources(config: DraftConfig | TargetConfig) -> dict[tuple[str, ...], tuple[str, bool]]:
+    """Where every leaf of our params tree lives in the PyTorch state dict."""
+    if isinstance(config, TargetConfig):
+        prefix = "model."
+        table = {("embed_tokens",): ("model.embed_tokens.weight", False),
+                 ("norm",): ("model.norm.weight", False)}
+        if not config.tie_word_embeddings:
+            table[("lm_head",)] = ("lm_head.weight", True)
+    else:
+        prefix = ""
+        table = {("embed_tokens",): ("embed_tokens.weight", False), ("lm_head",): ("lm_head.weight", True),
+                 ("fc",): ("fc.weight", True), ("hidden_norm",): ("hidden_norm.weight", False),
+                 ("norm",): ("norm.weight", False)}
+        if config.has_markov:
+            table[("markov_head", "markov_w1")] = ("markov_head.markov_w1.weight", False)
+            table[("markov_head", "markov_w2")] = ("markov_head.markov_w2.weight", True)
+            extra = {"gated": "gate_proj", "rnn": "joint_proj"}.get(config.markov_head_type)
+            if extra:
+                table[("markov_head", extra, "kernel")] = (f"markov_head.{extra}.weight", True)
+                table[("markov_head", extra, "bias")] = (f"markov_head.{extra}.bias", False)
+        if config.enable_confidence_head:
+            table[("confidence_head", "kernel")] = ("confidence_head.proj.weight", True)
+            table[("confidence_head", "bias")] = ("confidence_head.proj.bias", False)
+    for ours, suffix, transpose in mapping.LAYER_TABLE:
+        table[("layers", ours)] = (f"{prefix}layers.{{i}}.{suffix}", transpose)
+    return table
+
+
+def _our_shape(torch_shape, transpose: bool, num_layers: int | None):
+    shape = tuple(reversed(torch_shape)) if transpose else tuple(torch_shape)
+    return shape if num_layers is None else (num_layers, *shape)
+
+
+def _param_axes(config):
+    from dspark_jax.draft import model as draft_model
+    from dspark_jax.target import qwen3
+    return qwen3.param_axes(config) if isinstance(config, TargetConfig) else draft_model.param_axes(config)
+
+
+def _get_path(tree, path):
+    for p in path:
+        tree = tree[p]
+    return tree
+
+
+def _set_path(tree: dict, path, value):
+    for p in path[:-1]:
+        tree = tree.setdefault(p, {})
+    tree[path[-1]] = value
+
+
+class _SliceReader:
+    """Keeps one safe_open handle per shard file; reads [rows, cols] slices of named tensors."""
+
+    def __init__(self, reader: TensorReader, stack: contextlib.ExitStack):
+        from safetensors import safe_open
+        self._reader = reader
+        self._handles = {}
+        self._stack = stack
+        self._open = safe_open
+        self.bytes_read = 0
+
+    def read(self, name: str, index: tuple, transpose: bool) -> np.ndarray:
+        info = self._reader.infos[name]
+        if info.file not in self._handles:
+            path = str(self._reader.directory / info.file)
+            self._handles[info.file] = self._stack.enter_context(self._open(path, framework="np"))
+        sl = self._handles[info.file].get_slice(name)
+        idx = tuple(reversed(index)) if transpose else tuple(index)
+        block = np.asarray(sl[idx] if idx else sl[:])
+        self.bytes_read += block.nbytes
+        return block.T if transpose else block
+
+
+def stream_load(directory, config: DraftConfig | TargetConfig, mesh: Mesh, *, dtype=None,
+                rules: Mapping[str, object] = sharding_lib.DEFAULT_RULES, stats: dict | None = None):
+    """Params of a HF safetensors checkpoint (single file or sharded index), placed on ``mesh``.
+
+    Shapes are validated from headers before any data is read. Every array is
+    built with ``jax.make_array_from_callback``: only the slices of this
+    process's devices are read. ``stats`` (optional dict) receives bytes_read.
+    """
+    reader = TensorReader(directory)
+    sources = param_sources(config)
+    expected = (mapping.target_tensor_shapes(config) if isinstance(config, TargetConfig)
+                else mapping.draft_tensor_shapes(config))
+    infos = dict(reader.infos)
+    if isinstance(config, TargetConfig) and config.tie_word_embeddings:
+        infos.pop("lm_head.weight", None)
+    mapping.check_tensors({k: _ShapeOnly(v.shape, v.dtype) for k, v in infos.items()}, expected,
+                          f"checkpoint {directory}")
+    axes = _param_axes(config)
+    num_layers = config.num_hidden_layers
+    params: dict = {}
+    with contextlib.ExitStack() as stack:
+        slices = _SliceReader(reader, stack)
+        for path, (name, transpose) in sources.items():
+            stacked = "{i}" in name
+            first = name.format(i=0) if stacked else name
+            shape = _our_shape(expected[first], transpose, num_layers if stacked else None)
+            src_dtype = reader.infos[first].dtype
+            out_dtype = np.dtype(dtype) if dtype is not None else src_dtype
+            spec = sharding_lib.logical_to_spec(_get_path(axes, path), rules, shape, mesh)
+            callback = _make_callback(slices, name, transpose, stacked, out_dtype)
+            arr = jax.make_array_from_callback(shape, NamedSharding(mesh, spec), callback)
+            _set_path(params, path, arr)
+        if stats is not None:
+            stats["bytes_read"] = slices.bytes_read
+    return params
+
+
+class _ShapeOnly:
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = tuple(shape), dtype
+
+
+def _make_callback(slices: _SliceReader, name: str, transpose: bool, stacked: bool,
+                   out_dtype: np.dtype) -> Callable:
+    def callback(index):
+        if not stacked:
+            return slices.read(name, index, transpose).astype(out_dtype, copy=False)
+        layers = range(*index[0].indices(_num_layers(slices, name)))
+        blocks = [slices.read(name.format(i=i), index[1:], transpose) for i in layers]
+        return np.stack(blocks).astype(out_dtype, copy=False)
+    return callback
+
+
+def _num_layers(slices: _SliceReader, template: str) -> int:
+    n = 0
+    while template.format(i=n) in slices._reader.infos:
+        n += 1
+    return n
+
+
+def stream_export(directory, config: DraftConfig | TargetConfig, params, *, force: bool = False,
+                  max_shard_size="2GB") -> Path:
+    """Write (possibly sharded) params as a HF checkpoint, one tensor at a time.
+
+    Each tensor is gathered to the host (``process_allgather`` on multi-host
+    meshes), written, and dropped before the next, so host memory peaks at one
+    tensor. Only process 0 writes; the directory appears atomically.
+    """
+    from dspark_jax.convert import checkpoint as ckpt
+
+    sources = param_sources(config)
+
+    def tensors():
+        for path, (name, transpose) in sources.items():
+            leaf = _get_path(params, path)
+            host = _to_host(leaf)
+            if "{i}" in name:
+                for i in range(host.shape[0]):
+                    t = host[i]
+                    yield name.format(i=i), np.ascontiguousarray(t.T if transpose else t)
+            else:
+                yield name, np.ascontiguousarray(host.T if transpose else host)
+
+    if jax.process_index() != 0:
+        for _ in tensors():  # participate in the collectives, write nothing
+            pass
+        return Path(directory)
+    with ckpt.atomic_dir(directory, force=force) as tmp:
+        write_tensor_stream(tmp, tensors(), max_shard_size=max_shard_size)
+        (tmp / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
+    return Path(directory)
+
+
+def _to_host(x) -> np.ndarray:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+
+def write_tensor_stream(directory: Path, tensors, *, max_shard_size="2GB") -> None:
+    """Write (name, array) pairs as safetensors shards of at most ``max_shard_size`` bytes.
+
+    Holds at most one shard in memory. One shard is named ``model.safetensors``;
+    several get HF names ``model-0000k-of-0000n.safetensors`` and an index.
+    """
+    from safetensors.numpy import save_file
+
+    from dspark_jax.convert.safetensors_io import INDEX_NAME, WEIGHTS_NAME, parse_size
+
+    limit = parse_size(max_shard_size)
+    directory = Path(directory)
+    shards: list[tuple[str, list[str]]] = []
+    pending: dict[str, np.ndarray] = {}
+    size = total = 0
+
+    def flush():
+        nonlocal pending, size
+        if pending:
+            tmp_name = f"shard-{len(shards):05d}.tmp"
+            save_file(pending, str(directory / tmp_name))
+            shards.append((tmp_name, list(pending)))
+            pending, size = {}, 0
+
+    for name, array in tensors:
+        if pending and size + array.nbytes > limit:
+            flush()
+        pending[name] = array
+        size += array.nbytes
+        total += array.nbytes
+    flush()
+    if len(shards) == 1:
+        (directory / shards[0][0]).rename(directory / WEIGHTS_NAME)
+        return
+    weight_map = {}
+    for k, (tmp_name, names) in enumerate(shards):
+        final = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        (directory / tmp_name).rename(directory / final)
+        weight_map.update({n: final for n in names})
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")

@@ -1,0 +1,132 @@
+"""`dspark-jax plan`: compile full-size train/decode programs on a simulated mesh, print memory."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "plan", formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="plan memory and collectives of a full-size run by compiling it on a simulated mesh",
+        description=(
+            "Build abstract params and optimizer state (jax.eval_shape: nothing full-size is\n"
+            "allocated), lower and compile the sharded train step (online and/or cache mode)\n"
+            "and the decode round on a mesh of simulated CPU devices, and print parameter\n"
+            "counts, per-device bytes (params, optimizer state, activations from\n"
+            "compiled.memory_analysis()) and the collectives in each compiled program.\n\n"
+            "example:\n"
+            "  dspark-jax plan --config configs/dspark_qwen3_4b.py --mesh data=1,fsdp=8 --modes online\n"
+            "  dspark-jax plan --target Qwen/Qwen3-8B --kind dspark --mesh fsdp=8 --modes decode"))
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--config", help="training config file (configs/<name>.py); its target may be a "
+                                      "checkpoint dir or a preset name such as Qwen/Qwen3-4B")
+    src.add_argument("--target", help="a target checkpoint dir or preset (Qwen/Qwen3-4B, -8B, -14B); "
+                                      "the drafter is the released shape (--kind)")
+    p.add_argument("--kind", default="dspark", choices=["dspark", "dflash"],
+                   help="released drafter shape with --target (default: dspark)")
+    p.add_argument("--mesh", default=None, help="mesh axes, e.g. data=2,fsdp=4,tensor=1 "
+                                                "(default: the config's mesh, else fsdp=<devices>)")
+    p.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
+    p.add_argument("--modes", default="online,cache,decode",
+                   help="comma list of programs: online, cache (train step), decode (round)")
+    p.add_argument("--seq-len", type=int, default=None, help="training sequence length (default: config max_length or 4096)")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="sequences per micro-step, global (default: one per data/fsdp shard)")
+    p.add_argument("--decode-batch", type=int, default=8, help="requests per decode round (default 8)")
+    p.add_argument("--decode-len", type=int, default=4096, help="decode KV-cache capacity (default 4096)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="compute dtype")
+    p.add_argument("--json", dest="json_out", default=None, help="also write the plan as JSON here")
+    p.set_defaults(func=run)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**30:8.2f} GiB" if n >= 2**30 else f"{n / 2**20:8.1f} MiB"
+
+
+def run(args) -> int:
+    import jax
+
+    from dspark_jax.errors import InputError
+
+    if args.devices < 1:
+        raise InputError("--devices must be >= 1")
+    try:
+        jax.config.update("jax_num_cpu_devices", args.devices)
+    except Exception:  # backend already initialised (e.g. inside tests): use what is there
+        pass
+    import jax.numpy as jnp
+
+    from dspark_jax import plan as plan_lib
+    from dspark_jax import presets, sharding
+
+    if args.config:
+        from dspark_jax.train.config import load_config
+        tcfg = load_config(args.config)
+        target_cfg = presets.resolve_target(tcfg.target)
+        draft_cfg = tcfg.draft_config(target_cfg)
+        mesh_spec = args.mesh or tcfg.mesh
+        seq_len = args.seq_len or tcfg.max_length
+        loss_cfg = tcfg.loss_config()
+    else:
+        target_cfg = presets.resolve_target(args.target)
+        name = args.target if args.target in presets.TARGETS else None
+        if name is None:
+            raise InputError("--target must be a preset name with --kind (or use --config)")
+        draft_cfg = presets.released_drafter(name, kind=args.kind)
+        mesh_spec = args.mesh
+        seq_len = args.seq_len or 4096
+        from dspark_jax.config import LossConfig
+        loss_cfg = LossConfig()
+    devices = jax.devices()[: args.devices]
+    mesh = sharding.make_mesh(mesh_spec or f"fsdp={len(devices)}", devices)
+    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = set(modes) - {"online", "cache", "decode"}
+    if unknown:
+        raise InputError(f"--modes: unknown programs {sorted(unknown)}")
+    batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    micro = args.micro_batch or batch_shards
+
+    full = jax.eval_shape(lambda: plan_lib.draft_model.init_params(draft_cfg, jax.random.PRNGKey(0)))
+    n_params = plan_lib.count_params(full)
+    frozen = sum(math.prod(full[k].shape) for k in ("embed_tokens", "lm_head"))
+    target_params = plan_lib.count_params(jax.eval_shape(
+        lambda: plan_lib.qwen3.init_params(target_cfg, jax.random.PRNGKey(0))))
+    report = {
+        "mesh": dict(mesh.shape), "devices": len(devices), "seq_len": seq_len, "micro_batch": micro,
+        "draft": draft_cfg.to_hf(), "target_params": target_params,
+        "draft_params": n_params, "draft_trainable_params": n_params - frozen,
+        "draft_params_from_reference_shapes": plan_lib.reference_param_count(draft_cfg),
+        "programs": {},
+    }
+    print(f"mesh {dict(mesh.shape)} on {len(devices)} simulated devices; compute {args.dtype}")
+    print(f"target params {target_params:,}; drafter params {n_params:,} "
+          f"(trainable {n_params - frozen:,}; frozen embed+head {frozen:,}); "
+          f"from SPEC-11 tensor shapes {report['draft_params_from_reference_shapes']:,}")
+    for mode in modes:
+        print(f"compiling {mode} ...", file=sys.stderr, flush=True)
+        if mode in ("online", "cache"):
+            plan, sizes = plan_lib.plan_train_step(draft_cfg, target_cfg, mesh, mode=mode, seq_len=seq_len,
+                                                   micro_batch=micro, compute_dtype=dtype, loss_cfg=loss_cfg)
+        else:
+            plan, sizes = plan_lib.plan_decode_round(draft_cfg, target_cfg, mesh, batch=args.decode_batch,
+                                                     max_len=args.decode_len, dtype=dtype)
+        entry = dict(plan.to_json(), **sizes)
+        report["programs"][mode] = entry
+        print(f"\n[{plan.name}] compiled in {plan.compile_seconds:.1f}s; per device:")
+        for key, value in sizes.items():
+            print(f"  {key:<22}{_mib(value)}")
+        print(f"  {'arguments':<22}{_mib(plan.argument_bytes)}\n  {'outputs':<22}{_mib(plan.output_bytes)}")
+        print(f"  {'temporaries':<22}{_mib(plan.temp_bytes)}  (activations, workspace)")
+        print(f"  {'donated (aliased)':<22}{_mib(plan.alias_bytes)}\n  {'peak estimate':<22}{_mib(plan.peak_bytes)}")
+        coll = ", ".join(f"{op} x{c['count']} ({_mib(c['bytes']).strip()})" for op, c in plan.collectives.items())
+        print(f"  collectives: {coll or 'none'}")
+    if args.json_out:
+        from pathlib import Path
+        Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json_out}")
+    return 0

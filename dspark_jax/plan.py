@@ -1,0 +1,183 @@
+"""Ahead-of-time planning: lower and compile full-size programs on an abstract mesh.
+
+Nothing full-size is materialised: params, optimizer state and batches are
+``jax.ShapeDtypeStruct`` trees (``jax.eval_shape``) carrying NamedShardings;
+``jit(...).lower(...).compile()`` then gives per-device memory
+(``compiled.memory_analysis()``) and the collectives XLA inserted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from dspark_jax import sharding as shard_lib
+from dspark_jax.config import DraftConfig, LossConfig, TargetConfig
+from dspark_jax.convert import mapping
+from dspark_jax.draft import model as draft_model
+from dspark_jax.target import qwen3
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+                "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+
+
+@dataclasses.dataclass
+class ProgramPlan:
+    """Per-device memory (bytes) and collectives of one compiled program."""
+
+    name: str
+    argument_bytes: int
+    output_bytes: int
+    temp_bytes: int
+    alias_bytes: int
+    code_bytes: int
+    collectives: dict[str, dict[str, int]]
+    compile_seconds: float
+
+    @property
+    def peak_bytes(self) -> int:
+        """Arguments + outputs + temporaries, less donated (aliased) buffers."""
+        return self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["peak_bytes"] = self.peak_bytes
+        return d
+
+
+def count_params(shapes_tree) -> int:
+    return int(sum(math.prod(x.shape) for x in jax.tree.leaves(shapes_tree)))
+
+
+def reference_param_count(cfg: DraftConfig) -> int:
+    """Parameter count from the PyTorch checkpoint's tensor shapes (SPEC section 11)."""
+    return int(sum(math.prod(s) for s in mapping.draft_tensor_shapes(cfg).values()))
+
+
+def tree_bytes_per_device(tree) -> int:
+    """Bytes a single device holds for a ShapeDtypeStruct tree with shardings."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shard = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+        total += math.prod(shard) * np.dtype(x.dtype).itemsize
+    return int(total)
+
+
+def collectives_in(hlo_text: str) -> dict[str, dict[str, int]]:
+    """Count and result bytes of each collective op in compiled HLO text."""
+    out: dict[str, dict[str, int]] = {}
+    for line in hlo_text.splitlines():
+        line = line.strip()
+        for op in COLLECTIVES:
+            m = re.search(rf"=\s*(.*?)\s{op}(-start)?\(", line)
+            if not m:
+                continue
+            nbytes = 0
+            for dt, dims in re.findall(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]", m.group(1)):
+                if dt in _DTYPE_BYTES:
+                    nbytes += _DTYPE_BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d)
+            entry = out.setdefault(op, {"count": 0, "bytes": 0})
+            entry["count"] += 1
+            entry["bytes"] += nbytes
+            break
+    return out
+
+
+def compile_plan(name: str, fn: Callable, *abstract_args, **jit_kwargs) -> ProgramPlan:
+    """Lower + compile ``jit(fn, **jit_kwargs)`` on abstract args; return its ProgramPlan."""
+    import time
+    start = time.perf_counter()
+    compiled = jax.jit(fn, **jit_kwargs).lower(*abstract_args).compile()
+    seconds = time.perf_counter() - start
+    mem = compiled.memory_analysis()
+    get = lambda attr: int(getattr(mem, attr, 0) or 0) if mem is not None else 0
+    return ProgramPlan(name, get("argument_size_in_bytes"), get("output_size_in_bytes"),
+                       get("temp_size_in_bytes"), get("alias_size_in_bytes"),
+                       get("generated_code_size_in_bytes"), collectives_in(compiled.as_text()), seconds)
+
+
+def abstract(tree, shardings):
+    """ShapeDtypeStruct tree with shardings attached."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def abstract_params(cfg, mesh: Mesh, dtype) -> tuple[Any, Any]:
+    """(abstract params with shardings, shardings) for a target or drafter config."""
+    if isinstance(cfg, TargetConfig):
+        shapes = jax.eval_shape(lambda: qwen3.init_params(cfg, jax.random.PRNGKey(0), dtype))
+        axes = qwen3.param_axes(cfg)
+    else:
+        shapes = jax.eval_shape(lambda: draft_model.init_params(cfg, jax.random.PRNGKey(0), dtype))
+        axes = draft_model.param_axes(cfg)
+    sh = shard_lib.param_shardings(axes, mesh, shapes)
+    return abstract(shapes, sh), sh
+
+
+def plan_train_step(draft_cfg: DraftConfig, target_cfg: TargetConfig, mesh: Mesh, *, mode: str,
+                    seq_len: int, micro_batch: int, grad_accum: int = 1, compute_dtype=jnp.bfloat16,
+                    loss_cfg: LossConfig = LossConfig()) -> tuple[ProgramPlan, dict]:
+    """Compile the sharded train step (``mode`` "online" or "cache") for abstract inputs.
+
+    Returns the plan and a dict of per-device state bytes (params, optimizer, frozen, target).
+    """
+    from dspark_jax.train import optim, step as step_lib
+
+    class _OptCfg:  # the optimizer only needs these fields
+        learning_rate, warmup_ratio, adam_b1, adam_b2, adam_eps, weight_decay, grad_clip = (
+            6e-4, 0.04, 0.9, 0.999, 1e-8, 0.0, 1.0)
+
+    optimizer, schedule = optim.make_optimizer(_OptCfg, 1000)
+    full_shapes = jax.eval_shape(lambda: draft_model.init_params(draft_cfg, jax.random.PRNGKey(0), jnp.float32))
+    trainable, frozen = optim.split_params(full_shapes)
+    frozen = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, compute_dtype), frozen)
+    axes_t, axes_f = optim.split_params(draft_model.param_axes(draft_cfg))
+    state_shapes = jax.eval_shape(lambda p: step_lib.init_state(p, optimizer, 0), trainable)
+    state_sh = step_lib.state_shardings(state_shapes, axes_t, mesh, optimizer)
+    frozen_sh = shard_lib.param_shardings(axes_f, mesh, frozen)
+    if mode == "online":
+        target_abs, target_sh = abstract_params(target_cfg, mesh, compute_dtype)
+    elif mode == "cache":
+        target_abs, target_sh = None, None
+    else:
+        raise ValueError(f"mode={mode!r} must be 'online' or 'cache'")
+    batch = {"input_ids": jax.ShapeDtypeStruct((grad_accum, micro_batch, seq_len), jnp.int32),
+             "loss_mask": jax.ShapeDtypeStruct((grad_accum, micro_batch, seq_len), jnp.float32)}
+    if mode == "cache":
+        h = target_cfg.hidden_size
+        batch["features"] = jax.ShapeDtypeStruct((grad_accum, micro_batch, seq_len,
+                                                  draft_cfg.num_context_features * h), compute_dtype)
+        batch["last_hidden"] = jax.ShapeDtypeStruct((grad_accum, micro_batch, seq_len, h), compute_dtype)
+    batch_sh = step_lib.batch_shardings(mesh, batch)
+    fn = step_lib.build_train_step(draft_cfg, loss_cfg, optimizer, schedule,
+                                   target_cfg=target_cfg if mode == "online" else None,
+                                   compute_dtype=compute_dtype)
+    args = (abstract(state_shapes, state_sh), abstract(frozen, frozen_sh),
+            target_abs, abstract(batch, batch_sh))
+    plan = compile_plan(f"train_step[{mode}]", fn, *args,
+                        in_shardings=(state_sh, frozen_sh, target_sh, batch_sh),
+                        out_shardings=(state_sh, shard_lib.replicated(mesh)), donate_argnums=(0,))
+    state_abs = args[0]
+    sizes = {"params_bytes": tree_bytes_per_device(state_abs.params),
+             "optimizer_bytes": tree_bytes_per_device(state_abs.opt_state),
+             "frozen_bytes": tree_bytes_per_device(args[1]),
+             "target_bytes": tree_bytes_per_device(target_abs) if target_abs is not None else 0,
+             "batch_bytes": tree_bytes_per_device(args[3])}
+    return plan, sizes
+
+
+def sharding_summary(tree) -> dict[str, str]:
+    """keystr -> PartitionSpec string for a tree of ShapeDtypeStructs / arrays with shardings."""
+    out = {}
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+        s = getattr(x, "sharding", None)
+        if isinstance(s, NamedSharding):
+            out[jax.tree_util.keystr(path)] = str(s.spec)
+    return out

@@ -1,0 +1,65 @@
+"""Ahead-of-time planning: parameter counts of the released drafters, and compiled memory plans."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from dspark_jax import plan, presets, sharding
+from dspark_jax.config import DraftConfig, TargetConfig
+from dspark_jax.draft import model as draft_model
+
+# Parameter counts from the reference's tensor shapes (SPEC section 11), all tensors incl. the
+# frozen embedding and LM head copies. DSpark: vanilla Markov rank 256 + confidence head.
+RELEASED = {
+    ("Qwen/Qwen3-4B", "dspark"): 1_393_133_569,
+    ("Qwen/Qwen3-8B", "dspark"): 2_371_081_729,
+    ("Qwen/Qwen3-14B", "dspark"): 3_416_263_169,
+    ("Qwen/Qwen3-4B", "dflash"): 1_315_339_520,
+}
+
+
+@pytest.mark.parametrize("target,kind", sorted(RELEASED))
+def test_released_drafter_param_counts(target, kind):
+    cfg = presets.released_drafter(target, kind=kind)
+    shapes = jax.eval_shape(lambda: draft_model.init_params(cfg, jax.random.PRNGKey(0)))
+    assert plan.count_params(shapes) == plan.reference_param_count(cfg) == RELEASED[(target, kind)]
+    # Hand check of the 8B DSpark number: 5 layers of Qwen3-8B shape + fc + norms + heads.
+    if (target, kind) == ("Qwen/Qwen3-8B", "dspark"):
+        h, inter, v, r = 4096, 12288, 151936, 256
+        layer = h * 4096 * 2 + h * 1024 * 2 + 3 * h * inter + 2 * 128 + 2 * h
+        expected = 5 * layer + 5 * h * h + 2 * h + 2 * v * h + 2 * v * r + (h + r + 1)
+        assert plan.count_params(shapes) == expected
+
+
+def test_collectives_parser():
+    hlo = """
+      %all-reduce.1 = f32[128,64]{1,0} all-reduce(f32[128,64]{1,0} %x), replica_groups={}
+      %ag = (bf16[8,32]{1,0}, bf16[4]{0}) all-gather-start(bf16[2,32]{1,0} %y)
+      %cp = s32[10]{0} collective-permute(s32[10]{0} %z)
+    """
+    got = plan.collectives_in(hlo)
+    assert got["all-reduce"] == {"count": 1, "bytes": 128 * 64 * 4}
+    assert got["all-gather"] == {"count": 1, "bytes": 8 * 32 * 2 + 4 * 2}
+    assert got["collective-permute"] == {"count": 1, "bytes": 40}
+
+
+def test_plan_train_step_mid_size():
+    target = TargetConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    draft = DraftConfig.for_target(target, num_hidden_layers=1, target_layer_ids=(0, 2), mask_token_id=4095,
+                                   num_anchors=16, markov_rank=32, block_size=4)
+    mesh = sharding.make_mesh("data=2,fsdp=2,tensor=2", jax.devices()[:8])
+    p_online, s_online = plan.plan_train_step(draft, target, mesh, mode="online", seq_len=128, micro_batch=4,
+                                              compute_dtype=jnp.float32)
+    p_cache, s_cache = plan.plan_train_step(draft, target, mesh, mode="cache", seq_len=128, micro_batch=4,
+                                            compute_dtype=jnp.float32)
+    full = jax.eval_shape(lambda: draft_model.init_params(draft, jax.random.PRNGKey(0)))
+    trainable = plan.count_params({k: v for k, v in full.items() if k not in draft_model.FROZEN_KEYS})
+    # fsdp=2 x tensor=2 shard most weights 4 ways: well under the replicated fp32 size.
+    assert 0 < s_online["params_bytes"] < trainable * 4 / 2
+    assert s_online["optimizer_bytes"] == pytest.approx(2 * s_online["params_bytes"], rel=0.05)
+    assert s_online["target_bytes"] > 0 and s_cache["target_bytes"] == 0
+    assert s_cache["batch_bytes"] > s_online["batch_bytes"]  # cached features travel with the batch
+    for p in (p_online, p_cache):
+        assert p.temp_bytes > 0 and p.peak_bytes > p.temp_bytes
+        assert "all-reduce" in p.collectives or "reduce-scatter" in p.collectives

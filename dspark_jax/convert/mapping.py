@@ -122,72 +122,78 @@ def check_tensors(tensors: Mapping[str, np.ndarray], expected: Mapping[str, tupl
             raise CheckpointError(f"{what}: tensor {k!r} has dtype {t.dtype}, expected a float dtype")
 
 
-def _stack_layers(tensors: Mapping[str, np.ndarray], prefix: str, n: int) -> dict[str, np.ndarray]:
-    out = {}
+def param_sources(config: DraftConfig | TargetConfig) -> dict[tuple[str, ...], tuple[str, bool]]:
+    """Where every leaf of our params tree lives in the PyTorch state dict.
+
+    our path -> (torch name, transpose?). A name containing ``{i}`` marks a
+    stacked leaf [L, ...] holding one torch tensor per layer.
+    """
+    if isinstance(config, TargetConfig):
+        prefix = "model."
+        table = {("embed_tokens",): ("model.embed_tokens.weight", False),
+                 ("norm",): ("model.norm.weight", False)}
+        if not config.tie_word_embeddings:
+            table[("lm_head",)] = ("lm_head.weight", True)
+    else:
+        prefix = ""
+        table = {("embed_tokens",): ("embed_tokens.weight", False), ("lm_head",): ("lm_head.weight", True),
+                 ("fc",): ("fc.weight", True), ("hidden_norm",): ("hidden_norm.weight", False),
+                 ("norm",): ("norm.weight", False)}
+        if config.has_markov:
+            table[("markov_head", "markov_w1")] = ("markov_head.markov_w1.weight", False)
+            table[("markov_head", "markov_w2")] = ("markov_head.markov_w2.weight", True)
+            extra = {"gated": "gate_proj", "rnn": "joint_proj"}.get(config.markov_head_type)
+            if extra:
+                table[("markov_head", extra, "kernel")] = (f"markov_head.{extra}.weight", True)
+                table[("markov_head", extra, "bias")] = (f"markov_head.{extra}.bias", False)
+        if config.enable_confidence_head:
+            table[("confidence_head", "kernel")] = ("confidence_head.proj.weight", True)
+            table[("confidence_head", "bias")] = ("confidence_head.proj.bias", False)
     for ours, suffix, transpose in LAYER_TABLE:
-        arrs = [tensors[f"{prefix}{i}.{suffix}"] for i in range(n)]
-        out[ours] = np.stack([a.T if transpose else a for a in arrs])
-    return out
+        table[("layers", ours)] = (f"{prefix}layers.{{i}}.{suffix}", transpose)
+    return table
 
 
-def _unstack_layers(layers: Mapping[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
+def _from_torch(config, tensors: Mapping[str, np.ndarray]) -> dict:
+    params: dict = {}
+    for path, (name, transpose) in param_sources(config).items():
+        fix = (lambda a: a.T) if transpose else (lambda a: a)
+        if "{i}" in name:
+            leaf = np.stack([fix(tensors[name.format(i=i)]) for i in range(config.num_hidden_layers)])
+        else:
+            leaf = np.ascontiguousarray(fix(tensors[name]))
+        node = params
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = leaf
+    return params
+
+
+def _to_torch(config, params: Mapping) -> dict[str, np.ndarray]:
     out = {}
-    n = next(iter(layers.values())).shape[0]
-    for ours, suffix, transpose in LAYER_TABLE:
-        for i in range(n):
-            a = np.asarray(layers[ours][i])
-            out[f"{prefix}{i}.{suffix}"] = np.ascontiguousarray(a.T if transpose else a)
+    for path, (name, transpose) in param_sources(config).items():
+        leaf = params
+        for key in path:
+            leaf = leaf[key]
+        leaf = np.asarray(leaf)
+        fix = (lambda a: a.T) if transpose else (lambda a: a)
+        if "{i}" in name:
+            for i in range(leaf.shape[0]):
+                out[name.format(i=i)] = np.ascontiguousarray(fix(leaf[i]))
+        else:
+            out[name] = np.ascontiguousarray(fix(leaf))
     return out
 
 
 def draft_from_torch(cfg: DraftConfig, tensors: Mapping[str, np.ndarray]) -> dict:
     """Torch-named tensors of a DSpark checkpoint -> our params tree (numpy leaves)."""
     check_tensors(tensors, draft_tensor_shapes(cfg), "drafter checkpoint")
-    p = {
-        "embed_tokens": tensors["embed_tokens.weight"],
-        "lm_head": tensors["lm_head.weight"].T,
-        "fc": tensors["fc.weight"].T,
-        "hidden_norm": tensors["hidden_norm.weight"],
-        "norm": tensors["norm.weight"],
-        "layers": _stack_layers(tensors, "layers.", cfg.num_hidden_layers),
-    }
-    if cfg.has_markov:
-        m = {"markov_w1": tensors["markov_head.markov_w1.weight"],
-             "markov_w2": tensors["markov_head.markov_w2.weight"].T}
-        for name in ("gate_proj", "joint_proj"):
-            if f"markov_head.{name}.weight" in tensors:
-                m[name] = {"kernel": tensors[f"markov_head.{name}.weight"].T,
-                           "bias": tensors[f"markov_head.{name}.bias"]}
-        p["markov_head"] = m
-    if cfg.enable_confidence_head:
-        p["confidence_head"] = {"kernel": tensors["confidence_head.proj.weight"].T,
-                                "bias": tensors["confidence_head.proj.bias"]}
-    return {k: _contiguous(v) for k, v in p.items()}
+    return _from_torch(cfg, tensors)
 
 
 def draft_to_torch(cfg: DraftConfig, params: Mapping) -> dict[str, np.ndarray]:
     """Our params tree -> torch-named tensors (numpy, torch layout)."""
-    a = lambda x: np.asarray(x)
-    out = {
-        "embed_tokens.weight": a(params["embed_tokens"]),
-        "lm_head.weight": a(params["lm_head"]).T,
-        "fc.weight": a(params["fc"]).T,
-        "hidden_norm.weight": a(params["hidden_norm"]),
-        "norm.weight": a(params["norm"]),
-    }
-    out.update(_unstack_layers({k: a(v) for k, v in params["layers"].items()}, "layers."))
-    if cfg.has_markov:
-        m = params["markov_head"]
-        out["markov_head.markov_w1.weight"] = a(m["markov_w1"])
-        out["markov_head.markov_w2.weight"] = a(m["markov_w2"]).T
-        for name in ("gate_proj", "joint_proj"):
-            if name in m:
-                out[f"markov_head.{name}.weight"] = a(m[name]["kernel"]).T
-                out[f"markov_head.{name}.bias"] = a(m[name]["bias"])
-    if cfg.enable_confidence_head:
-        out["confidence_head.proj.weight"] = a(params["confidence_head"]["kernel"]).T
-        out["confidence_head.proj.bias"] = a(params["confidence_head"]["bias"])
-    out = {k: np.ascontiguousarray(v) for k, v in out.items()}
+    out = _to_torch(cfg, params)
     check_tensors(out, draft_tensor_shapes(cfg), "drafter params")
     return out
 
@@ -202,28 +208,11 @@ def target_from_torch(cfg: TargetConfig, tensors: Mapping[str, np.ndarray]) -> d
                                   "differs from 'model.embed_tokens.weight'")
         del tensors["lm_head.weight"]
     check_tensors(tensors, target_tensor_shapes(cfg), "target checkpoint")
-    p = {
-        "embed_tokens": tensors["model.embed_tokens.weight"],
-        "norm": tensors["model.norm.weight"],
-        "layers": _stack_layers(tensors, "model.layers.", cfg.num_hidden_layers),
-    }
-    if not cfg.tie_word_embeddings:
-        p["lm_head"] = tensors["lm_head.weight"].T
-    return {k: _contiguous(v) for k, v in p.items()}
+    return _from_torch(cfg, tensors)
 
 
 def target_to_torch(cfg: TargetConfig, params: Mapping) -> dict[str, np.ndarray]:
-    a = lambda x: np.asarray(x)
-    out = {"model.embed_tokens.weight": a(params["embed_tokens"]), "model.norm.weight": a(params["norm"])}
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = a(params["lm_head"]).T
-    out.update(_unstack_layers({k: a(v) for k, v in params["layers"].items()}, "model.layers."))
-    out = {k: np.ascontiguousarray(v) for k, v in out.items()}
+    """Our params tree -> torch-named tensors of a Qwen3ForCausalLM checkpoint."""
+    out = _to_torch(cfg, params)
     check_tensors(out, target_tensor_shapes(cfg), "target params")
     return out
-
-
-def _contiguous(x):
-    if isinstance(x, dict):
-        return {k: _contiguous(v) for k, v in x.items()}
-    return np.ascontiguousarray(x)

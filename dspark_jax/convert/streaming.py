@@ -25,38 +25,6 @@ from dspark_jax.convert import mapping
 from dspark_jax.convert.safetensors_io import TensorReader
 from dspark_jax.errors import CheckpointError
 
-# One entry per params leaf: our path -> (torch name or per-layer template, transpose).
-# "{i}" in a name marks a stacked leaf (one torch tensor per layer).
-
-
-def param_sources(config: DraftConfig | TargetConfig) -> dict[tuple[str, ...], tuple[str, bool]]:
-    """Where every leaf of our params tree lives in the PyTorch state dict."""
-    if isinstance(config, TargetConfig):
-        prefix = "model."
-        table = {("embed_tokens",): ("model.embed_tokens.weight", False),
-                 ("norm",): ("model.norm.weight", False)}
-        if not config.tie_word_embeddings:
-            table[("lm_head",)] = ("lm_head.weight", True)
-    else:
-        prefix = ""
-        table = {("embed_tokens",): ("embed_tokens.weight", False), ("lm_head",): ("lm_head.weight", True),
-                 ("fc",): ("fc.weight", True), ("hidden_norm",): ("hidden_norm.weight", False),
-                 ("norm",): ("norm.weight", False)}
-        if config.has_markov:
-            table[("markov_head", "markov_w1")] = ("markov_head.markov_w1.weight", False)
-            table[("markov_head", "markov_w2")] = ("markov_head.markov_w2.weight", True)
-            extra = {"gated": "gate_proj", "rnn": "joint_proj"}.get(config.markov_head_type)
-            if extra:
-                table[("markov_head", extra, "kernel")] = (f"markov_head.{extra}.weight", True)
-                table[("markov_head", extra, "bias")] = (f"markov_head.{extra}.bias", False)
-        if config.enable_confidence_head:
-            table[("confidence_head", "kernel")] = ("confidence_head.proj.weight", True)
-            table[("confidence_head", "bias")] = ("confidence_head.proj.bias", False)
-    for ours, suffix, transpose in mapping.LAYER_TABLE:
-        table[("layers", ours)] = (f"{prefix}layers.{{i}}.{suffix}", transpose)
-    return table
-
-
 def _our_shape(torch_shape, transpose: bool, num_layers: int | None):
     shape = tuple(reversed(torch_shape)) if transpose else tuple(torch_shape)
     return shape if num_layers is None else (num_layers, *shape)
@@ -112,7 +80,7 @@ def stream_load(directory, config: DraftConfig | TargetConfig, mesh: Mesh, *, dt
     process's devices are read. ``stats`` (optional dict) receives bytes_read.
     """
     reader = TensorReader(directory)
-    sources = param_sources(config)
+    sources = mapping.param_sources(config)
     expected = (mapping.target_tensor_shapes(config) if isinstance(config, TargetConfig)
                 else mapping.draft_tensor_shapes(config))
     infos = dict(reader.infos)
@@ -173,7 +141,7 @@ def stream_export(directory, config: DraftConfig | TargetConfig, params, *, forc
     """
     from dspark_jax.convert import checkpoint as ckpt
 
-    sources = param_sources(config)
+    sources = mapping.param_sources(config)
 
     def tensors():
         for path, (name, transpose) in sources.items():

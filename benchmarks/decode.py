@@ -1,0 +1,97 @@
+"""Autoregressive vs speculative decoding on the tiny fixture: tokens/s side by side.
+
+    .venv/bin/python benchmarks/decode.py [--out benchmarks/decode.json] [--max-new-tokens 48]
+
+Each configuration runs once to warm up (compile), then ``--repeats`` timed runs
+(best kept). Reports tokens/s, tau, speed-up, and the number of XLA compilations
+seen during the timed runs (should be 0) and in total. JSON to --out; a table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.monitoring
+
+from dspark_jax.convert.checkpoint import load_draft, load_target
+from dspark_jax.decode import autoregressive_generate, speculative_generate, summarize
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPILES = [0]
+
+
+def _on_event(event, duration, **kwargs):
+    if event == "/jax/core/compile/backend_compile_duration":
+        COMPILES[0] += 1
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fixture", default=str(ROOT / "tests/fixtures/dspark_qwen3_tiny"))
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--loops", nargs="+", default=["device", "host"], choices=["device", "host"])
+    ap.add_argument("--out", default=None, help="write the JSON report here")
+    args = ap.parse_args(argv)
+    jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+    tc, tp = load_target(Path(args.fixture) / "target")
+    dc, dp = load_draft(Path(args.fixture) / "draft")
+    prompts = json.loads((Path(args.fixture) / "decode_greedy.json").read_text())["prompts"]
+    rows = []
+    for bs in args.batch_sizes:
+        runs = {"autoregressive": lambda: autoregressive_generate(
+            tc, tp, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+            batch_size=bs)}
+        for loop in args.loops:
+            runs[f"speculative/{loop}"] = (lambda loop=loop: speculative_generate(
+                tc, tp, dc, dp, prompts, max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature, batch_size=bs, loop=loop))
+        for name, fn in runs.items():
+            before = COMPILES[0]
+            t0 = time.perf_counter()
+            fn()
+            warm = time.perf_counter() - t0
+            compiles_warmup = COMPILES[0] - before
+            best = None
+            before = COMPILES[0]
+            for _ in range(args.repeats):
+                res = fn()
+                s = summarize(res, dc.block_size)
+                if best is None or s["tokens_per_second"] > best["tokens_per_second"]:
+                    best = s
+            rows.append({"batch_size": bs, "mode": name, "tokens_per_second": best["tokens_per_second"],
+                         "tau": best["tau"], "rounds": best["rounds"], "output_tokens": best["output_tokens"],
+                         "warmup_seconds": warm, "compiles_warmup": compiles_warmup,
+                         "compiles_timed": COMPILES[0] - before})
+    for row in rows:
+        base = next(r for r in rows if r["batch_size"] == row["batch_size"] and r["mode"] == "autoregressive")
+        row["speedup"] = row["tokens_per_second"] / base["tokens_per_second"]
+        row["speedup_over_tau"] = row["speedup"] / row["tau"]
+    report = {"device": str(jax.devices()[0]), "max_new_tokens": args.max_new_tokens,
+              "temperature": args.temperature, "prompts": len(prompts), "total_compiles": COMPILES[0],
+              "rows": rows}
+    print(f"{'B':>3} {'mode':<22} {'tok/s':>10} {'tau':>6} {'speedup':>8} {'x/tau':>6} "
+          f"{'warm s':>7} {'compiles':>9}")
+    for r in rows:
+        print(f"{r['batch_size']:>3} {r['mode']:<22} {r['tokens_per_second']:>10.1f} {r['tau']:>6.2f} "
+              f"{r['speedup']:>8.2f} {r['speedup_over_tau']:>6.2f} {r['warmup_seconds']:>7.1f} "
+              f"{r['compiles_warmup']:>4}/{r['compiles_timed']:<4}")
+    if args.out:
+        out = Path(args.out)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(report, indent=2))
+        os.replace(tmp, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

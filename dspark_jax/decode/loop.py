@@ -1,0 +1,589 @@
+"""Jitted, batched speculative decoding (SPEC section 8) and the autoregressive baseline.
+
+Shapes: B rows (requests), P padded prompt length, L cache capacity, G block
+size (draft tokens per round), V vocab, R = max_new_tokens (round budget),
+Ld draft layers. All shapes are static; per-row progress lives in arrays:
+
+- the target KV cache ``[Lt, B, L, Hkv, D]`` holds positions < ``pos[b]``
+  (rolling back is setting ``lengths``);
+- the draft context cache ``ctx_k, ctx_v [Ld, B, L, Hkv, D]`` holds the
+  drafter's context keys/values of the same committed positions;
+- ``seq[b, pos[b]]`` is the anchor x0 (the last committed token, not yet fed
+  to the target).
+
+One round (``_round``): draft block at positions p..p+G-1 (queries see
+context rows < p and the whole block) -> sequential Markov sampling with
+``lax.scan`` -> confidences -> policy lengths -> one target extend over
+[x0, x_1..x_G] at p..p+G -> rejection sampling of each row's own l_b tokens
+-> commit, roll back, scatter the committed positions' features into the
+draft context cache. Finished rows stay in the batch as masked no-ops.
+
+The loop over rounds is a ``lax.while_loop`` on device (``loop="device"``,
+default, measured faster than a host loop over one compiled round, see
+benchmarks/decode.py) or a host loop (``loop="host"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dspark_jax.config import DraftConfig, TargetConfig
+from dspark_jax.decode import sampling
+from dspark_jax.decode.policies import FullPolicy, VerifyPolicy
+from dspark_jax.decode.verify import rejection_sample
+from dspark_jax.draft import backbone, confidence, markov
+from dspark_jax.draft import model as draft_model
+from dspark_jax.errors import InputError
+from dspark_jax.target import qwen3
+
+MAX_STOP_IDS = 8     # stop-id slots (padded with -1) so the count never changes shapes
+MIN_PROMPT_BUCKET = 16  # padded prompt length P is a power of two >= this
+CACHE_BUCKET = 64    # default cache capacity L is a multiple of this
+
+
+# --------------------------------------------------------------------------- state
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """Speculative decode state (a pytree; donated to each jitted round).
+
+    seq [B, L] int32 prompt + generated tokens; pos [B] anchor position;
+    num_input [B] prompt lengths; active [B] bool; key PRNG key; round [] int32;
+    rounds [B] rounds run per row; acc_rec / prop_rec / drafts_rec [B, R] int32
+    acceptance length (bonus included), proposal length and accepted drafts per
+    round; conf_rec [B, R, G] raw confidence logits; cache target KV cache;
+    ctx_k, ctx_v [Ld, B, L, Hkv, D] draft context cache; policy_state pytree.
+    """
+
+    seq: jax.Array
+    pos: jax.Array
+    num_input: jax.Array
+    active: jax.Array
+    key: jax.Array
+    round: jax.Array
+    rounds: jax.Array
+    acc_rec: jax.Array
+    prop_rec: jax.Array
+    drafts_rec: jax.Array
+    conf_rec: jax.Array
+    cache: qwen3.KVCache
+    ctx_k: jax.Array
+    ctx_v: jax.Array
+    policy_state: Any
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ARState:
+    """Autoregressive state: seq [B, L]; pos [B] position of the newest token (not yet cached)."""
+
+    seq: jax.Array
+    pos: jax.Array
+    num_input: jax.Array
+    active: jax.Array
+    key: jax.Array
+    cache: qwen3.KVCache
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Hashable static configuration of the compiled functions."""
+
+    target: TargetConfig
+    draft: DraftConfig | None
+    policy: Any
+    greedy: bool
+    max_new_tokens: int
+
+
+@dataclasses.dataclass
+class Result:
+    """One request's output. ``confidence_logits``: per round [G] raw logits (None without a head)."""
+
+    output_ids: list[int]
+    acceptance_lengths: list[int]
+    proposal_lengths: list[int]
+    accepted_drafts: list[int]
+    confidence_logits: list[list[float]] | None
+    prompt_length: int
+    batch_index: int
+    batch_seconds: float
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
+    return jnp.any(tokens[..., None] == stop_ids, axis=-1)
+
+
+def _tap_ids(static: _Static) -> tuple[int, ...]:
+    return tuple(static.draft.target_layer_ids) if static.draft is not None else ()
+
+
+def _prefill(tparams, dparams, prompts, lens, valid, key, temperature, stop_ids, static: _Static,
+             max_len: int):
+    """Target prefill of padded prompts [B, P] (lengths ``lens``), first token, draft context.
+
+    Returns (cache, seq [B, L], first [B], active [B], ctx_k, ctx_v (None without a drafter), key).
+    """
+    b, p = prompts.shape
+    tcfg = static.target
+    dtype = tparams["embed_tokens"].dtype
+    cache = qwen3.init_cache(tcfg, b, max_len, dtype)
+    hidden, taps, cache = qwen3.forward(tparams, tcfg, prompts, cache, num_new=lens,
+                                        tap_layer_ids=_tap_ids(static))
+    rows = jnp.arange(b)
+    last = hidden[rows, lens - 1]
+    key, k_first = jax.random.split(key)
+    first = sampling.sample_logits(k_first, qwen3.compute_logits(tparams, last), temperature,
+                                   static.greedy)
+    seq = jnp.zeros((b, max_len), jnp.int32).at[:, :p].set(prompts)
+    seq = seq.at[rows, lens].set(first)
+    active = valid & ~_is_stop(first, stop_ids)
+    ctx_k = ctx_v = None
+    if static.draft is not None:
+        dcfg = static.draft
+        ctx = backbone.project_context(dparams, dcfg, taps)
+        positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+        k_new, v_new = backbone.context_kv(dparams, dcfg, ctx, positions)
+        shape = (dcfg.num_hidden_layers, b, max_len, dcfg.num_key_value_heads, dcfg.head_dim)
+        ctx_k = jnp.zeros(shape, k_new.dtype).at[:, :, :p].set(k_new)
+        ctx_v = jnp.zeros(shape, v_new.dtype).at[:, :, :p].set(v_new)
+    return cache, seq, first, active, ctx_k, ctx_v, key
+
+
+def _spec_prefill(tparams, dparams, prompts, lens, valid, key, temperature, stop_ids, static,
+                  max_len):
+    cache, seq, _, active, ctx_k, ctx_v, key = _prefill(
+        tparams, dparams, prompts, lens, valid, key, temperature, stop_ids, static, max_len)
+    b = prompts.shape[0]
+    r, g = static.max_new_tokens, static.draft.block_size
+    zeros = jnp.zeros((b, r), jnp.int32)
+    return DecodeState(
+        seq=seq, pos=lens, num_input=lens, active=active, key=key,
+        round=jnp.zeros((), jnp.int32), rounds=jnp.zeros((b,), jnp.int32),
+        acc_rec=zeros, prop_rec=zeros, drafts_rec=zeros,
+        conf_rec=jnp.zeros((b, r, g), jnp.float32), cache=cache, ctx_k=ctx_k, ctx_v=ctx_v,
+        policy_state=static.policy.init_state(b, g))
+
+
+def _draft_block(dparams, dcfg: DraftConfig, state: DecodeState, key, temperature, greedy):
+    """Draft one block per row. Returns (drafts [B,G], draft_logits [B,G,V], conf_logits [B,G], anchor)."""
+    b, max_len = state.seq.shape
+    g = dcfg.block_size
+    rows = jnp.arange(b)
+    anchor = state.seq[rows, state.pos]
+    block_ids = jnp.concatenate(
+        [anchor[:, None], jnp.full((b, g - 1), dcfg.mask_token_id, jnp.int32)], axis=1)
+    embeds = dparams["embed_tokens"][block_ids][:, None]                     # [B,1,G,H]
+    block_pos = (state.pos[:, None] + jnp.arange(g, dtype=jnp.int32))[:, None]  # [B,1,G]
+    ctx_mask = jnp.arange(max_len)[None, None, :] < state.pos[:, None, None]   # [B,1,L]
+    hidden = backbone.block_forward(dparams, dcfg, embeds, block_pos, state.ctx_k, state.ctx_v,
+                                    ctx_mask, jnp.ones((b, 1), bool))[:, 0]  # [B,G,H]
+    base = draft_model.compute_logits(dparams, hidden)                        # [B,G,V]
+
+    def step(carry, xs):
+        prev, mstate = carry
+        u_k, h_k, key_k = xs
+        if dcfg.has_markov:
+            bias, mstate = markov.step(dparams["markov_head"], dcfg, mstate, prev, h_k)
+            logits_k = u_k + bias
+        else:
+            logits_k = u_k
+        x_k = sampling.sample_logits(key_k, logits_k, temperature, greedy)
+        return (x_k, mstate), (x_k, logits_k)
+
+    mstate0 = markov.init_state(dcfg, (b,), jnp.float32)
+    _, (drafts, logits) = jax.lax.scan(
+        step, (anchor, mstate0),
+        (jnp.moveaxis(base, 1, 0), jnp.moveaxis(hidden, 1, 0), jax.random.split(key, g)))
+    drafts, logits = jnp.moveaxis(drafts, 0, 1), jnp.moveaxis(logits, 0, 1)
+    if dcfg.enable_confidence_head:
+        prev = jnp.concatenate([anchor[:, None], drafts[:, :-1]], axis=1)
+        conf_logits = confidence.logits(dparams, dcfg, hidden, prev)
+    else:
+        conf_logits = jnp.zeros((b, g), jnp.float32)
+    return drafts, logits, conf_logits, anchor
+
+
+def _round(tparams, dparams, state: DecodeState, temperature, stop_ids, conf_temps,
+           static: _Static) -> DecodeState:
+    """One speculative round for every row (finished rows: masked no-ops)."""
+    tcfg, dcfg = static.target, static.draft
+    b, max_len = state.seq.shape
+    g = dcfg.block_size
+    rows = jnp.arange(b)
+    key, k_draft, k_verify = jax.random.split(state.key, 3)
+    active = state.active
+
+    drafts, draft_logits, conf_logits, anchor = _draft_block(
+        dparams, dcfg, state, k_draft, temperature, static.greedy)
+    if dcfg.enable_confidence_head:
+        conf = jax.nn.sigmoid(conf_logits / conf_temps)
+    else:
+        conf = jnp.ones((b, g), jnp.float32)
+    lengths, policy_state = static.policy(state.policy_state, conf, active)
+    lengths = jnp.clip(lengths.astype(jnp.int32), 0, g)
+
+    verify_tokens = jnp.concatenate([anchor[:, None], drafts], axis=1)        # [B,G+1]
+    hidden, taps, cache = qwen3.forward(tparams, tcfg, verify_tokens, state.cache,
+                                        tap_layer_ids=dcfg.target_layer_ids)
+    target_logits = qwen3.compute_logits(tparams, hidden)
+    verdict = rejection_sample(k_verify, target_logits, draft_logits, drafts, lengths,
+                               temperature, static.greedy, stop_ids)
+    a = verdict.accepted
+    acc_len = jnp.where(verdict.stopped, a, a + 1)
+
+    # Commit: slots pos+1..pos+a get the drafts, pos+a+1 the replacement/bonus token.
+    k_idx = jnp.arange(g + 1, dtype=jnp.int32)[None, :]
+    padded = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
+    new_tokens = jnp.where(k_idx == a[:, None], verdict.next_token[:, None], padded)
+    slots = jnp.where(active[:, None], state.pos[:, None] + 1 + k_idx, max_len)
+    seq = state.seq.at[rows[:, None], slots].set(new_tokens, mode="drop")
+    new_pos = jnp.where(active, state.pos + acc_len, state.pos)
+
+    # Draft context: features of the verified positions p..p+G (only < new_pos are ever read).
+    ctx = backbone.project_context(dparams, dcfg, taps)
+    ctx_positions = state.pos[:, None] + k_idx
+    k_new, v_new = backbone.context_kv(dparams, dcfg, ctx, ctx_positions)
+    ctx_slots = jnp.where(active[:, None], ctx_positions, max_len)
+    ctx_k = state.ctx_k.at[:, rows[:, None], ctx_slots].set(k_new.astype(state.ctx_k.dtype), mode="drop")
+    ctx_v = state.ctx_v.at[:, rows[:, None], ctx_slots].set(v_new.astype(state.ctx_v.dtype), mode="drop")
+
+    rec = jnp.where(active, state.rounds, static.max_new_tokens)  # out of range -> dropped
+    acc_rec = state.acc_rec.at[rows, rec].set(acc_len, mode="drop")
+    prop_rec = state.prop_rec.at[rows, rec].set(verdict.proposal_length, mode="drop")
+    drafts_rec = state.drafts_rec.at[rows, rec].set(a, mode="drop")
+    conf_rec = state.conf_rec.at[rows, rec].set(conf_logits, mode="drop")
+
+    next_stop = ~verdict.stopped & _is_stop(verdict.next_token, stop_ids)
+    generated = new_pos - state.num_input
+    still = active & ~verdict.stopped & ~next_stop & (generated < static.max_new_tokens)
+    return DecodeState(
+        seq=seq, pos=new_pos, num_input=state.num_input, active=still, key=key,
+        round=state.round + 1, rounds=state.rounds + active.astype(jnp.int32),
+        acc_rec=acc_rec, prop_rec=prop_rec, drafts_rec=drafts_rec, conf_rec=conf_rec,
+        cache=cache.with_lengths(jnp.where(active, new_pos, state.cache.lengths)),
+        ctx_k=ctx_k, ctx_v=ctx_v, policy_state=policy_state)
+
+
+def _spec_run_device(tparams, dparams, state, temperature, stop_ids, conf_temps, static):
+    def cond(s):
+        return jnp.any(s.active) & (s.round < static.max_new_tokens)
+
+    def body(s):
+        return _round(tparams, dparams, s, temperature, stop_ids, conf_temps, static)
+
+    return jax.lax.while_loop(cond, body, state)
+
+
+def _ar_prefill(tparams, prompts, lens, valid, key, temperature, stop_ids, static, max_len):
+    cache, seq, _, active, _, _, key = _prefill(
+        tparams, None, prompts, lens, valid, key, temperature, stop_ids, static, max_len)
+    active = active & (static.max_new_tokens > 1)
+    return ARState(seq=seq, pos=lens, num_input=lens, active=active, key=key, cache=cache)
+
+
+def _ar_step(tparams, state: ARState, temperature, stop_ids, static) -> ARState:
+    b, max_len = state.seq.shape
+    rows = jnp.arange(b)
+    key, k_s = jax.random.split(state.key)
+    tok = state.seq[rows, state.pos][:, None]
+    hidden, _, cache = qwen3.forward(tparams, static.target, tok, state.cache)
+    nxt = sampling.sample_logits(k_s, qwen3.compute_logits(tparams, hidden[:, 0]), temperature,
+                                 static.greedy)
+    active = state.active
+    seq = state.seq.at[rows, jnp.where(active, state.pos + 1, max_len)].set(nxt, mode="drop")
+    pos = jnp.where(active, state.pos + 1, state.pos)
+    still = active & ~_is_stop(nxt, stop_ids) & (pos + 1 - state.num_input < static.max_new_tokens)
+    return ARState(seq=seq, pos=pos, num_input=state.num_input, active=still, key=key,
+                   cache=cache.with_lengths(jnp.where(active, pos, state.cache.lengths)))
+
+
+def _ar_run_device(tparams, state, temperature, stop_ids, static):
+    return jax.lax.while_loop(lambda s: jnp.any(s.active),
+                              lambda s: _ar_step(tparams, s, temperature, stop_ids, static), state)
+
+
+# Jitted entry points. Static: the _Static config (and max_len). State is donated.
+spec_prefill_jit = jax.jit(_spec_prefill, static_argnames=("static", "max_len"))
+spec_round_jit = jax.jit(_round, static_argnames=("static",), donate_argnames=("state",))
+spec_run_jit = jax.jit(_spec_run_device, static_argnames=("static",), donate_argnames=("state",))
+ar_prefill_jit = jax.jit(_ar_prefill, static_argnames=("static", "max_len"))
+ar_step_jit = jax.jit(_ar_step, static_argnames=("static",), donate_argnames=("state",))
+ar_run_jit = jax.jit(_ar_run_device, static_argnames=("static",), donate_argnames=("state",))
+
+JITTED = (spec_prefill_jit, spec_round_jit, spec_run_jit, ar_prefill_jit, ar_step_jit, ar_run_jit)
+
+
+def compile_cache_sizes() -> int:
+    """Total number of compiled variants held by this module's jitted functions."""
+    return sum(f._cache_size() for f in JITTED)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _round_up(x: int, m: int) -> int:
+    return int(math.ceil(x / m) * m)
+
+
+def plan_shapes(prompts: Sequence[Sequence[int]], max_new_tokens: int, slack: int,
+                max_positions: int, max_cache_len: int | None) -> tuple[int, int]:
+    """(P, L): padded prompt length and cache capacity; InputError when a request does not fit."""
+    longest = max(len(p) for p in prompts)
+    need = longest + max_new_tokens + slack
+    limit = max_positions if max_cache_len is None else min(max_cache_len, max_positions)
+    for i, p in enumerate(prompts):
+        if len(p) + max_new_tokens + slack > limit:
+            which = ("max_cache_len" if max_cache_len is not None and max_cache_len < max_positions
+                     else "max_position_embeddings")
+            raise InputError(
+                f"prompt {i}: length {len(p)} + max_new_tokens {max_new_tokens} + block slack "
+                f"{slack} = {len(p) + max_new_tokens + slack} exceeds the cache capacity "
+                f"({which} = {limit})")
+    max_len = max_cache_len if max_cache_len is not None else min(_round_up(need, CACHE_BUCKET), limit)
+    bucket = max(MIN_PROMPT_BUCKET, 1 << (longest - 1).bit_length())
+    return min(bucket, max_len), max_len
+
+
+def validate_prompts(prompts, vocab_size: int) -> list[list[int]]:
+    """Check prompts are non-empty lists of in-vocabulary ints; returns list[list[int]]."""
+    if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
+        raise InputError("prompts must be a non-empty list of token-id lists")
+    out = []
+    for i, p in enumerate(prompts):
+        p = list(np.asarray(p).reshape(-1).tolist()) if not isinstance(p, list) else p
+        if len(p) == 0:
+            raise InputError(f"prompt {i} is empty")
+        for j, t in enumerate(p):
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                raise InputError(f"prompt {i}: token {j} is {t!r}, not an int")
+            if not 0 <= int(t) < vocab_size:
+                raise InputError(f"prompt {i}: token id {int(t)} at index {j} is outside the "
+                                 f"vocabulary [0, {vocab_size})")
+        out.append([int(t) for t in p])
+    return out
+
+
+def _validate_common(tcfg, prompts, max_new_tokens, temperature, batch_size, stop_token_ids):
+    prompts = validate_prompts(prompts, tcfg.vocab_size)
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise InputError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    if not (temperature >= 0.0 and math.isfinite(temperature)):
+        raise InputError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    stops = list(stop_token_ids or [])
+    if len(stops) > MAX_STOP_IDS:
+        raise InputError(f"at most {MAX_STOP_IDS} stop token ids are supported, got {len(stops)}")
+    for t in stops:
+        if not 0 <= int(t) < tcfg.vocab_size:
+            raise InputError(f"stop token id {t} is outside the vocabulary [0, {tcfg.vocab_size})")
+    stop_arr = jnp.asarray(stops + [-1] * (MAX_STOP_IDS - len(stops)), jnp.int32)
+    return prompts, stop_arr, stops
+
+
+def _batches(prompts, batch_size: int, p_len: int):
+    """Yield (indices, prompts [B, P], lens [B], valid [B]) with the last batch padded."""
+    for start in range(0, len(prompts), batch_size):
+        idx = list(range(start, min(start + batch_size, len(prompts))))
+        arr = np.zeros((batch_size, p_len), np.int32)
+        lens = np.ones((batch_size,), np.int32)
+        valid = np.zeros((batch_size,), bool)
+        for r, i in enumerate(idx):
+            arr[r, :len(prompts[i])] = prompts[i]
+            lens[r] = len(prompts[i])
+            valid[r] = True
+        yield idx, jnp.asarray(arr), jnp.asarray(lens), jnp.asarray(valid)
+
+
+def _trim(tokens: list[int], max_new: int, stops: list[int]) -> list[int]:
+    tokens = tokens[:max_new]
+    for i, t in enumerate(tokens):
+        if t in stops:
+            return tokens[:i + 1]
+    return tokens
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def speculative_generate(
+    target_cfg: TargetConfig,
+    target_params: dict,
+    draft_cfg: DraftConfig,
+    draft_params: dict,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    policy: VerifyPolicy | None = None,
+    batch_size: int = 1,
+    seed: int = 0,
+    stop_token_ids: Sequence[int] | None = None,
+    confidence_temperatures: Sequence[float] | None = None,
+    max_cache_len: int | None = None,
+    loop: str = "device",
+    progress: Callable[[int], None] | None = None,
+) -> list[Result]:
+    """Speculative decoding of ``prompts`` (token-id lists) in batches of ``batch_size``.
+
+    Returns one Result per prompt (same order): new tokens only (at most
+    max_new_tokens, cut after the first stop token), per-round acceptance
+    lengths (bonus included), proposal lengths, accepted drafts and raw
+    confidence logits. ``policy`` defaults to FullPolicy; ``loop`` is "device"
+    (lax.while_loop) or "host" (Python loop over one compiled round);
+    ``progress(n)`` is called with the number of requests finished per batch.
+    Raises ConfigError / InputError before compiling anything.
+    """
+    draft_cfg.check_compatible(target_cfg)
+    prompts, stop_arr, stops = _validate_common(target_cfg, prompts, max_new_tokens, temperature,
+                                                batch_size, stop_token_ids)
+    g = draft_cfg.block_size
+    if confidence_temperatures is None:
+        conf_temps = jnp.ones((g,), jnp.float32)
+    else:
+        temps = [float(t) for t in confidence_temperatures]
+        if len(temps) != g or not all(t > 0 and math.isfinite(t) for t in temps):
+            raise InputError(f"confidence_temperatures must be {g} positive numbers (one per block "
+                             f"position), got {list(confidence_temperatures)}")
+        conf_temps = jnp.asarray(temps, jnp.float32)
+    if loop not in ("device", "host"):
+        raise InputError(f"loop must be 'device' or 'host', got {loop!r}")
+    max_pos = min(target_cfg.max_position_embeddings, draft_cfg.max_position_embeddings)
+    p_len, max_len = plan_shapes(prompts, max_new_tokens, g, max_pos, max_cache_len)
+    policy = policy if policy is not None else FullPolicy()
+    static = _Static(target_cfg, draft_cfg, policy, sampling.is_greedy(temperature), max_new_tokens)
+    temp = jnp.float32(max(float(temperature), sampling.GREEDY_EPS))
+    key = jax.random.PRNGKey(seed)
+
+    results: list[Result | None] = [None] * len(prompts)
+    for bi, (idx, arr, lens, valid) in enumerate(_batches(prompts, batch_size, p_len)):
+        key, k_batch = jax.random.split(key)
+        t0 = time.perf_counter()
+        state = spec_prefill_jit(target_params, draft_params, arr, lens, valid, k_batch, temp,
+                                 stop_arr, static=static, max_len=max_len)
+        if loop == "device":
+            state = spec_run_jit(target_params, draft_params, state, temp, stop_arr, conf_temps,
+                                 static=static)
+        else:
+            for _ in range(max_new_tokens):
+                if not bool(jnp.any(state.active)):
+                    break
+                state = spec_round_jit(target_params, draft_params, state, temp, stop_arr,
+                                       conf_temps, static=static)
+        host = jax.device_get({"seq": state.seq, "rounds": state.rounds, "acc": state.acc_rec,
+                               "prop": state.prop_rec, "drafts": state.drafts_rec,
+                               "conf": state.conf_rec})
+        seconds = time.perf_counter() - t0
+        for r, i in enumerate(idx):
+            n = int(host["rounds"][r])
+            acc = [int(x) for x in host["acc"][r, :n]]
+            start = len(prompts[i])
+            count = 1 + sum(acc)
+            out = _trim([int(t) for t in host["seq"][r, start:start + count]], max_new_tokens, stops)
+            conf = ([[float(c) for c in row] for row in host["conf"][r, :n]]
+                    if draft_cfg.enable_confidence_head else None)
+            results[i] = Result(out, acc, [int(x) for x in host["prop"][r, :n]],
+                                [int(x) for x in host["drafts"][r, :n]], conf, start, bi, seconds)
+        if progress is not None:
+            progress(len(idx))
+    return results  # type: ignore[return-value]
+
+
+def autoregressive_generate(
+    target_cfg: TargetConfig,
+    target_params: dict,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    batch_size: int = 1,
+    seed: int = 0,
+    stop_token_ids: Sequence[int] | None = None,
+    max_cache_len: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> list[Result]:
+    """Baseline: one target token per step, same cache code, no drafter.
+
+    Results have one "round" per generated token after the first (acceptance
+    length 1, proposal length 0) so ``summarize`` works on both.
+    """
+    prompts, stop_arr, stops = _validate_common(target_cfg, prompts, max_new_tokens, temperature,
+                                                batch_size, stop_token_ids)
+    p_len, max_len = plan_shapes(prompts, max_new_tokens, 1, target_cfg.max_position_embeddings,
+                                 max_cache_len)
+    static = _Static(target_cfg, None, None, sampling.is_greedy(temperature), max_new_tokens)
+    temp = jnp.float32(max(float(temperature), sampling.GREEDY_EPS))
+    key = jax.random.PRNGKey(seed)
+    results: list[Result | None] = [None] * len(prompts)
+    for bi, (idx, arr, lens, valid) in enumerate(_batches(prompts, batch_size, p_len)):
+        key, k_batch = jax.random.split(key)
+        t0 = time.perf_counter()
+        state = ar_prefill_jit(target_params, arr, lens, valid, k_batch, temp, stop_arr,
+                               static=static, max_len=max_len)
+        state = ar_run_jit(target_params, state, temp, stop_arr, static=static)
+        seq, pos = jax.device_get((state.seq, state.pos))
+        seconds = time.perf_counter() - t0
+        for r, i in enumerate(idx):
+            start = len(prompts[i])
+            out = _trim([int(t) for t in seq[r, start:int(pos[r]) + 1]], max_new_tokens, stops)
+            n = max(len(out) - 1, 0)
+            results[i] = Result(out, [1] * n, [0] * n, [0] * n, None, start, bi, seconds)
+        if progress is not None:
+            progress(len(idx))
+    return results  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def summarize(results: Sequence[Result], block_size: int | None = None) -> dict:
+    """Aggregate metrics (SPEC section 8).
+
+    tau: mean acceptance length per round (bonus included); mean_proposal;
+    verify_rate = sum(acceptance) / sum(proposal + 1); accept_rate@k = rounds with
+    > k accepted drafts / rounds that proposed > k; conditional_accept@k = rounds
+    with > k accepted / rounds with >= k accepted that proposed > k; tokens/s =
+    output tokens / summed batch wall time.
+    """
+    acc = [a for r in results for a in r.acceptance_lengths]
+    prop = [p for r in results for p in r.proposal_lengths]
+    drafts = [d for r in results for d in r.accepted_drafts]
+    g = block_size or max(prop + [0])
+    rounds = len(acc)
+    out_tokens = sum(len(r.output_ids) for r in results)
+    seconds = sum({(r.batch_index): r.batch_seconds for r in results}.values())
+    accept_rate, conditional = [], []
+    for k in range(g):
+        proposed = sum(1 for p in prop if p > k)
+        reached = sum(1 for p, d in zip(prop, drafts) if p > k and d >= k)
+        passed = sum(1 for d in drafts if d > k)
+        accept_rate.append(passed / proposed if proposed else None)
+        conditional.append(passed / reached if reached else None)
+    return {
+        "requests": len(results),
+        "rounds": rounds,
+        "output_tokens": out_tokens,
+        "tau": sum(acc) / rounds if rounds else 0.0,
+        "mean_proposal": sum(prop) / rounds if rounds else 0.0,
+        "verify_rate": sum(acc) / (sum(prop) + rounds) if rounds else 0.0,
+        "accept_rate": accept_rate,
+        "conditional_accept": conditional,
+        "seconds": seconds,
+        "tokens_per_second": out_tokens / seconds if seconds > 0 else 0.0,
+    }

@@ -1,0 +1,39 @@
+"""Greedy parity with the PyTorch reference (decode_greedy.json), at batch 1 and one batch of all prompts."""
+
+import json
+import warnings
+
+import pytest
+
+from dspark_jax.convert.checkpoint import load_draft, load_target
+from dspark_jax.decode import speculative_generate, summarize
+
+warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+
+
+@pytest.fixture(scope="module")
+def fixture(tiny_dir):
+    tc, tp = load_target(tiny_dir / "target")
+    dc, dp = load_draft(tiny_dir / "draft")
+    ref = json.loads((tiny_dir / "decode_greedy.json").read_text())
+    return tc, tp, dc, dp, ref
+
+
+@pytest.mark.parametrize("batch_size", [1, 8])
+def test_greedy_parity(fixture, batch_size):
+    tc, tp, dc, dp, ref = fixture
+    assert ref["temperature"] == 0.0 and ref["confidence_threshold"] == 0.0
+    n = len(ref["prompts"])
+    res = speculative_generate(tc, tp, dc, dp, ref["prompts"], max_new_tokens=ref["max_new_tokens"],
+                               temperature=0.0, batch_size=batch_size if batch_size == 1 else n)
+    for i, r in enumerate(res):
+        assert r.output_ids == ref["output_ids"][i], f"prompt {i}: tokens differ"
+        assert r.acceptance_lengths == ref["acceptance_lengths"][i], f"prompt {i}: acceptance lengths differ"
+        assert r.proposal_lengths == ref["proposal_lengths"][i], f"prompt {i}: proposal lengths differ"
+        assert len(r.confidence_logits) == len(r.acceptance_lengths)
+        assert all(len(c) == dc.block_size for c in r.confidence_logits)
+        assert [a - 1 for a in r.acceptance_lengths] == r.accepted_drafts
+    s = summarize(res, dc.block_size)
+    acc = [a for x in ref["acceptance_lengths"] for a in x]
+    assert s["tau"] == pytest.approx(sum(acc) / len(acc))
+    assert s["output_tokens"] == n * ref["max_new_tokens"]

@@ -1,0 +1,342 @@
+"""Sequential Temperature Scaling (SPEC section 10) and confidence-quality metrics.
+
+Input: decode rounds, each with the raw confidence logits of the block ``[G]`` (before any
+temperature), the number of accepted drafts and the proposal length (drafts sent to
+verification). Position k (1-based) of a round is *verified* iff ``proposal >= k``; its
+observed prefix acceptance is ``accepted >= k``. Positions that were not verified carry no
+label and are ignored everywhere.
+
+STS fits one temperature per position, left to right: ``t_k`` minimises the ECE of the
+cumulative product ``prod_{i<=k} sigmoid(logit_i / t_i)`` against ``accepted >= k`` with
+``t_1..t_{k-1}`` fixed, by grid search. Positive temperatures are order-preserving for each
+``c_k``, so the conditional AUROC of c_k (rows whose prefix up to k-1 survived) is unchanged
+exactly; the AUROC of the cumulative product can move slightly (different rows mix positions'
+temperatures), and both are reported.
+
+All functions are numpy (calibration is offline, small, and runs once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from dspark_jax.errors import InputError
+
+DEFAULT_GRID = np.geomspace(0.05, 20.0, 481)
+DEFAULT_BINS = 15
+
+_LOGIT_KEYS = ("confidence_logits", "conf_logits")
+_PROB_KEYS = ("confidences", "confidence")
+_ACCEPT_KEYS = ("accepted", "num_accepted", "accepted_drafts")
+_PROPOSAL_KEYS = ("proposal", "proposal_length", "num_proposed", "verify_length")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rounds:
+    """Decode rounds: logits [N, G] float64 (raw), accepted [N] int, proposal [N] int."""
+
+    logits: np.ndarray
+    accepted: np.ndarray
+    proposal: np.ndarray
+
+    def __post_init__(self):
+        if self.logits.ndim != 2:
+            raise InputError(f"confidence logits must be [N, G], got shape {self.logits.shape}")
+        n, g = self.logits.shape
+        if self.accepted.shape != (n,) or self.proposal.shape != (n,):
+            raise InputError(f"accepted {self.accepted.shape} / proposal {self.proposal.shape} "
+                             f"must be [{n}] like the logits rows")
+        if np.any(self.proposal < 0) or np.any(self.proposal > g):
+            raise InputError(f"proposal lengths must be in [0, {g}]")
+        if np.any(self.accepted < 0) or np.any(self.accepted > self.proposal):
+            raise InputError("accepted drafts must be in [0, proposal]")
+
+    @property
+    def num_rounds(self) -> int:
+        return self.logits.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.logits.shape[1]
+
+    def take(self, idx) -> "Rounds":
+        return Rounds(self.logits[idx], self.accepted[idx], self.proposal[idx])
+
+    def verified(self) -> np.ndarray:
+        """[N, G] bool: position k was sent to verification."""
+        return np.arange(1, self.block_size + 1)[None, :] <= self.proposal[:, None]
+
+    def survived(self) -> np.ndarray:
+        """[N, G] bool: the prefix up to and including position k was accepted."""
+        return np.arange(1, self.block_size + 1)[None, :] <= self.accepted[:, None]
+
+
+def _first(rec: Mapping[str, Any], keys: Iterable[str]):
+    for k in keys:
+        if k in rec:
+            return rec[k]
+    return None
+
+
+def rounds_from_records(records: Iterable[Mapping[str, Any]], where: str = "logs") -> Rounds:
+    """Rounds from dicts with ``confidence_logits`` [G] (or ``confidences`` probabilities),
+    ``accepted`` and ``proposal`` (aliases: num_accepted / proposal_length, num_proposed,
+    verify_length). A record may instead hold ``rounds``: a list of such dicts, or be a
+    ``generate`` result (per-round lists ``confidence_logits`` [R][G], ``accepted_drafts``
+    (or ``acceptance_lengths`` = accepted + 1) and ``proposal_lengths``)."""
+    logits, acc, prop = [], [], []
+
+    def add(rec, line):
+        if not isinstance(rec, Mapping):
+            raise InputError(f"{where} line {line}: expected a JSON object")
+        if "rounds" in rec:
+            for sub in rec["rounds"]:
+                add(sub, line)
+            return
+        z = rec.get("confidence_logits")
+        if isinstance(z, list) and z and isinstance(z[0], list):  # a per-request record
+            accs = rec.get("accepted_drafts")
+            if accs is None and "acceptance_lengths" in rec:
+                accs = [int(x) - 1 for x in rec["acceptance_lengths"]]
+            props = rec.get("proposal_lengths")
+            if accs is None or props is None or not len(accs) == len(props) == len(z):
+                raise InputError(f"{where} line {line}: a request record needs per-round lists "
+                                 "'confidence_logits', 'accepted_drafts' and 'proposal_lengths' "
+                                 "of equal length")
+            for zi, ai, pi in zip(z, accs, props):
+                add({"confidence_logits": zi, "accepted": ai, "proposal": pi}, line)
+            return
+        z = _first(rec, _LOGIT_KEYS)
+        if z is None:
+            c = _first(rec, _PROB_KEYS)
+            if c is None:
+                raise InputError(f"{where} line {line}: no 'confidence_logits' (or 'confidences') field")
+            c = np.clip(np.asarray(c, np.float64), 1e-7, 1 - 1e-7)
+            z = np.log(c) - np.log1p(-c)
+        a, p = _first(rec, _ACCEPT_KEYS), _first(rec, _PROPOSAL_KEYS)
+        if a is None or p is None:
+            raise InputError(f"{where} line {line}: needs 'accepted' and 'proposal' fields")
+        z = np.asarray(z, np.float64).reshape(-1)
+        if logits and z.shape != logits[0].shape:
+            raise InputError(f"{where} line {line}: {z.size} confidence logits, earlier rounds had "
+                             f"{logits[0].size}")
+        logits.append(z)
+        acc.append(int(a))
+        prop.append(int(p))
+
+    for i, rec in enumerate(records, 1):
+        add(rec, i)
+    if not logits:
+        raise InputError(f"{where}: no decode rounds")
+    try:
+        return Rounds(np.stack(logits), np.asarray(acc), np.asarray(prop))
+    except InputError as e:
+        raise InputError(f"{where}: {e}") from None
+
+
+def load_decode_logs(path) -> Rounds:
+    """Rounds from a JSONL file (one round, or one record with ``rounds``, per line)."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"decode log {str(path)!r} does not exist")
+    records = []
+    with path.open() as f:
+        for i, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise InputError(f"{path}:{i}: invalid JSON ({e})") from None
+    return rounds_from_records(records, where=str(path))
+
+
+def split_rounds(rounds: Rounds, holdout_fraction: float, seed: int = 0) -> tuple[Rounds, Rounds]:
+    """(fit, held-out) by a seeded random permutation of rounds."""
+    if not 0.0 < holdout_fraction < 1.0:
+        raise InputError(f"holdout fraction must be in (0, 1), got {holdout_fraction}")
+    perm = np.random.default_rng(seed).permutation(rounds.num_rounds)
+    n_held = max(1, int(round(holdout_fraction * rounds.num_rounds)))
+    if n_held >= rounds.num_rounds:
+        raise InputError(f"only {rounds.num_rounds} rounds: too few to split")
+    return rounds.take(np.sort(perm[n_held:])), rounds.take(np.sort(perm[:n_held]))
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def sigmoid(z):
+    return 0.5 * (1.0 + np.tanh(0.5 * np.asarray(z, np.float64)))
+
+
+def cumulative_probs(logits: np.ndarray, temperatures=None) -> np.ndarray:
+    """``prod_{i<=k} sigmoid(logit_i / t_i)``: [N, G] -> [N, G]."""
+    t = np.ones(logits.shape[-1]) if temperatures is None else np.asarray(temperatures, np.float64)
+    return np.cumprod(sigmoid(logits / t), axis=-1)
+
+
+def ece(probs, labels, n_bins: int = DEFAULT_BINS) -> float:
+    """Expected calibration error, equal-width bins on [0, 1], weighted by bin counts."""
+    probs = np.asarray(probs, np.float64)
+    labels = np.asarray(labels, np.float64)
+    if probs.size == 0:
+        return float("nan")
+    bins = np.minimum((probs * n_bins).astype(np.int64), n_bins - 1)
+    count = np.bincount(bins, minlength=n_bins)
+    gap = np.abs(np.bincount(bins, probs, n_bins) - np.bincount(bins, labels, n_bins))
+    return float(gap.sum() / count.sum())
+
+
+def _ece_columns(probs: np.ndarray, labels: np.ndarray, n_bins: int) -> np.ndarray:
+    """ECE of each column of probs [M, T] against labels [M] (vectorised grid search)."""
+    m, t = probs.shape
+    bins = np.minimum((probs * n_bins).astype(np.int64), n_bins - 1) + n_bins * np.arange(t)[None, :]
+    size = n_bins * t
+    sum_p = np.bincount(bins.ravel(), probs.ravel(), size).reshape(t, n_bins)
+    sum_y = np.bincount(bins.ravel(), np.broadcast_to(labels[:, None], probs.shape).ravel(),
+                        size).reshape(t, n_bins)
+    return np.abs(sum_p - sum_y).sum(axis=1) / m
+
+
+def auroc(scores, labels) -> float:
+    """Area under the ROC curve (Mann-Whitney, ties count 1/2); nan with a single class."""
+    scores = np.asarray(scores, np.float64)
+    labels = np.asarray(labels, bool)
+    n_pos, n_neg = int(labels.sum()), int((~labels).sum())
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    order = np.argsort(scores, kind="mergesort")
+    s = scores[order]
+    ranks = np.empty(len(s))
+    i = 0
+    while i < len(s):  # average ranks over ties
+        j = i
+        while j + 1 < len(s) and s[j + 1] == s[i]:
+            j += 1
+        ranks[i:j + 1] = 0.5 * (i + j) + 1
+        i = j + 1
+    r = np.empty_like(ranks)
+    r[order] = ranks
+    return float((r[labels].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+def brier(probs, labels) -> float:
+    probs = np.asarray(probs, np.float64)
+    return float(np.mean((probs - np.asarray(labels, np.float64)) ** 2)) if probs.size else float("nan")
+
+
+def position_metrics(rounds: Rounds, temperatures=None, n_bins: int = DEFAULT_BINS) -> list[dict]:
+    """Per position k = 1..G over verified rounds: n, accept_rate, mean_conf, ece, brier,
+    auroc (of the cumulative product vs prefix acceptance) and cond_auroc (of c_k alone on
+    rounds whose prefix up to k-1 survived)."""
+    cum = cumulative_probs(rounds.logits, temperatures)
+    ver, surv = rounds.verified(), rounds.survived()
+    out = []
+    for k in range(rounds.block_size):
+        m = ver[:, k]
+        p, y = cum[m, k], surv[m, k]
+        cond = m & (rounds.accepted >= k)
+        out.append({
+            "position": k + 1, "n": int(m.sum()),
+            "accept_rate": float(y.mean()) if m.any() else float("nan"),
+            "mean_conf": float(p.mean()) if m.any() else float("nan"),
+            "ece": ece(p, y, n_bins), "brier": brier(p, y), "auroc": auroc(p, y),
+            "cond_auroc": auroc(rounds.logits[cond, k], surv[cond, k]),
+        })
+    return out
+
+
+def summary(per_position: list[dict]) -> dict:
+    """Count-weighted means of ece / brier over positions that have data."""
+    n = np.array([p["n"] for p in per_position], np.float64)
+    out = {"n_positions": int(np.sum(n > 0))}
+    for key in ("ece", "brier"):
+        v = np.array([p[key] for p in per_position], np.float64)
+        ok = n > 0
+        out[key] = float(np.sum(v[ok] * n[ok]) / np.sum(n[ok])) if ok.any() else float("nan")
+    return out
+
+
+# ----------------------------------------------------------------------------- STS
+
+
+def fit_sts(rounds: Rounds, grid=None, n_bins: int = DEFAULT_BINS, min_count: int = 20) -> np.ndarray:
+    """Per-position temperatures [G] (float64), left to right (SPEC 10).
+
+    Positions with fewer than ``min_count`` verified rounds keep the previous position's
+    temperature (1.0 at the first).
+    """
+    grid = DEFAULT_GRID if grid is None else np.asarray(grid, np.float64)
+    if np.any(grid <= 0):
+        raise InputError("STS temperature grid must be positive (order-preserving)")
+    g = rounds.block_size
+    temps = np.ones(g)
+    ver, surv = rounds.verified(), rounds.survived()
+    prefix = np.ones(rounds.num_rounds)  # prod_{i<k} calibrated c_i
+    for k in range(g):
+        m = ver[:, k]
+        if m.sum() >= min_count:
+            cand = prefix[m, None] * sigmoid(rounds.logits[m, k][:, None] / grid[None, :])
+            errs = _ece_columns(cand, surv[m, k].astype(np.float64), n_bins)
+            temps[k] = grid[int(np.argmin(errs))]
+        elif k > 0:
+            temps[k] = temps[k - 1]
+        prefix = prefix * sigmoid(rounds.logits[:, k] / temps[k])
+    return temps
+
+
+# ----------------------------------------------------------------------------- plot
+
+
+def reliability_diagram(rounds: Rounds, temperatures, path, n_bins: int = DEFAULT_BINS,
+                        title: str = "") -> None:
+    """PNG: one panel per position, observed prefix acceptance vs cumulative confidence,
+    before (raw) and after STS, with bin counts shaded behind."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    g = rounds.block_size
+    cols = min(g, 4)
+    rows = -(-g // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.2 * rows), squeeze=False)
+    ver, surv = rounds.verified(), rounds.survived()
+    edges = np.linspace(0, 1, n_bins + 1)
+    centers = 0.5 * (edges[1:] + edges[:-1])
+    for k in range(rows * cols):
+        ax = axes[k // cols][k % cols]
+        if k >= g:
+            ax.axis("off")
+            continue
+        m = ver[:, k]
+        ax.plot([0, 1], [0, 1], color="0.6", lw=1, ls="--")
+        for temps, label, color in ((None, "raw", "tab:red"), (temperatures, "STS", "tab:blue")):
+            p = cumulative_probs(rounds.logits, temps)[m, k]
+            y = surv[m, k]
+            b = np.minimum((p * n_bins).astype(int), n_bins - 1)
+            cnt = np.bincount(b, minlength=n_bins)
+            acc = np.bincount(b, y.astype(float), n_bins) / np.maximum(cnt, 1)
+            ok = cnt > 0
+            ax.plot(centers[ok], acc[ok], marker="o", ms=3, color=color,
+                    label=f"{label} ECE {100 * ece(p, y, n_bins):.1f}%")
+            if temps is None:
+                ax2 = ax.twinx()
+                ax2.bar(centers, cnt, width=1 / n_bins, color="0.85", zorder=0)
+                ax2.set_yticks([])
+                ax.set_zorder(ax2.get_zorder() + 1)
+                ax.patch.set_visible(False)
+        ax.set_title(f"position {k + 1} (n={int(m.sum())})", fontsize=9)
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1)
+        ax.set_xlabel("cumulative confidence", fontsize=8)
+        ax.set_ylabel("prefix acceptance", fontsize=8)
+        ax.legend(fontsize=7, loc="upper left")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,107 @@
+"""`dspark-jax calibrate`: fit STS confidence temperatures on decode logs (SPEC section 10)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import shutil
+import sys
+from pathlib import Path
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "calibrate",
+        help="fit per-position confidence temperatures (STS) on decode logs",
+        description=(
+            "Sequential Temperature Scaling: from decode logs (raw confidence logits per round, "
+            "accepted drafts, proposal length) fit one temperature per block position, left to "
+            "right, minimising the ECE of the cumulative confidence against observed prefix "
+            "acceptance. Positions that were not verified are ignored. A random part of the "
+            "rounds is held out and ECE / AUROC / Brier per position are reported on it before "
+            "and after. Writes OUT/sts.json and OUT/reliability.png (and OUT/draft with "
+            "--write-draft). Logs: JSONL of `generate` results (per-round lists "
+            "confidence_logits, accepted_drafts, proposal_lengths) or one round per line "
+            "({confidence_logits: [G], accepted: n, proposal: l})."),
+    )
+    p.add_argument("--logs", required=True, help="decode log JSONL (from `dspark-jax generate`)")
+    p.add_argument("--out", required=True, help="output directory (created; refused if it exists)")
+    p.add_argument("--holdout", type=float, default=0.3,
+                   help="fraction of rounds held out for the reported metrics (default 0.3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the fit/held-out split")
+    p.add_argument("--bins", type=int, default=15, help="ECE / reliability bins (default 15)")
+    p.add_argument("--refit-all", action="store_true",
+                   help="after reporting held-out metrics, refit the saved temperatures on all rounds")
+    p.add_argument("--draft", help="drafter directory the logs came from (needed for --write-draft)")
+    p.add_argument("--write-draft", action="store_true",
+                   help="also write OUT/draft: a copy of --draft with the temperatures saved in its "
+                        "extras (sts_temperatures), which `generate` applies")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from dspark_jax import calibrate as C
+    from dspark_jax.convert import checkpoint
+    from dspark_jax.errors import InputError
+
+    if args.bins < 2:
+        raise InputError(f"--bins must be >= 2, got {args.bins}")
+    if args.write_draft and not args.draft:
+        raise InputError("--write-draft needs --draft DIR (the drafter to save the temperatures with)")
+    out = Path(args.out)
+    if out.exists() and not args.force:
+        raise InputError(f"--out {str(out)!r} exists (pass --force to replace it)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    rounds = C.load_decode_logs(args.logs)
+    fit, held = C.split_rounds(rounds, args.holdout, args.seed)
+    temps = C.fit_sts(fit, n_bins=args.bins)
+
+    def block(r, t):
+        per = C.position_metrics(r, t, args.bins)
+        return {"summary": C.summary(per), "positions": per}
+
+    report = {
+        "format": "dspark-jax/sts/v1",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "logs": str(args.logs),
+        "draft": args.draft,
+        "rounds": rounds.num_rounds, "fit_rounds": fit.num_rounds, "heldout_rounds": held.num_rounds,
+        "block_size": rounds.block_size, "bins": args.bins, "seed": args.seed,
+        "heldout": {"before": block(held, None), "after": block(held, temps)},
+        "fit": {"before": block(fit, None), "after": block(fit, temps)},
+        "fit_temperatures": [float(t) for t in temps],
+    }
+    if args.refit_all:
+        temps = C.fit_sts(rounds, n_bins=args.bins)
+    report["temperatures"] = [float(t) for t in temps]
+
+    with checkpoint.atomic_dir(out, force=args.force) as tmp:
+        (tmp / "sts.json").write_text(json.dumps(report, indent=1) + "\n")
+        C.reliability_diagram(held, temps, tmp / "reliability.png", args.bins,
+                              title="held-out rounds: raw vs STS")
+        if args.write_draft:
+            cfg, params = checkpoint.load_draft(args.draft)
+            extras = {**checkpoint.read_extras(args.draft), "sts_temperatures": report["temperatures"]}
+            if len(report["temperatures"]) != cfg.block_size:
+                raise InputError(f"logs have {rounds.block_size} confidence positions but --draft has "
+                                 f"block_size {cfg.block_size}")
+            fmt = checkpoint.detect_format(args.draft)
+            checkpoint.save_draft(tmp / "draft", cfg, params, format=fmt, extras=extras)
+            for name in checkpoint.SIDECAR_FILES:
+                src = Path(args.draft) / name
+                if src.is_file():
+                    shutil.copy2(src, tmp / "draft" / name)
+
+    b, a = report["heldout"]["before"], report["heldout"]["after"]
+    print(f"STS on {fit.num_rounds} rounds, metrics on {held.num_rounds} held-out rounds", file=sys.stderr)
+    print("pos      n   ECE before->after   Brier before->after   AUROC(cum) before->after  AUROC(cond)",
+          file=sys.stderr)
+    for pb, pa, t in zip(b["positions"], a["positions"], temps):
+        print(f"{pb['position']:>3} {pb['n']:>6}   {100 * pb['ece']:6.2f}% -> {100 * pa['ece']:5.2f}%"
+              f"   {pb['brier']:.4f} -> {pa['brier']:.4f}   {pb['auroc']:.4f} -> {pa['auroc']:.4f}"
+              f"   {pa['cond_auroc']:.4f}   t={t:.3f}", file=sys.stderr)
+    print(json.dumps({"out": str(out), "temperatures": report["temperatures"],
+                      "heldout_ece_before": b["summary"]["ece"], "heldout_ece_after": a["summary"]["ece"]}))
+    return 0

@@ -1,0 +1,81 @@
+"""`dspark-jax profile-sps`: measure the target's verification steps/s SPS(B) for the scheduler."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "profile-sps",
+        help="measure target verification steps per second vs verification tokens (SPS table)",
+        description=(
+            "Time the jitted target verification forward (KV-cache extend at --cache-length plus "
+            "the LM head) for B = 1..--max-batch verification tokens and write the SPS(B) table "
+            "(JSON: batch_sizes, sps, device, model, cache length, date) that `generate --verify "
+            "scheduler --sps FILE` reads. Between measured sizes the table is interpolated."),
+    )
+    p.add_argument("--target", required=True, help="target model directory (HF or dspark-jax format)")
+    p.add_argument("--out", required=True, help="output JSON file (refused if it exists)")
+    p.add_argument("--max-batch", type=int, default=64,
+                   help="largest verification batch in tokens (default 64; use concurrency*(block+1))")
+    p.add_argument("--cache-length", type=int, default=512,
+                   help="positions already in each row's KV cache (default 512)")
+    p.add_argument("--batch-sizes", default=None,
+                   help="comma-separated sizes to measure (default: 1..16, then x1.25 steps to max)")
+    p.add_argument("--layout", choices=("rows", "block"), default="rows",
+                   help="rows: B requests x 1 token (default); block: 1 request x B tokens")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls per size after compiling")
+    p.add_argument("--iters", type=int, default=5, help="minimum timed calls per size")
+    p.add_argument("--min-seconds", type=float, default=0.2, help="minimum timed seconds per size")
+    p.add_argument("--repeats", type=int, default=3, help="timed chunks per size; the fastest counts")
+    p.add_argument("--monotone", action="store_true",
+                   help="store the non-increasing (isotonic) fit of the measurements (raw kept in meta)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="cast the target params (default: as stored)")
+    p.add_argument("--force", action="store_true", help="overwrite --out")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from pathlib import Path
+
+    import jax
+    import jax.numpy as jnp
+    from tqdm import tqdm
+
+    from dspark_jax.convert import checkpoint
+    from dspark_jax.decode import profile
+    from dspark_jax.errors import InputError
+
+    out = Path(args.out)
+    if out.exists() and not args.force:
+        raise InputError(f"--out {str(out)!r} exists (pass --force to overwrite)")
+    if args.batch_sizes:
+        try:
+            sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
+        except ValueError:
+            raise InputError(f"--batch-sizes must be comma-separated ints, got {args.batch_sizes!r}") from None
+    else:
+        sizes = profile.default_batch_sizes(args.max_batch)
+    cfg, params = checkpoint.load_target(args.target)
+    if args.dtype:
+        dt = jnp.dtype(args.dtype)
+        params = jax.tree.map(lambda a: a.astype(dt), params)
+    bar = tqdm(total=len(sizes), desc="profile-sps", unit="size", file=sys.stderr)
+
+    def progress(b, sps):
+        bar.set_postfix(B=b, sps=f"{sps:.1f}")
+        bar.update(1)
+
+    table = profile.measure_sps(cfg, params, sizes, args.cache_length, layout=args.layout,
+                                warmup=args.warmup, iters=args.iters, min_seconds=args.min_seconds,
+                                repeats=args.repeats, monotone=args.monotone,
+                                meta={"target": str(args.target)}, progress=progress)
+    bar.close()
+    table.save(out, force=args.force)
+    print(json.dumps({"out": str(out), "device": table.meta["device"],
+                      "batch_sizes": list(table.batch_sizes),
+                      "sps": [round(s, 3) for s in table.sps]}))
+    return 0

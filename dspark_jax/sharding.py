@@ -16,6 +16,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from dspark_jax.errors import ConfigError
+
 MESH_AXES = ("data", "fsdp", "tensor")
 
 # logical axis -> mesh axis (or tuple of mesh axes, or None = replicated)
@@ -39,14 +41,17 @@ def parse_mesh_spec(spec: str | Mapping[str, int] | None) -> dict[str, int]:
         sizes = {}
         for part in spec.split(","):
             if "=" not in part:
-                raise ValueError(f"mesh spec part {part!r} is not of the form axis=size")
+                raise ConfigError(f"mesh spec part {part!r} is not of the form axis=size")
             name, value = part.split("=", 1)
-            sizes[name.strip()] = int(value)
+            try:
+                sizes[name.strip()] = int(value)
+            except ValueError:
+                raise ConfigError(f"mesh spec part {part!r}: size is not an integer") from None
     else:
         sizes = dict(spec)
     unknown = set(sizes) - set(MESH_AXES)
     if unknown:
-        raise ValueError(f"unknown mesh axes {sorted(unknown)}; expected {MESH_AXES}")
+        raise ConfigError(f"unknown mesh axes {sorted(unknown)}; expected {MESH_AXES}")
     return {a: sizes.get(a, 1) for a in MESH_AXES}
 
 
@@ -62,15 +67,15 @@ def make_mesh(spec: str | Mapping[str, int] | None = None, devices: Sequence | N
         sizes["data"] = -1
     free = [a for a, s in sizes.items() if s == -1]
     if len(free) > 1:
-        raise ValueError("at most one mesh axis may be -1")
+        raise ConfigError("at most one mesh axis may be -1")
     fixed = math.prod(s for s in sizes.values() if s != -1)
     if free:
         if len(devices) % fixed:
-            raise ValueError(f"{len(devices)} devices do not divide into fixed mesh axes of size {fixed}")
+            raise ConfigError(f"{len(devices)} devices do not divide into fixed mesh axes of size {fixed}")
         sizes[free[0]] = len(devices) // fixed
     total = math.prod(sizes.values())
     if total != len(devices):
-        raise ValueError(f"mesh {sizes} needs {total} devices but {len(devices)} are available")
+        raise ConfigError(f"mesh {sizes} needs {total} devices but {len(devices)} are available")
     arr = np.asarray(devices, dtype=object).reshape([sizes[a] for a in MESH_AXES])
     return Mesh(arr, MESH_AXES)
 

@@ -63,3 +63,34 @@ def test_plan_train_step_mid_size():
     for p in (p_online, p_cache):
         assert p.temp_bytes > 0 and p.peak_bytes > p.temp_bytes
         assert "all-reduce" in p.collectives or "reduce-scatter" in p.collectives
+
+
+def test_plan_decode_round_mid_size():
+    target = TargetConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    draft = DraftConfig.for_target(target, num_hidden_layers=1, target_layer_ids=(0, 2), mask_token_id=4095,
+                                   num_anchors=16, markov_rank=32, block_size=4)
+    mesh = sharding.make_mesh("data=4,tensor=2", jax.devices()[:8])
+    p, sizes = plan.plan_decode_round(draft, target, mesh, batch=8, max_len=256, dtype=jnp.float32)
+    # KV cache: 4 layers x 8 rows x 256 slots x 2 heads x 64 x f32 x (k, v), rows split 4 ways.
+    assert sizes["kv_cache_bytes"] == 4 * 8 * 256 * 2 * 64 * 4 * 2 // 4 + 8 // 4 * 4
+    assert p.alias_bytes > 0  # the state is donated
+    assert p.collectives  # tensor-parallel weights need collectives
+
+
+def test_plan_cli(tmp_path, tiny_dir, capsys):
+    from dspark_jax import cli
+    config = tmp_path / "tiny_plan.py"
+    config.write_text(
+        f"CONFIG = dict(target={str(tiny_dir / 'target')!r}, data='x.jsonl', max_length=64, mesh='data=2,fsdp=2',\n"
+        "              draft=dict(num_hidden_layers=1, block_size=4, target_layer_ids=(0, 2), mask_token_id=511,\n"
+        "                         num_anchors=4, markov_rank=8))\n")
+    out = tmp_path / "plan.json"
+    assert cli.main(["plan", "--config", str(config), "--modes", "cache,decode", "--decode-len", "128",
+                     "--dtype", "float32", "--json", str(out)]) == 0
+    report = __import__("json").loads(out.read_text())
+    assert report["mesh"] == {"data": 2, "fsdp": 2, "tensor": 1}
+    assert report["draft_params"] == report["draft_params_from_reference_shapes"]
+    assert set(report["programs"]) == {"cache", "decode"}
+    assert "peak estimate" in capsys.readouterr().out
+    assert cli.main(["plan", "--config", str(config), "--modes", "bogus"]) == 2

@@ -8,6 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 from dspark_jax import sharding
 from dspark_jax.config import DraftConfig, TargetConfig
+from dspark_jax.errors import ConfigError
 from dspark_jax.draft import model as draft_model
 from dspark_jax.target import qwen3
 from dspark_jax.train import batch as batch_lib
@@ -25,9 +26,9 @@ def test_rules_map_logical_axes():
     assert sharding.logical_to_spec(("layers", "embed", "mlp")) == P(None, "fsdp", "tensor")
     # an axis that does not divide the mesh axis falls back to replication
     assert sharding.logical_to_spec(("embed", "mlp"), shape=(6, 3), mesh=mesh) == P("fsdp", None)
-    with pytest.raises(ValueError, match="needs 16 devices"):
+    with pytest.raises(ConfigError, match="needs 16 devices"):
         sharding.make_mesh("data=4,fsdp=4")
-    with pytest.raises(ValueError, match="unknown mesh axes"):
+    with pytest.raises(ConfigError, match="unknown mesh axes"):
         sharding.make_mesh("pipeline=2")
     assert sharding.make_mesh("tensor=2,data=-1").shape == {"data": 4, "fsdp": 1, "tensor": 2}
 

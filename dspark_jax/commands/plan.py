@@ -30,7 +30,8 @@ def register(sub) -> None:
                    help="released drafter shape with --target (default: dspark)")
     p.add_argument("--mesh", default=None, help="mesh axes, e.g. data=2,fsdp=4,tensor=1 "
                                                 "(default: the config's mesh, else fsdp=<devices>)")
-    p.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
+    p.add_argument("--devices", type=int, default=None,
+                   help="simulated CPU devices (default: the mesh's size, else 8)")
     p.add_argument("--modes", default="online,cache,decode",
                    help="comma list of programs: online, cache (train step), decode (round)")
     p.add_argument("--seq-len", type=int, default=None, help="training sequence length (default: config max_length or 4096)")
@@ -52,6 +53,11 @@ def run(args) -> int:
 
     from dspark_jax.errors import InputError
 
+    from dspark_jax import sharding
+
+    if args.devices is None:
+        sizes = sharding.parse_mesh_spec(args.mesh) if args.mesh else {}
+        args.devices = math.prod(sizes.values()) if sizes and -1 not in sizes.values() else 8
     if args.devices < 1:
         raise InputError("--devices must be >= 1")
     try:
@@ -61,7 +67,7 @@ def run(args) -> int:
     import jax.numpy as jnp
 
     from dspark_jax import plan as plan_lib
-    from dspark_jax import presets, sharding
+    from dspark_jax import presets
 
     if args.config:
         from dspark_jax.train.config import load_config
@@ -81,6 +87,13 @@ def run(args) -> int:
         seq_len = args.seq_len or 4096
         from dspark_jax.config import LossConfig
         loss_cfg = LossConfig()
+    if not args.mesh and mesh_spec:  # the config's mesh decides the device count
+        sizes = sharding.parse_mesh_spec(mesh_spec)
+        if -1 not in sizes.values():
+            args.devices = math.prod(sizes.values())
+    if len(jax.devices()) < args.devices:
+        raise InputError(f"{args.devices} devices requested but only {len(jax.devices())} exist "
+                         "(the backend was initialised before --devices could apply)")
     devices = jax.devices()[: args.devices]
     mesh = sharding.make_mesh(mesh_spec or f"fsdp={len(devices)}", devices)
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32

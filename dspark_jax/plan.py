@@ -195,6 +195,14 @@ def _batch_leaf_sharding(x, batch: int, mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
 
 
+def _kv_cache_sharding(x, batch: int, mesh: Mesh) -> NamedSharding:
+    spec = list(_batch_leaf_sharding(x, batch, mesh).spec) + [None] * len(x.shape)
+    spec = spec[:len(x.shape)]
+    if mesh.shape["tensor"] > 1 and x.shape[3] % mesh.shape["tensor"] == 0:
+        spec[3] = "tensor"
+    return NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+
+
 def plan_decode_round(draft_cfg: DraftConfig, target_cfg: TargetConfig, mesh: Mesh, *, batch: int,
                       max_len: int, dtype=jnp.bfloat16, max_new_tokens: int = 1024) -> tuple[ProgramPlan, dict]:
     """Compile one speculative decode round (draft, Markov sampling, verify, commit) for abstract state."""
@@ -212,6 +220,12 @@ def plan_decode_round(draft_cfg: DraftConfig, target_cfg: TargetConfig, mesh: Me
             jnp.full((decode_loop.MAX_STOP_IDS,), -1, jnp.int32), static, max_len),
         t_abs, d_abs)
     state_sh = jax.tree.map(lambda x: _batch_leaf_sharding(x, batch, mesh), state_shapes)
+    # KV caches [L, B, T, Hkv, D]: heads follow the tensor-parallel k/v projections.
+    kv_sh = lambda x: _kv_cache_sharding(x, batch, mesh)
+    state_sh = dataclasses.replace(
+        state_sh, cache=dataclasses.replace(state_sh.cache, k=kv_sh(state_shapes.cache.k),
+                                            v=kv_sh(state_shapes.cache.v)),
+        ctx_k=kv_sh(state_shapes.ctx_k), ctx_v=kv_sh(state_shapes.ctx_v))
     rep = shard_lib.replicated(mesh)
 
     def round_fn(tp, dp, state, temperature, stop_ids, conf_temps):

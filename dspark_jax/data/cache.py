@@ -1,0 +1,210 @@
+"""Target-feature cache: written once by ``dspark-jax cache``, memory-mapped by training.
+
+Layout of a cache directory (flat token-major arrays, one folder per shard)::
+
+    manifest.json      format, version, target identity (config + sha256 of config and weights),
+                       layer_ids, hidden_size, feature_dim, max_length, dtypes, shard list
+    index.npy          int64 [R, 3]: (shard, start token, length) per record
+    shard_00000/
+      tokens.npy       int32 [T_shard]
+      loss_mask.npy    uint8 [T_shard]
+      features.npy     dtype [T_shard, n*H]  raw outputs of target layers ``layer_ids``, concatenated
+      last_hidden.npy  dtype [T_shard, H]    final hidden state after the final norm
+
+Writing goes to a temporary sibling directory renamed into place at the end
+(atomic); an existing cache is only replaced with ``force``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
+import numpy as np
+from tqdm import tqdm
+
+from dspark_jax.config import DraftConfig, TargetConfig
+from dspark_jax.data.sources import TokenSequences, pad_record
+from dspark_jax.errors import CheckpointError, ConfigError, InputError
+
+FORMAT = "dspark-feature-cache"
+VERSION = 1
+ARRAYS = ("tokens", "loss_mask", "features", "last_hidden")
+
+
+def target_identity(config: TargetConfig, params) -> str:
+    """sha256 over the target's config and every weight (sorted by path): its identity."""
+    h = hashlib.sha256(json.dumps(config.to_hf(), sort_keys=True).encode())
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    for path, leaf in sorted(leaves, key=lambda kv: jax.tree_util.keystr(kv[0])):
+        arr = np.asarray(jax.device_get(leaf))
+        h.update(jax.tree_util.keystr(path).encode())
+        h.update(str(arr.dtype).encode() + str(arr.shape).encode())
+        h.update(np.ascontiguousarray(arr).tobytes())
+    return h.hexdigest()
+
+
+def _feature_fn(config: TargetConfig, layer_ids, compute_dtype):
+    from dspark_jax.target import qwen3
+
+    @jax.jit
+    def run(params, tokens):
+        hidden, taps, _ = qwen3.forward(params, config, tokens, tap_layer_ids=tuple(layer_ids),
+                                        compute_dtype=compute_dtype)
+        return taps, hidden
+    return run
+
+
+def write_cache(out_dir, target_config: TargetConfig, target_params, layer_ids, data: TokenSequences,
+                *, batch_size: int = 8, dtype: str = "float32", shard_tokens: int = 1 << 22,
+                force: bool = False, progress: bool = True, compute_dtype=None) -> dict:
+    """Run the target over every sequence of ``data`` and write the cache; returns the manifest."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not force:
+        raise InputError(f"cache directory {str(out_dir)!r} already exists (pass --force to replace it)")
+    layer_ids = [int(i) for i in layer_ids]
+    DraftConfig.for_target(target_config, num_hidden_layers=1, target_layer_ids=tuple(layer_ids),
+                          mask_token_id=0)  # validates the layer ids
+    np_dtype = np.dtype(jnp.dtype(dtype))
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    run = _feature_fn(target_config, layer_ids, compute_dtype)
+    s = data.max_length
+    n = len(data)
+    index = np.zeros((n, 3), np.int64)
+    shards: list[dict] = []
+    buf = {k: [] for k in ARRAYS}
+    buf_tokens = 0
+
+    def flush():
+        nonlocal buf, buf_tokens
+        if not buf_tokens:
+            return
+        d = tmp / f"shard_{len(shards):05d}"
+        d.mkdir()
+        for k in ARRAYS:
+            np.save(d / f"{k}.npy", np.concatenate(buf[k], axis=0))
+        shards.append({"name": d.name, "tokens": buf_tokens})
+        buf = {k: [] for k in ARRAYS}
+        buf_tokens = 0
+
+    for start in tqdm(range(0, n, batch_size), desc="cache", unit="batch", disable=not progress):
+        idx = list(range(start, min(start + batch_size, n)))
+        recs = [data[i] for i in idx]
+        tokens = np.stack([r["input_ids"] for r in recs])
+        if len(idx) < batch_size:  # static shapes: pad the last batch
+            tokens = np.concatenate([tokens, np.zeros((batch_size - len(idx), s), np.int32)])
+        taps, last = jax.device_get(run(target_params, jnp.asarray(tokens)))
+        for row, i in enumerate(idx):
+            ids, mask = data.raw(i)
+            length = len(ids)
+            index[i] = (len(shards), buf_tokens, length)
+            buf["tokens"].append(np.asarray(ids, np.int32))
+            buf["loss_mask"].append(np.asarray(mask, np.float32).round().astype(np.uint8))
+            buf["features"].append(np.asarray(taps[row, :length]).astype(np_dtype))
+            buf["last_hidden"].append(np.asarray(last[row, :length]).astype(np_dtype))
+            buf_tokens += length
+            if buf_tokens >= shard_tokens:
+                flush()
+    flush()
+    np.save(tmp / "index.npy", index)
+    manifest = {
+        "format": FORMAT, "version": VERSION,
+        "target": {"config": target_config.to_hf(), "sha256": target_identity(target_config, target_params)},
+        "layer_ids": layer_ids, "hidden_size": target_config.hidden_size,
+        "feature_dim": len(layer_ids) * target_config.hidden_size, "max_length": s,
+        "feature_dtype": np_dtype.name, "num_records": n, "num_tokens": int(index[:, 2].sum()),
+        "shards": shards,
+    }
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    return manifest
+
+
+class FeatureCache:
+    """Memory-mapped reader; a grain random-access source of padded records.
+
+    Records: input_ids int32 [S], loss_mask float32 [S], features [S, n*H],
+    last_hidden [S, H] (zeros past the sequence), index int64 [].
+    """
+
+    def __init__(self, path, max_length: int | None = None, overlong: str = "truncate"):
+        self.path = Path(path)
+        mf = self.path / "manifest.json"
+        if not mf.is_file():
+            raise CheckpointError(f"{str(self.path)!r} is not a feature cache: manifest.json is missing")
+        try:
+            self.manifest = json.loads(mf.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{mf}: invalid JSON ({e.msg})") from None
+        if self.manifest.get("format") != FORMAT or self.manifest.get("version") != VERSION:
+            raise CheckpointError(f"{mf}: not a {FORMAT} v{VERSION} manifest")
+        self.index = np.load(self.path / "index.npy")
+        if self.index.shape != (self.manifest["num_records"], 3):
+            raise CheckpointError(f"{self.path}/index.npy has shape {self.index.shape}, manifest says "
+                                  f"{self.manifest['num_records']} records")
+        if len(self.index) == 0:
+            raise InputError(f"feature cache {str(self.path)!r} is empty: no training sequences")
+        self.max_length = max_length or int(self.manifest["max_length"])
+        longest = int(self.index[:, 2].max())
+        if longest > self.max_length and overlong == "refuse":
+            bad = int(np.argmax(self.index[:, 2]))
+            raise InputError(f"feature cache record {bad}: sequence of {longest} tokens is longer than "
+                             f"max_length={self.max_length} (set overlong='truncate' to cut it)")
+        self._shards = []
+        for sh in self.manifest["shards"]:
+            arrays = {}
+            for k in ARRAYS:
+                f = self.path / sh["name"] / f"{k}.npy"
+                if not f.is_file():
+                    raise CheckpointError(f"feature cache shard file {f} is missing")
+                arrays[k] = np.load(f, mmap_mode="r")
+            self._shards.append(arrays)
+
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        return tuple(self.manifest["layer_ids"])
+
+    def validate(self, draft: DraftConfig, target: TargetConfig | None = None,
+                 target_sha256: str | None = None) -> None:
+        """Raise ConfigError unless this cache was written for ``draft``'s layers and the target."""
+        m = self.manifest
+        problems = []
+        if tuple(m["layer_ids"]) != draft.target_layer_ids:
+            problems.append(f"layer_ids {m['layer_ids']} != drafter target_layer_ids {list(draft.target_layer_ids)}")
+        if m["hidden_size"] != draft.hidden_size:
+            problems.append(f"hidden_size {m['hidden_size']} != drafter hidden_size {draft.hidden_size}")
+        if m["target"]["config"].get("num_hidden_layers") != draft.num_target_layers:
+            problems.append(f"target num_hidden_layers {m['target']['config'].get('num_hidden_layers')} != "
+                            f"drafter num_target_layers {draft.num_target_layers}")
+        if target is not None and m["target"]["config"] != target.to_hf():
+            problems.append("target config differs from the training target's")
+        if target_sha256 is not None and m["target"]["sha256"] != target_sha256:
+            problems.append(f"target identity {m['target']['sha256'][:12]} != training target "
+                            f"{target_sha256[:12]} (different weights)")
+        if problems:
+            raise ConfigError(f"feature cache {str(self.path)!r} does not fit this run: " + "; ".join(problems))
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int) -> dict:
+        shard, start, length = (int(x) for x in self.index[i])
+        a = self._shards[shard]
+        n = min(length, self.max_length)
+        rec = pad_record(a["tokens"][start:start + n], a["loss_mask"][start:start + n], self.max_length, i)
+        for k in ("features", "last_hidden"):
+            out = np.zeros((self.max_length, a[k].shape[1]), np.float32)
+            out[:n] = a[k][start:start + n]
+            rec[k] = out
+        return rec

@@ -1,0 +1,154 @@
+"""TrainState, its shardings, and the jitted, sharded, donated DSpark train step.
+
+Batch (per optimizer step, global shapes; A = grad_accum, Bm = batch_size / A)::
+
+    input_ids   int32   [A, Bm, S]
+    loss_mask   float32 [A, Bm, S]
+    features    [A, Bm, S, n*H]   (cache mode only; online mode runs the target)
+    last_hidden [A, Bm, S, H]     (cache mode only)
+
+Anchors are drawn for the whole global batch at once and the loss denominator
+(sum of decayed eval weights) is computed over the whole global batch before
+the gradient pass, so each micro-batch contributes numerator / global
+denominator: the loss and gradient do not depend on A or on the mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding
+
+from dspark_jax import sharding as shard_lib
+from dspark_jax.config import DraftConfig, LossConfig, TargetConfig
+from dspark_jax.data.online import target_features
+from dspark_jax.draft import model as draft_model
+from dspark_jax.train import batch as batch_lib
+from dspark_jax.train import loss as loss_lib
+from dspark_jax.train.optim import merge_params
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """step int32 []; params: trainable fp32 master weights; opt_state: optax state; rng uint32 [2]."""
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    rng: jax.Array
+
+
+def init_state(trainable: dict, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
+    params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), trainable)
+    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), jax.random.PRNGKey(seed))
+
+
+def state_shardings(state_shapes: TrainState, trainable_axes: dict, mesh: Mesh,
+                    optimizer: optax.GradientTransformation) -> TrainState:
+    """NamedShardings for a TrainState: params by logical axes, Adam moments like their params."""
+    rep = shard_lib.replicated(mesh)
+    p_sh = shard_lib.param_shardings(trainable_axes, mesh, state_shapes.params)
+    o_sh = optax.tree_map_params(optimizer, lambda _, s: s, state_shapes.opt_state, p_sh,
+                                 transform_non_params=lambda _: rep,
+                                 is_leaf=lambda x: isinstance(x, NamedSharding))
+    return TrainState(rep, p_sh, o_sh, rep)
+
+
+def batch_shardings(mesh: Mesh, batch_shapes: dict) -> dict:
+    """Shard dim 1 (rows of each micro-batch) over the batch mesh axes."""
+    def one(x):
+        spec = shard_lib.logical_to_spec((None, "batch") + (None,) * (len(x.shape) - 2))
+        return NamedSharding(mesh, spec)
+    return jax.tree.map(one, batch_shapes)
+
+
+def make_loss_terms(cfg: LossConfig):
+    def objective(sums):
+        obj = cfg.ce_weight * sums["ce"]
+        if "l1" in sums:
+            obj = obj + cfg.l1_weight * sums["l1"]
+        if "confidence" in sums:
+            obj = obj + cfg.confidence_weight * sums["confidence"]
+        return obj
+    return objective
+
+
+def build_train_step(draft_cfg: DraftConfig, loss_cfg: LossConfig, optimizer: optax.GradientTransformation,
+                     schedule: Callable, *, target_cfg: TargetConfig | None = None,
+                     compute_dtype=jnp.float32) -> Callable:
+    """Pure step(state, frozen, target_params, batch) -> (state, metrics). Online mode when
+    ``target_cfg`` is given (features computed from target_params), else cache mode."""
+    objective = make_loss_terms(loss_cfg)
+    g = draft_cfg.block_size
+
+    def step(state: TrainState, frozen: dict, target_params, batch: dict):
+        ids = batch["input_ids"]
+        a, bm, s = ids.shape
+        rng, k_anchor = jax.random.split(state.rng)
+        k_anchor = jax.random.fold_in(k_anchor, state.step)
+        flat_ids = ids.reshape(a * bm, s)
+        flat_lm = batch["loss_mask"].reshape(a * bm, s)
+        anchors, keep = batch_lib.sample_anchors(k_anchor, flat_lm, draft_cfg.num_anchors)
+        _, eval_mask, _ = batch_lib.block_targets(flat_ids, flat_lm, anchors, keep, g)
+        den = loss_lib.decay_weights(eval_mask, loss_cfg.loss_decay_gamma).sum() + loss_lib.EPS
+        anchors = anchors.reshape(a, bm, -1)
+        keep = keep.reshape(a, bm, -1)
+
+        def one(mb, anc, kp):
+            """(grads, sums) of one micro-batch; grads already divided by the global denominator."""
+            if target_cfg is not None:
+                feats, last = target_features(target_params, target_cfg, draft_cfg.target_layer_ids,
+                                              mb["input_ids"], compute_dtype)
+            else:
+                feats, last = mb["features"], mb["last_hidden"]
+
+            def loss_fn(tp):
+                fwd = draft_model.training_forward(
+                    merge_params(tp, frozen), draft_cfg, mb["input_ids"], feats, mb["loss_mask"], anc, kp,
+                    last, compute_dtype=compute_dtype)
+                sums = loss_lib.loss_sums(fwd, loss_cfg)
+                return objective(sums) / den, sums
+
+            (_, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+            return grads, sums
+
+        def micro(carry, xs):
+            grads, sums = one(*xs)
+            return jax.tree.map(jnp.add, carry, (grads, sums)), None
+
+        xs = ({k: v for k, v in batch.items() if k != "index"}, anchors, keep)
+        if a == 1:  # no accumulation loop to compile
+            grads, sums = one(*jax.tree.map(lambda x: x[0], xs))
+        else:
+            first = jax.tree.map(lambda x: x[0], xs)
+            zeros = jax.tree.map(lambda sd: jnp.zeros(sd.shape, sd.dtype), jax.eval_shape(one, *first))
+            (grads, sums), _ = jax.lax.scan(micro, zeros, xs)
+        loss, metrics = loss_lib.finalize(sums, loss_cfg)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        new_params = optax.apply_updates(state.params, updates)
+        finite = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
+        keep_new = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        new_state = TrainState(state.step + 1, keep_new(new_params, state.params),
+                               keep_new(opt_state, state.opt_state), rng)
+        metrics = dict(metrics, grad_norm=optax.tree.norm(grads), learning_rate=schedule(state.step),
+                       loss_weight=sums["weight"], tokens=flat_lm.sum(), finite=finite)
+        return new_state, metrics
+
+    return step
+
+
+FAST_COMPILE_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def jit_train_step(step: Callable, mesh: Mesh, state_sh: TrainState, frozen_sh, target_sh, batch_sh,
+                   fast_compile: bool = False):
+    """jax.jit with explicit in/out shardings; the state (arg 0) is donated."""
+    metrics_sh = shard_lib.replicated(mesh)
+    return jax.jit(step, in_shardings=(state_sh, frozen_sh, target_sh, batch_sh),
+                   out_shardings=(state_sh, metrics_sh), donate_argnums=(0,),
+                   compiler_options=FAST_COMPILE_OPTIONS if fast_compile else None)

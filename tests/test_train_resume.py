@@ -1,0 +1,101 @@
+"""Resume after SIGKILL equals an uninterrupted run; a NaN loss stops training cleanly."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from dspark_jax.convert.checkpoint import load_draft, load_target
+from dspark_jax.data.sample import sample_sequences, write_jsonl
+from dspark_jax.train.config import TrainConfig
+from dspark_jax.train.loop import NonFiniteLossError, train
+
+REPO = Path(__file__).resolve().parents[1]
+TARGET = REPO / "tests/fixtures/dspark_qwen3_tiny/target"
+DRAFT = dict(num_hidden_layers=1, target_layer_ids=(0, 2, 4), mask_token_id=511, num_anchors=4,
+             markov_rank=16)
+
+
+def tiny_config(tmp, data, **kw) -> TrainConfig:
+    base = dict(target=str(TARGET), data=str(data), output_dir=str(tmp / "run"), draft=DRAFT,
+                max_length=32, batch_size=8, steps=6, epochs=1, learning_rate=3e-3, warmup_ratio=0.0,
+                compute_dtype="float32", checkpoint_every=2, keep_checkpoints=2, export_format="jax",
+                progress=False, num_devices=1, mesh="data=1", async_checkpoint=True, fast_compile=True)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    cfg, params = load_target(TARGET)
+    path = tmp_path_factory.mktemp("data") / "seqs.jsonl"
+    write_jsonl(path, sample_sequences(params, cfg, 24, 32, seed=2))  # 3 batches/epoch: 6 steps = 2 epochs
+    return path
+
+
+def _run_cli(cfg: TrainConfig, tmp: Path, **overrides):
+    cfg_file = tmp / "cfg.py"
+    cfg_file.write_text(f"CONFIG = {cfg.to_dict()!r}\n")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
+               JAX_COMPILATION_CACHE_DIR=str(tmp / "jax_cache"),  # the resumed run reuses the compile
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    cmd = [sys.executable, "-m", "dspark_jax.cli", "train", "--config", str(cfg_file),
+           "--matmul-precision", "highest"] + [f"{k}={v}" for k, v in overrides.items()]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_resume_after_sigkill_matches_uninterrupted(data_file, tmp_path):
+    ref = train(tiny_config(tmp_path / "ref", data_file))
+    cfg = tiny_config(tmp_path / "killed", data_file)
+    first = _run_cli(cfg, tmp_path, kill_at_step=4)
+    assert first.returncode == -signal.SIGKILL, first.stderr[-2000:]
+    ckpts = sorted(int(p.name) for p in (Path(cfg.output_dir) / "checkpoints").iterdir() if p.name.isdigit())
+    assert ckpts == [2, 4]
+    assert not (Path(cfg.output_dir) / "export").exists()
+    second = _run_cli(cfg, tmp_path)
+    assert second.returncode == 0, second.stderr[-2000:]
+    summary = json.loads((Path(cfg.output_dir) / "summary.json").read_text())
+    assert summary["resumed_from"] == 4
+    _, params = load_draft(Path(cfg.output_dir) / "export")
+    flat_ref = dict(_flatten(ref["params"]))
+    for name, value in _flatten(params):
+        np.testing.assert_allclose(np.asarray(value), flat_ref[name], atol=1e-6, rtol=0, err_msg=name)
+    # data order: the last record of every step (the resumed run rewrites steps 5-6)
+    rows = {}
+    for line in (Path(cfg.output_dir) / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        rows[r["step"]] = r
+    assert [rows[s]["data"] for s in range(1, 7)] == [r["data"] for r in ref["history"]]
+    np.testing.assert_allclose([rows[s]["loss"] for s in range(1, 7)], [r["loss"] for r in ref["history"]],
+                               atol=1e-6, rtol=0)
+    # two epochs: every example seen once per epoch, in a different order
+    order = [i for s in range(1, 7) for i in rows[s]["data"]]
+    assert sorted(order[:24]) == list(range(24)) == sorted(order[24:]) and order[:24] != order[24:]
+
+
+def _flatten(tree, prefix=""):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _flatten(v, f"{prefix}/{k}")
+    else:
+        yield prefix, np.asarray(tree)
+
+
+def test_nan_loss_stops_with_clear_message_and_keeps_last_checkpoint(data_file, tmp_path):
+    cfg = tiny_config(tmp_path, data_file, learning_rate=1e30, checkpoint_every=1, async_checkpoint=False)
+    with pytest.raises(NonFiniteLossError, match=r"non-finite loss.*step 2.*Last good checkpoint: 1"):
+        train(cfg)
+    ckpt_dir = Path(cfg.output_dir) / "checkpoints"
+    steps = sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit())
+    assert steps == [1]
+    with ocp.CheckpointManager(ckpt_dir) as mgr:
+        restored = mgr.restore(1, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+    assert int(np.asarray(restored["state"]["step"] if isinstance(restored["state"], dict)
+                          else restored["state"].step)) == 1
+    assert not (Path(cfg.output_dir) / "export").exists()

@@ -94,3 +94,23 @@ def test_plan_cli(tmp_path, tiny_dir, capsys):
     assert set(report["programs"]) == {"cache", "decode"}
     assert "peak estimate" in capsys.readouterr().out
     assert cli.main(["plan", "--config", str(config), "--modes", "bogus"]) == 2
+
+
+@pytest.mark.parametrize("name", ["dspark_qwen3_4b", "dspark_qwen3_8b", "dspark_qwen3_14b", "dflash_qwen3_4b",
+                                  "dflash_qwen3_8b", "dflash_qwen3_14b", "dspark_qwen3_8b_production"])
+def test_full_size_configs_load(name):
+    from pathlib import Path
+
+    from dspark_jax.train.config import load_config
+    cfg = load_config(Path(__file__).parents[1] / "configs" / f"{name}.py")
+    target = presets.resolve_target(cfg.target)
+    draft = cfg.draft_config(target)
+    assert cfg.target in presets.TARGETS and draft.mask_token_id == presets.QWEN3_MASK_TOKEN_ID
+    mesh = sharding.parse_mesh_spec(cfg.mesh)
+    assert cfg.batch_size == 512 and cfg.batch_size // cfg.grad_accum == mesh["data"] * mesh["fsdp"] * mesh["tensor"]
+    if name.endswith("production"):
+        assert (draft.block_size, draft.num_hidden_layers) == (5, 3)
+    else:
+        kind = name.split("_")[0]
+        assert draft == presets.released_drafter(cfg.target, kind=kind)
+        assert (cfg.ce_weight, cfg.l1_weight) == ((0.1, 0.9) if kind == "dspark" else (1.0, 0.0))

@@ -187,8 +187,11 @@ def load_config(path, overrides=()) -> TrainConfig:
     if not isinstance(base, Mapping):
         raise ConfigError(f"config file {str(path)!r} must define CONFIG = dict(...)")
     merged = apply_overrides(base, overrides)
+    from dspark_jax.presets import TARGETS
     for name in PATH_FIELDS:
         value = merged.get(name)
+        if name in ("target", "tokenizer") and value in TARGETS and not Path(value).exists():
+            continue  # a preset / Hub name (e.g. "Qwen/Qwen3-4B"), not a path next to the config
         if value and not Path(value).is_absolute() and name in base and merged[name] == base[name]:
             merged[name] = str((path.parent / value).resolve())
     try:

@@ -282,6 +282,16 @@ def test_profile_sps_command(tmp_path, tiny_dir):
     assert table.batch_sizes == (1, 3) and all(s > 0 for s in table.sps)
     assert table.meta["cache_length"] == 8 and table.meta["model"]["num_hidden_layers"] == 6
     assert main(["profile-sps", "--target", str(tiny_dir / "target"), "--out", str(out)]) == 2
+    # default fit: convex latency, raw measurements kept; --fit none stores them as they are
+    assert table.meta["fit"] == "convex" and table.interp == "latency" and len(table.meta["raw_sps"]) == 2
+    assert table.fitted("convex") == table
+    raw_out = tmp_path / "raw.json"
+    assert main(["profile-sps", "--target", str(tiny_dir / "target"), "--out", str(raw_out),
+                 "--batch-sizes", "2", "--cache-length", "8", "--iters", "1", "--repeats", "2",
+                 "--min-seconds", "0", "--warmup", "1", "--fit", "none"]) == 0
+    raw = S.SPSTable.load(raw_out)
+    assert raw.meta["fit"] == "none" and raw.interp == "sps" and list(raw.sps) == raw.meta["raw_sps"]
+    assert raw.batch_sizes == (2,) and raw.meta["repeats"] == 2
 
 
 def test_isotonic_fit():
@@ -290,3 +300,119 @@ def test_isotonic_fit():
     y = np.random.default_rng(0).normal(size=30)
     fit = isotonic_decreasing(y)
     assert np.all(np.diff(fit) <= 1e-12) and fit.sum() == pytest.approx(y.sum())
+
+
+# ---------------------------------------------------------------- fitted SPS curves
+
+
+def _noisy_table(seed, n_max=40):
+    """A roofline latency (flat, then linear) with multiplicative noise and a few false cliffs."""
+    rng = np.random.default_rng(seed)
+    sizes = np.array(sorted(set(np.r_[np.arange(1, 13), rng.integers(13, n_max + 1, 8)])))
+    flat, slope = rng.uniform(0.5, 2.0), rng.uniform(0.02, 0.3)
+    lat = np.maximum(flat, slope * sizes) * rng.lognormal(0.0, 0.25, sizes.size)
+    lat[rng.choice(sizes.size, 3, replace=False)] *= 3.0  # contention spikes
+    return sizes, 1.0 / lat
+
+
+def _is_convex_nondecreasing(lat, tol=1e-9):
+    d = np.diff(lat)
+    return np.all(d >= -tol * lat[1:]) and np.all(np.diff(d) >= -tol * lat[2:])
+
+
+@pytest.mark.parametrize("method", ["linear", "convex"])
+def test_fit_gives_convex_nondecreasing_latency(method):
+    for seed in range(6):
+        sizes, sps = _noisy_table(seed)
+        table = S.fit_sps(sizes, sps, method, meta={"device": "x"})
+        assert table.interp == "latency" and table.meta["fit"] == method and table.meta["device"] == "x"
+        np.testing.assert_allclose(table.meta["raw_sps"], sps)
+        b = np.arange(1, 3 * sizes[-1])  # inside the measured range and extrapolated past it
+        assert _is_convex_nondecreasing(table.latency(b)), (seed, table.latency(b))
+        # the fit follows the data: median relative error small despite the spikes
+        rel = np.abs(table.latency(sizes) * sps - 1.0)
+        assert np.median(rel) < 0.35
+
+
+def test_fit_recovers_linear_latency_and_other_methods():
+    sizes = np.array([1, 2, 3, 4, 6, 8, 12, 16, 24, 32])
+    true = 0.8 + 0.05 * sizes
+    noisy = true * np.random.default_rng(1).lognormal(0, 0.03, sizes.size)  # noise within +-4%
+    for method in ("linear", "convex"):
+        t = S.fit_sps(sizes, 1.0 / noisy, method)
+        np.testing.assert_allclose(t.latency(sizes), true, rtol=0.06)
+    t = S.fit_sps(sizes, 1.0 / true, "linear")
+    np.testing.assert_allclose(t.latency(np.arange(1, 33)), 0.8 + 0.05 * np.arange(1, 33), rtol=1e-6)
+    # past the largest size: never more optimistic than a constant token rate (2.4 s / 32 tokens)
+    np.testing.assert_allclose(t.latency([40, 64]), [2.4 + 8 * 0.075, 4.8], rtol=1e-6)
+    jag = (10.0, 9.9, 11.0, 6.0, 5.9)
+    none = S.fit_sps((1, 2, 3, 4, 5), jag, "none")
+    assert none.sps == jag and none.interp == "sps"
+    mono = S.fit_sps((1, 2, 3, 4, 5), jag, "monotone")
+    assert mono.sps[0] == mono.sps[1] == mono.sps[2] == pytest.approx(10.3) and mono.interp == "sps"
+    with pytest.raises(ConfigError, match="fit"):
+        S.fit_sps((1, 2), (1.0, 0.5), "cubic")
+
+
+def test_fitted_table_json_roundtrip_and_refit_on_load(tmp_path):
+    sizes, sps = _noisy_table(11)
+    raw = S.fit_sps(sizes, sps, "none", meta={"device": "cpu"})
+    path = tmp_path / "raw.json"
+    raw.save(path)
+    assert S.SPSTable.load(path) == raw
+    conv = S.SPSTable.load(path, fit="convex")
+    assert conv == S.fit_sps(sizes, sps, "convex") and conv != raw
+    assert conv.meta["device"] == "cpu" and conv.meta["fit"] == "convex"
+    conv.save(tmp_path / "conv.json")
+    again = S.SPSTable.load(tmp_path / "conv.json")
+    assert again == conv and hash(again) == hash(conv) and again.interp == "latency"
+    # refitting a fitted table starts from its raw measurements, not from the fit
+    assert again.fitted("none") == raw and again.fitted("convex") == conv
+    with pytest.raises(ConfigError, match="fit"):
+        S.SPSTable.load(path, fit="spline")
+    with pytest.raises(ConfigError, match="interp"):
+        S.SPSTable((1,), (1.0,), interp="cubic")
+
+
+@jax.jit
+def _early_stop_traced(conf, active, dense):
+    """``schedule(.., "early_stop")`` with the SPS lookup traced (one compile per shape, not per table)."""
+    rank, valid, theta = S.greedy_path(conf, active, dense)
+    return jnp.where(active, S.lengths_from_rank(rank, S.count_early_stop(valid, theta)), 0)
+
+
+@pytest.mark.parametrize("method", ["linear", "convex"])
+def test_algorithm1_equals_brute_force_on_fitted_curves(method):
+    """On a fitted (convex non-decreasing latency) curve Theta is unimodal along the admission
+    path for ANY confidences, so the early stop finds the global optimum: no filtering here."""
+    rng = np.random.default_rng(5)
+    for seed, shape in [(0, (1, 4)), (1, (2, 3)), (2, (3, 2)), (3, (3, 3)), (4, (2, 3))]:
+        sizes, sps = _noisy_table(seed, n_max=16)
+        table = S.fit_sps(sizes, sps * 100, method)
+        dense = jnp.asarray(table.dense(shape[0] * (shape[1] + 1) + 1))
+        if seed == 0:  # the traced helper is the same computation as the public entry point
+            conf = jnp.asarray(rng.uniform(0.3, 1.0, shape), jnp.float32)
+            np.testing.assert_array_equal(_early_stop_traced(conf, jnp.ones(shape[0], bool), dense),
+                                          _schedule(conf, jnp.ones(shape[0], bool), table, "early_stop"))
+        for _ in range(12):
+            conf = rng.uniform(0.02, 1.0, shape)
+            conf = np.where(rng.random(shape) < 0.4, rng.uniform(0.9, 1.0, shape), conf).astype(np.float32)
+            active = rng.random(shape[0]) < 0.85
+            active[0] = True
+            assert is_unimodal(path_thetas(conf, active, table))
+            lengths = np.asarray(_early_stop_traced(jnp.asarray(conf), jnp.asarray(active), dense))
+            best, _ = brute_force(conf, active, table)
+            assert S.expected_throughput(conf, active, lengths, table) == pytest.approx(best, rel=1e-5)
+            assert np.all(lengths[~active] == 0)
+
+
+def test_raw_noisy_curve_can_trap_the_early_stop():
+    """Why fitting matters: on a raw curve with a false cliff Algorithm 1 stops at the cliff."""
+    table = S.SPSTable((1, 2, 3, 4, 5), (100.0, 40.0, 95.0, 93.0, 91.0))  # spike at B = 2
+    conf = jnp.asarray([[0.99, 0.99, 0.99, 0.99]], jnp.float32)
+    active = jnp.ones(1, bool)
+    assert int(_schedule(conf, active, table, "early_stop")[0]) == 0
+    best, best_l = brute_force(np.asarray(conf), np.array([True]), table)
+    assert best_l[0] == 4
+    fitted = table.fitted("convex")
+    assert int(_schedule(conf, active, fitted, "early_stop")[0]) == 4

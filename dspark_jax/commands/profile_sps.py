@@ -29,9 +29,15 @@ def register(subparsers) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per size after compiling")
     p.add_argument("--iters", type=int, default=5, help="minimum timed calls per size")
     p.add_argument("--min-seconds", type=float, default=0.2, help="minimum timed seconds per size")
-    p.add_argument("--repeats", type=int, default=3, help="timed chunks per size; the fastest counts")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed chunks per size, in round-robin passes over all sizes; the fastest counts")
     p.add_argument("--monotone", action="store_true",
                    help="store the non-increasing (isotonic) fit of the measurements (raw kept in meta)")
+    p.add_argument("--fit", choices=("none", "monotone", "linear", "convex"), default="convex",
+                   help="curve stored from the measurements (raw always kept in meta.raw_sps): "
+                        "convex (default) = non-decreasing convex piecewise-linear latency 1/SPS, "
+                        "the roofline shape, on which the scheduler's early stop is exact; "
+                        "linear = latency a + b*B; monotone = isotonic SPS; none = raw")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="cast the target params (default: as stored)")
     p.add_argument("--force", action="store_true", help="overwrite --out")
@@ -71,7 +77,7 @@ def run(args) -> int:
 
     table = profile.measure_sps(cfg, params, sizes, args.cache_length, layout=args.layout,
                                 warmup=args.warmup, iters=args.iters, min_seconds=args.min_seconds,
-                                repeats=args.repeats, monotone=args.monotone,
+                                repeats=args.repeats, monotone=args.monotone, fit=args.fit,
                                 meta={"target": str(args.target)}, progress=progress)
     bar.close()
     table.save(out, force=args.force)

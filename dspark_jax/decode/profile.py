@@ -8,12 +8,15 @@ position (what rejection sampling reads), jitted with the cache donated. Layouts
   ``cache_length`` (B tokens spread over B requests: the memory-bound, pessimistic case);
 - ``"block"``: one row of B tokens over one cache (compute-bound, optimistic).
 
-Each batch size compiles once, runs ``warmup`` untimed calls, then ``repeats`` timed chunks
-of at least ``iters`` calls and ``min_seconds``; SPS = calls / seconds of the fastest chunk
-(other processes only ever slow a chunk down). With ``monotone`` the stored curve is the
-isotonic (non-increasing) least-squares fit of the measurements (raw values kept in
-``meta["raw_sps"]``): more verification tokens are never faster, so upward/downward timing
-noise would otherwise create false SPS cliffs that trap the early-stopping scheduler.
+Each batch size compiles once and runs ``warmup`` untimed calls; then ``repeats`` passes go
+round-robin over all sizes, each pass timing one chunk of at least ``iters`` calls and
+``min_seconds`` per size. SPS = calls / seconds of the fastest chunk of each size (other
+processes only ever slow a chunk down), and interleaving the passes spreads a busy spell of
+the machine over all sizes instead of carving a false cliff into a few neighbouring ones.
+
+``fit`` (see ``dspark_jax.decode.scheduler``, default ``"convex"``) turns the measurements
+into the stored curve: ``none``, ``monotone`` (isotonic SPS), ``linear`` (latency a + b*B) or
+``convex`` (non-decreasing convex piecewise-linear latency). Raw values: ``meta["raw_sps"]``.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.config import TargetConfig
-from dspark_jax.decode.scheduler import SPSTable
+from dspark_jax.decode.scheduler import DEFAULT_FIT, FITS, SPSTable, fit_sps, isotonic_decreasing  # noqa: F401
 from dspark_jax.errors import InputError
 from dspark_jax.target import qwen3
 
@@ -44,18 +47,6 @@ def default_batch_sizes(max_batch: int, dense_up_to: int = 16, growth: float = 1
         b = min(max_batch, max(b + 1, int(round(b * growth))))
         sizes.append(b)
     return sizes
-
-
-def isotonic_decreasing(y: Sequence[float]) -> np.ndarray:
-    """Least-squares non-increasing fit of ``y`` (pool-adjacent-violators)."""
-    blocks: list[list[float]] = []  # [mean, weight]
-    for v in np.asarray(y, np.float64):
-        blocks.append([v, 1.0])
-        while len(blocks) > 1 and blocks[-2][0] < blocks[-1][0]:
-            m2, w2 = blocks.pop()
-            m1, w1 = blocks.pop()
-            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2])
-    return np.concatenate([np.full(int(w), m) for m, w in blocks])
 
 
 def _verify_fn(config: TargetConfig, compute_dtype):
@@ -78,13 +69,23 @@ def measure_sps(
     iters: int = 5,
     min_seconds: float = 0.2,
     repeats: int = 3,
-    monotone: bool = False,
+    fit: str = DEFAULT_FIT,
+    monotone: bool | None = None,
     cache_dtype=None,
     compute_dtype=None,
     meta: dict | None = None,
     progress: Callable[[int, float], None] | None = None,
 ) -> SPSTable:
-    """SPS table for ``batch_sizes`` (verification tokens per forward) at ``cache_length``."""
+    """SPS table for ``batch_sizes`` (verification tokens per forward) at ``cache_length``.
+
+    ``fit``: one of ``none|monotone|linear|convex``; ``monotone=True`` (legacy flag) means
+    ``fit="monotone"``, ``monotone=False`` leaves ``fit`` as given. ``progress(B, sps)`` is
+    called once per size after the last pass.
+    """
+    if monotone:
+        fit = "monotone"
+    if fit not in FITS:
+        raise InputError(f"fit must be one of {FITS}, got {fit!r}")
     if layout not in LAYOUTS:
         raise InputError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     sizes = sorted(set(int(b) for b in batch_sizes))
@@ -98,7 +99,7 @@ def measure_sps(
     dtype = cache_dtype or params["embed_tokens"].dtype
     verify = _verify_fn(config, compute_dtype)
     rng = np.random.default_rng(0)
-    sps = []
+    state = []  # per size: [cache, tokens]
     for b in sizes:
         rows, t = (b, 1) if layout == "rows" else (1, b)
         cache = qwen3.init_cache(config, rows, cache_length + t, dtype)
@@ -107,8 +108,10 @@ def measure_sps(
         for _ in range(warmup):
             out, cache = verify(params, cache, tokens)
         jax.block_until_ready((out, cache))
-        best = 0.0
-        for _ in range(max(repeats, 1)):
+        state.append([cache, tokens])
+    best = np.zeros(len(sizes))
+    for _ in range(max(repeats, 1)):
+        for i, (cache, tokens) in enumerate(state):
             calls, t0 = 0, time.perf_counter()
             while True:
                 out, cache = verify(params, cache, tokens)
@@ -118,11 +121,12 @@ def measure_sps(
                     elapsed = time.perf_counter() - t0
                     if elapsed >= min_seconds:
                         break
-            best = max(best, calls / elapsed)
-        sps.append(best)
-        del cache
-        if progress is not None:
-            progress(b, sps[-1])
+            state[i][0] = cache
+            best[i] = max(best[i], calls / elapsed)
+    del state
+    if progress is not None:
+        for b, v in zip(sizes, best):
+            progress(b, float(v))
     dev = jax.devices()[0]
     info = {
         "device": f"{dev.platform}:{getattr(dev, 'device_kind', '')}",
@@ -131,12 +135,10 @@ def measure_sps(
         "layout": layout,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "warmup": warmup, "iters": iters, "min_seconds": min_seconds, "repeats": repeats,
-        "monotone": monotone, "raw_sps": [float(x) for x in sps],
         "dtype": str(np.dtype(dtype)),
         "model": {"num_hidden_layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
                   "vocab_size": config.vocab_size, "num_attention_heads": config.num_attention_heads,
                   "num_key_value_heads": config.num_key_value_heads},
         **(meta or {}),
     }
-    values = isotonic_decreasing(sps) if monotone else np.asarray(sps)
-    return SPSTable(tuple(sizes), tuple(float(v) for v in values), meta=info)
+    return fit_sps(sizes, best, fit, meta=info)

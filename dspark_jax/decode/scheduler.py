@@ -25,8 +25,29 @@ hashable, pure, ``init_state(batch, block) -> state``,
   search of Appendix A: NOT lossless, provided only to demonstrate the counterexample.
 
 SPS tables (:class:`SPSTable`) are measured by ``dspark_jax.decode.profile`` and stored as
-JSON; lookups interpolate linearly between measured batch sizes, clamp below the smallest,
-and beyond the largest assume a constant token rate (``SPS(B) = SPS(Bmax) * Bmax / B``).
+JSON. A raw table (``interp="sps"``) interpolates SPS linearly between measured batch sizes,
+clamps below the smallest and beyond the largest assumes a constant token rate
+(``SPS(B) = SPS(Bmax) * Bmax / B``).
+
+Fitted tables (:func:`fit_sps`, :meth:`SPSTable.fitted`). A measured SPS curve is a latency
+curve ``L(B) = 1 / SPS(B)``: physically non-decreasing in B and, for a roofline-limited
+forward (flat while memory-bound, then linear in B), convex and piecewise linear. Timing
+noise on a shared machine breaks both, and a single false cliff stops Algorithm 1 before it
+admits anything. Fits (raw values always kept in ``meta["raw_sps"]``):
+
+- ``none``: the measurements as they are;
+- ``monotone``: isotonic (non-increasing) least-squares fit of SPS at the measured sizes;
+- ``linear``: ``L(B) = alpha + beta * B`` (alpha, beta >= 0), relative least squares;
+- ``convex`` (default of ``profile-sps``): the non-decreasing convex piecewise-linear ``L``
+  with knots at the measured sizes closest in relative least squares (NNLS on a hinge basis).
+
+``linear`` and ``convex`` tables interpolate *latency* linearly between sizes
+(``interp="latency"``) and extrapolate past the largest with slope
+``max(last segment slope, L(Bmax) / Bmax)``, so ``L`` is convex and non-decreasing for every
+integer B. Then ``tau(n) / L(R + n)`` along the admission path (tau concave, L convex) is
+quasi-concave, hence unimodal, and the early-stopping Algorithm 1 returns the global optimum
+over all ``l in {0..G}^R`` (tested against brute force). Fitting never affects losslessness:
+that comes from the early stop / the delayed capacity, for any curve.
 """
 
 from __future__ import annotations
@@ -36,7 +57,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +66,9 @@ import numpy as np
 from dspark_jax.errors import ConfigError, InputError
 
 SPS_FORMAT = "dspark-jax/sps-table/v1"
+FITS = ("none", "monotone", "linear", "convex")
+DEFAULT_FIT = "convex"
+INTERPS = ("sps", "latency")
 
 
 # ----------------------------------------------------------------------------- SPS table
@@ -55,13 +79,16 @@ class SPSTable:
     """Target verification steps per second vs verification tokens per forward.
 
     ``batch_sizes``: strictly increasing positive ints; ``sps``: positive floats (same length).
-    ``meta`` (device, model, cache length, date, ...) is carried along but not hashed/compared,
-    so two tables with the same curve are the same static jit argument.
+    ``interp``: ``"sps"`` (interpolate SPS linearly; raw tables) or ``"latency"`` (interpolate
+    1/SPS linearly, extrapolate with a non-decreasing slope; fitted tables, see module doc).
+    ``meta`` (device, model, cache length, date, fit, raw_sps, ...) is carried along but not
+    hashed/compared, so two tables with the same curve are the same static jit argument.
     """
 
     batch_sizes: tuple[int, ...]
     sps: tuple[float, ...]
     meta: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False, hash=False)
+    interp: str = "sps"
 
     def __post_init__(self):
         bs = tuple(int(b) for b in self.batch_sizes)
@@ -77,6 +104,8 @@ class SPSTable:
         bad = [s for s in sps if not (np.isfinite(s) and s > 0)]
         if bad:
             raise ConfigError(f"SPSTable.sps values must be finite and > 0, got {bad[:3]}")
+        if self.interp not in INTERPS:
+            raise ConfigError(f"SPSTable.interp must be one of {INTERPS}, got {self.interp!r}")
 
     @property
     def max_batch(self) -> int:
@@ -87,6 +116,13 @@ class SPSTable:
         b = np.asarray(b, np.float64)
         xs = np.asarray(self.batch_sizes, np.float64)
         ys = np.asarray(self.sps, np.float64)
+        if self.interp == "latency":
+            lat = 1.0 / ys
+            slope = lat[-1] / xs[-1]
+            if len(xs) > 1:
+                slope = max(slope, (lat[-1] - lat[-2]) / (xs[-1] - xs[-2]))
+            lb = np.where(b > xs[-1], lat[-1] + slope * (b - xs[-1]), np.interp(b, xs, lat))
+            return 1.0 / lb
         inside = np.interp(b, xs, ys)
         beyond = ys[-1] * xs[-1] / np.maximum(b, 1.0)
         return np.where(b > xs[-1], beyond, inside)
@@ -98,8 +134,19 @@ class SPSTable:
 
     # --- JSON
 
+    def latency(self, b) -> np.ndarray:
+        """Seconds per verification forward at token counts ``b`` (``1 / SPS``)."""
+        return 1.0 / self(b)
+
+    def fitted(self, method: str = DEFAULT_FIT) -> "SPSTable":
+        """This table refitted with ``method`` (one of :data:`FITS`) from its raw measurements
+        (``meta["raw_sps"]`` when present, else its own values)."""
+        raw = self.meta.get("raw_sps")
+        raw = self.sps if raw is None or len(raw) != len(self.sps) else raw
+        return fit_sps(self.batch_sizes, raw, method, meta=self.meta)
+
     def to_json(self) -> dict:
-        return {"format": SPS_FORMAT, **dict(self.meta),
+        return {"format": SPS_FORMAT, **dict(self.meta), "interp": self.interp,
                 "batch_sizes": list(self.batch_sizes), "sps": list(self.sps)}
 
     @classmethod
@@ -112,16 +159,24 @@ class SPSTable:
         fmt = obj.get("format", SPS_FORMAT)
         if fmt != SPS_FORMAT:
             raise InputError(f"{where}: unknown format {fmt!r} (expected {SPS_FORMAT!r})")
-        meta = {k: v for k, v in obj.items() if k not in ("batch_sizes", "sps", "format")}
+        meta = {k: v for k, v in obj.items() if k not in ("batch_sizes", "sps", "format", "interp")}
         try:
-            return cls(tuple(obj["batch_sizes"]), tuple(obj["sps"]), meta)
+            return cls(tuple(obj["batch_sizes"]), tuple(obj["sps"]), meta, obj.get("interp", "sps"))
         except (TypeError, ValueError) as e:
             if isinstance(e, ConfigError):
                 raise InputError(f"{where}: {e}") from None
             raise InputError(f"{where}: bad values ({e})") from None
 
     @classmethod
-    def load(cls, path) -> "SPSTable":
+    def load(cls, path, fit: str | None = None) -> "SPSTable":
+        """Read a table; with ``fit`` (one of :data:`FITS`) refit it from its raw measurements."""
+        if fit is not None and fit not in FITS:
+            raise ConfigError(f"SPS fit must be one of {FITS}, got {fit!r}")
+        table = cls._load(path)
+        return table if fit is None else table.fitted(fit)
+
+    @classmethod
+    def _load(cls, path) -> "SPSTable":
         path = Path(path)
         if not path.is_file():
             raise InputError(f"SPS table {str(path)!r} does not exist (run `dspark-jax profile-sps`)")
@@ -136,6 +191,57 @@ class SPSTable:
         atomic_write_text(path, json.dumps(self.to_json(), indent=1) + "\n", force=force)
 
 
+def isotonic_decreasing(y: Sequence[float], w: Sequence[float] | None = None) -> np.ndarray:
+    """(Weighted) least-squares non-increasing fit of ``y`` [N] (pool-adjacent-violators)."""
+    y = np.asarray(y, np.float64)
+    w = np.ones_like(y) if w is None else np.asarray(w, np.float64)
+    blocks: list[list[float]] = []  # [mean, weight, count]
+    for v, wi in zip(y, w):
+        blocks.append([v, wi, 1])
+        while len(blocks) > 1 and blocks[-2][0] < blocks[-1][0]:
+            m2, w2, n2 = blocks.pop()
+            m1, w1, n1 = blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+    return np.concatenate([np.full(n, m) for m, _, n in blocks])
+
+
+def _fit_latency(x: np.ndarray, lat: np.ndarray, method: str) -> np.ndarray:
+    """Fitted latencies at ``x`` [N]: relative (1/lat weighted) NNLS on a hinge basis."""
+    from scipy.optimize import nnls
+
+    if method == "linear":
+        basis = np.stack([np.ones_like(x), x - x[0]], axis=1)
+    else:  # convex: alpha + sum_k d_k * max(0, x - x_k), every d_k >= 0 (slopes non-decreasing)
+        basis = np.concatenate([np.ones_like(x)[:, None],
+                                np.maximum(0.0, x[:, None] - x[None, :-1])], axis=1)
+    w = 1.0 / lat
+    coef, _ = nnls(basis * w[:, None], lat * w, maxiter=50 * basis.shape[1])
+    fit = basis @ coef
+    return np.maximum(fit, lat.min() * 1e-3)  # alpha = 0 with an all-zero-slope start: stay > 0
+
+
+def fit_sps(batch_sizes: Sequence[int], sps: Sequence[float], method: str = DEFAULT_FIT,
+            meta: Mapping[str, Any] | None = None) -> SPSTable:
+    """An :class:`SPSTable` fitted to raw measurements ``sps`` [N] at ``batch_sizes`` [N].
+
+    ``method``: ``none`` | ``monotone`` | ``linear`` | ``convex`` (module doc). The raw
+    values and the method are recorded in ``meta["raw_sps"]`` / ``meta["fit"]``.
+    """
+    if method not in FITS:
+        raise ConfigError(f"SPS fit must be one of {FITS}, got {method!r}")
+    raw = SPSTable(tuple(batch_sizes), tuple(sps))  # validates sizes and values
+    meta = {**dict(meta or {}), "fit": method, "raw_sps": [float(v) for v in raw.sps]}
+    meta.pop("monotone", None)
+    x = np.asarray(raw.batch_sizes, np.float64)
+    y = np.asarray(raw.sps, np.float64)
+    if method == "none":
+        return SPSTable(raw.batch_sizes, raw.sps, meta)
+    if method == "monotone":
+        return SPSTable(raw.batch_sizes, tuple(isotonic_decreasing(y)), meta)
+    lat = _fit_latency(x, 1.0 / y, method)
+    return SPSTable(raw.batch_sizes, tuple(1.0 / lat), meta, interp="latency")
+
+
 def atomic_write_text(path, text: str, force: bool = False) -> None:
     path = Path(path)
     if path.exists() and not force:
@@ -143,6 +249,7 @@ def atomic_write_text(path, text: str, force: bool = False) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a table is a shareable artefact
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, path)

@@ -1,0 +1,530 @@
+"""Pretrain the embedded default target: a tiny byte-level Qwen3 LM on the Python standard library.
+
+Every machine with Python has the training text: the standard library's own
+``.py`` files (``sysconfig.get_paths()["stdlib"]``, without ``site-packages``
+and test suites). A deterministic ~5% of the files (by a salted hash of their
+relative path) is held out; the checkpoint's ``pretrain_metadata.json`` lists
+them, with the command, seed, config and the losses reached (bits per byte).
+
+Training sequences are random windows of the concatenated files
+(``<|bos|> bytes <|eos|>`` per file); a fraction is rendered in the minimal
+chat format (``<|bos|><|user|>prefix<|end|><|assistant|>continuation``) so
+that chat-formatted prompts make the model continue the user's text.
+
+Output (written atomically, refused if present unless ``--force``): a
+Hugging Face / PyTorch directory that ``transformers.Qwen3ForCausalLM`` and
+``dspark_jax.convert.checkpoint.load_target`` both read::
+
+    config.json  model.safetensors  dspark_tokenizer.json  pretrain_metadata.json
+
+The shipped checkpoint's recipe has two stages (``--recipe default`` runs both):
+400 steps of 16 x 256 tokens from scratch, then 150 steps of 8 x 512 tokens
+continuing from those weights (``--init-from``) so positions up to 512 are
+trained. Run ``python -m dspark_jax.embedded.pretrain --help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import platform
+import shutil
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from dspark_jax.config import TargetConfig
+from dspark_jax.errors import DSparkError, InputError
+from dspark_jax.tokenizer import ByteTokenizer
+
+HELDOUT_SALT = "dspark-default-heldout-v1"
+METADATA_FILE = "pretrain_metadata.json"
+_EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainConfig:
+    """Model size and optimisation budget. ``seq_len`` tokens per row, ``batch_size`` rows per step."""
+
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    max_position_embeddings: int = 1024
+    rope_theta: float = 10000.0
+    steps: int = 400
+    batch_size: int = 16
+    seq_len: int = 256
+    peak_lr: float = 4e-3
+    warmup_steps: int = 40
+    weight_decay: float = 0.1
+    chat_fraction: float = 0.2
+    heldout_fraction: float = 0.05
+    eval_windows: int = 64
+    eval_every: int = 100
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "max_position_embeddings", "steps",
+                     "batch_size", "seq_len", "eval_windows", "eval_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise InputError(f"pretrain: {name} must be a positive int, got {value!r}")
+        if self.seq_len > self.max_position_embeddings:
+            raise InputError(f"pretrain: seq_len={self.seq_len} exceeds "
+                             f"max_position_embeddings={self.max_position_embeddings}")
+        if not 0 <= self.chat_fraction <= 1:
+            raise InputError(f"pretrain: chat_fraction={self.chat_fraction} must be in [0, 1]")
+        if not 0 < self.heldout_fraction < 1:
+            raise InputError(f"pretrain: heldout_fraction={self.heldout_fraction} must be in (0, 1)")
+        if self.warmup_steps < 0 or self.warmup_steps >= self.steps:
+            raise InputError(f"pretrain: warmup_steps={self.warmup_steps} must be in [0, steps={self.steps})")
+
+    def target_config(self, vocab_size: int) -> TargetConfig:
+        return TargetConfig(
+            vocab_size=vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim, rms_norm_eps=1e-6, rope_theta=self.rope_theta,
+            tie_word_embeddings=False, max_position_embeddings=self.max_position_embeddings)
+
+
+# ----------------------------------------------------------------------------- data
+def stdlib_dir() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_files(root: Path | None = None) -> list[str]:
+    """Sorted relative paths of the standard library's ``.py`` files (no tests, no site-packages)."""
+    root = Path(root) if root is not None else stdlib_dir()
+    if not root.is_dir():
+        raise InputError(f"standard library directory {str(root)!r} does not exist")
+    out = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root)
+        if _EXCLUDED_DIRS.intersection(rel.parts[:-1]) or not path.is_file():
+            continue
+        out.append(rel.as_posix())
+    return sorted(out)
+
+
+def split_files(rel_paths: Sequence[str], heldout_fraction: float,
+                salt: str = HELDOUT_SALT) -> tuple[list[str], list[str]]:
+    """Deterministic (train, held-out) split by a salted SHA-256 of each relative path."""
+    train, heldout = [], []
+    for rel in rel_paths:
+        h = int.from_bytes(hashlib.sha256(f"{salt}:{rel}".encode()).digest()[:8], "big")
+        (heldout if h / 2**64 < heldout_fraction else train).append(rel)
+    if not train or not heldout:
+        raise InputError(f"pretrain: the split of {len(rel_paths)} files left an empty side "
+                         f"(train {len(train)}, held-out {len(heldout)})")
+    return train, heldout
+
+
+def build_stream(root: Path, rel_paths: Sequence[str], tok: ByteTokenizer) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenate ``<|bos|> bytes <|eos|>`` per file -> (stream [N] int32, doc_starts [F] int64)."""
+    pieces, starts, pos = [], [], 0
+    for rel in rel_paths:
+        data = np.frombuffer((Path(root) / rel).read_bytes(), np.uint8).astype(np.int32)
+        doc = np.concatenate([[tok.bos_token_id], data, [tok.eos_token_id]]).astype(np.int32)
+        starts.append(pos)
+        pieces.append(doc)
+        pos += doc.size
+    return np.concatenate(pieces), np.asarray(starts, np.int64)
+
+
+def sample_batch(rng: np.random.Generator, stream: np.ndarray, doc_starts: np.ndarray,
+                 tok: ByteTokenizer, batch: int, seq_len: int, chat_fraction: float) -> np.ndarray:
+    """Random windows ``[batch, seq_len + 1]`` (inputs ``[:, :-1]``, labels ``[:, 1:]``).
+
+    A ``chat_fraction`` of rows reads ``<|bos|><|user|>P<|end|><|assistant|>C``
+    where P is 8..seq_len/2 bytes of one file and C the text that follows P.
+    """
+    n = seq_len + 1
+    out = np.empty((batch, n), np.int32)
+    user, end, assistant = (tok.token_to_id(t) for t in ("<|user|>", "<|end|>", "<|assistant|>"))
+    for b in range(batch):
+        if rng.random() < chat_fraction:
+            o = int(rng.integers(1, stream.size - n))
+            doc_start = int(doc_starts[np.searchsorted(doc_starts, o, side="right") - 1]) + 1
+            p = int(rng.integers(8, max(9, seq_len // 2)))
+            prompt = stream[max(doc_start, o - p):o]
+            head = np.concatenate([[tok.bos_token_id, user], prompt, [end, assistant]])
+            row = np.concatenate([head, stream[o:o + n]])[:n]
+        else:
+            o = int(rng.integers(0, stream.size - n))
+            row = stream[o:o + n]
+        out[b] = row
+    return out
+
+
+def eval_windows(stream: np.ndarray, count: int, seq_len: int) -> np.ndarray:
+    """``count`` evenly spaced plain windows ``[count, seq_len + 1]`` (deterministic)."""
+    n = seq_len + 1
+    if stream.size <= n:
+        raise InputError(f"pretrain: evaluation text has {stream.size} tokens, fewer than a window of {n}")
+    offsets = np.linspace(0, stream.size - n - 1, count).astype(np.int64)
+    return np.stack([stream[o:o + n] for o in offsets])
+
+
+def heldout_prompts(count: int, *, root: Path | None = None, max_bytes: int = 320,
+                    min_bytes: int = 64, seed: int = 0, heldout_fraction: float = 0.05) -> list[dict]:
+    """Prompts cut from held-out files: ``[{"turns": [text], "source": "rel/path.py:LINE"}]``.
+
+    Each text is whole consecutive lines (``min_bytes``..``max_bytes`` UTF-8
+    bytes) starting at a random line of a held-out file, in the reference's
+    eval JSONL record format. Deterministic for a given stdlib and ``seed``.
+    """
+    root = Path(root) if root is not None else stdlib_dir()
+    _, heldout = split_files(stdlib_files(root), heldout_fraction)
+    rng = np.random.default_rng(seed)
+    out: list[dict] = []
+    for attempt in range(50 * count):
+        if len(out) >= count:
+            break
+        rel = heldout[attempt % len(heldout)] if attempt < len(heldout) else heldout[int(rng.integers(len(heldout)))]
+        try:
+            lines = (root / rel).read_text(encoding="utf-8").splitlines(keepends=True)
+        except (OSError, UnicodeDecodeError):
+            continue
+        if len(lines) < 4:
+            continue
+        start = int(rng.integers(0, len(lines) - 2))
+        text, end = "", start
+        while end < len(lines) and len((text + lines[end]).encode()) <= max_bytes:
+            text += lines[end]
+            end += 1
+        if len(text.encode()) < min_bytes or not text.strip():
+            continue
+        out.append({"turns": [text], "source": f"{rel}:{start + 1}"})
+    return out
+
+
+# ------------------------------------------------------------------------- training
+def _make_fns(cfg: TargetConfig, pc: PretrainConfig):
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from dspark_jax.target import qwen3
+
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=pc.peak_lr, warmup_steps=pc.warmup_steps,
+        decay_steps=pc.steps, end_value=pc.peak_lr * 0.05)
+
+    def decay_mask(params):
+        def leaf_mask(path, _):
+            return not any("norm" in str(getattr(k, "key", k)) for k in path)
+        return jax.tree_util.tree_map_with_path(leaf_mask, params)
+
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=pc.weight_decay, mask=decay_mask))
+
+    def token_losses(params, windows):
+        """windows [B, T+1] -> per-token CE in nats [B, T]."""
+        hidden, _, _ = qwen3.forward(params, cfg, windows[:, :-1])
+        logits = qwen3.compute_logits(params, hidden)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, windows[:, 1:])
+
+    def loss_fn(params, windows):
+        return jnp.mean(token_losses(params, windows))
+
+    @jax.jit
+    def eval_bits(params, windows):
+        return jnp.mean(token_losses(params, windows)) / math.log(2.0)
+
+    def step(params, opt_state, windows):
+        loss, grads = jax.value_and_grad(loss_fn)(params, windows)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return optimizer, jax.jit(step, donate_argnums=(0, 1)), eval_bits
+
+
+def train(pc: PretrainConfig, *, root: Path | None = None, progress: bool = True,
+          max_train_files: int | None = None, init_params=None):
+    """Train from scratch, or continue from ``init_params`` (same model shape).
+
+    Returns (TargetConfig, numpy params, metadata dict).
+    """
+    import jax
+    from tqdm.auto import tqdm
+
+    from dspark_jax.target import qwen3
+
+    tok = ByteTokenizer()
+    root = Path(root) if root is not None else stdlib_dir()
+    files = stdlib_files(root)
+    train_files, heldout_files = split_files(files, pc.heldout_fraction)
+    if max_train_files is not None:
+        train_files = train_files[:max_train_files]
+    stream, doc_starts = build_stream(root, train_files, tok)
+    held_stream, _ = build_stream(root, heldout_files, tok)
+    train_eval = eval_windows(stream, pc.eval_windows, pc.seq_len)
+    held_eval = eval_windows(held_stream, pc.eval_windows, pc.seq_len)
+
+    cfg = pc.target_config(tok.vocab_size)
+    if init_params is None:
+        params = qwen3.init_params(cfg, jax.random.PRNGKey(pc.seed))
+    else:
+        params = jax.tree.map(lambda x: jax.numpy.asarray(x, jax.numpy.float32), init_params)
+    optimizer, step, eval_bits = _make_fns(cfg, pc)
+    opt_state = optimizer.init(params)
+    rng = np.random.default_rng(pc.seed)
+
+    history = []
+    t0 = time.perf_counter()
+    bar = tqdm(range(1, pc.steps + 1), desc="pretrain default target", disable=not progress,
+               unit="step", dynamic_ncols=True)
+    ema = None
+    for i in bar:
+        windows = sample_batch(rng, stream, doc_starts, tok, pc.batch_size, pc.seq_len, pc.chat_fraction)
+        params, opt_state, loss = step(params, opt_state, windows)
+        if i % 10 == 0 or i == pc.steps:
+            bits = float(loss) / math.log(2.0)
+            ema = bits if ema is None else 0.8 * ema + 0.2 * bits
+            bar.set_postfix(train_bpb=f"{ema:.3f}")
+        if i % pc.eval_every == 0 or i == pc.steps:
+            held = float(eval_bits(params, held_eval))
+            history.append({"step": i, "heldout_bits_per_byte": round(held, 4),
+                            "seconds": round(time.perf_counter() - t0, 1)})
+            bar.write(f"step {i}: held-out {held:.3f} bits/byte")
+    train_seconds = time.perf_counter() - t0
+    train_bpb = float(eval_bits(params, train_eval))
+    held_bpb = float(eval_bits(params, held_eval))
+    params = jax.tree.map(np.asarray, params)
+    n_params = int(sum(np.asarray(x).size for x in jax.tree.leaves(params)))
+    metadata = {
+        "description": "embedded default target of dspark-jax: byte-level Qwen3 LM trained on the "
+                       "Python standard library's .py files",
+        "pretrain_config": dataclasses.asdict(pc),
+        "num_parameters": n_params,
+        "train_bits_per_byte": round(train_bpb, 4),
+        "heldout_bits_per_byte": round(held_bpb, 4),
+        "bits_per_byte_note": f"mean next-token cross-entropy in bits over {pc.eval_windows} fixed "
+                              f"plain windows of {pc.seq_len} tokens (bytes plus rare <|bos|>/<|eos|>)",
+        "train_seconds": round(train_seconds, 1),
+        "history": history,
+        "tokens_seen": pc.steps * pc.batch_size * pc.seq_len,
+        "data": {
+            "stdlib_dir": str(root),
+            "python_version": platform.python_version(),
+            "heldout_salt": HELDOUT_SALT,
+            "num_train_files": len(train_files),
+            "train_bytes": int(stream.size),
+            "num_heldout_files": len(heldout_files),
+            "heldout_bytes": int(held_stream.size),
+            "heldout_files": heldout_files,
+        },
+        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
+                    "jax_backend": jax.default_backend(), "jax_version": jax.__version__},
+    }
+    return cfg, params, metadata
+
+
+# --------------------------------------------------------------------------- saving
+def save_checkpoint(out: Path, cfg: TargetConfig, params, metadata: dict, *, force: bool = False) -> Path:
+    """Write the HF/PyTorch directory atomically (temp dir next to ``out``, then rename)."""
+    from safetensors.numpy import save_file
+
+    from dspark_jax.convert import mapping
+
+    out = Path(out)
+    if out.exists() and not force:
+        raise InputError(f"output directory {str(out)!r} already exists; pass --force to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tok = ByteTokenizer()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes 0700; the checkpoint is a readable package asset
+        tensors = mapping.target_to_torch(cfg, jax_free_tree(params))
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        hf = cfg.to_hf()
+        hf.update({"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+                   "pad_token_id": tok.pad_token_id, "torch_dtype": "float32", "dtype": "float32",
+                   "use_cache": True})
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        tok.save(tmp)
+        (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
+        if out.exists():
+            trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, trash / out.name)
+            os.replace(tmp, out)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _load_init(directory: Path, pc: PretrainConfig):
+    """Params and the stage history of a checkpoint to continue from."""
+    from dspark_jax.convert.checkpoint import load_target
+
+    cfg, params = load_target(directory)
+    want = pc.target_config(ByteTokenizer().vocab_size)
+    if cfg != want:
+        raise InputError(f"--init-from {str(directory)!r}: its model shape {cfg} differs from the "
+                         f"requested {want}; pass the same size flags")
+    meta_path = directory / METADATA_FILE
+    previous = []
+    if meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        previous = list(meta.get("previous_stages", []))
+        previous.append({k: meta.get(k) for k in ("command", "pretrain_config", "train_bits_per_byte",
+                                                  "heldout_bits_per_byte", "train_seconds",
+                                                  "tokens_seen", "history")})
+    return jax_free_tree(params), previous
+
+
+def jax_free_tree(tree):
+    if isinstance(tree, dict):
+        return {k: jax_free_tree(v) for k, v in tree.items()}
+    return np.asarray(tree, np.float32)
+
+
+def run(out, pc: PretrainConfig, *, force: bool = False, progress: bool = True,
+        command: str | None = None, max_train_files: int | None = None, root: Path | None = None,
+        init_from=None) -> dict:
+    """Train and save. Returns the metadata (with ``command`` and ``output_dir``).
+
+    ``init_from``: a directory written by this module whose weights to continue
+    from (its model shape must match ``pc``); its metadata is kept under
+    ``"previous_stages"``.
+    """
+    out = Path(out)
+    if out.exists() and not force:  # fail before spending minutes on training
+        raise InputError(f"output directory {str(out)!r} already exists; pass --force to replace it")
+    init_params, previous = None, []
+    if init_from is not None:
+        init_params, previous = _load_init(Path(init_from), pc)
+    cfg, params, metadata = train(pc, root=root, progress=progress, max_train_files=max_train_files,
+                                  init_params=init_params)
+    if previous:
+        metadata["previous_stages"] = previous
+        metadata["train_seconds_all_stages"] = round(
+            metadata["train_seconds"] + sum(st.get("train_seconds", 0) for st in previous), 1)
+    metadata["command"] = command or f"python -m dspark_jax.embedded.pretrain --out {out} --steps {pc.steps} --seed {pc.seed}"
+    save_checkpoint(out, cfg, params, metadata, force=force)
+    metadata["output_dir"] = str(out)
+    return metadata
+
+
+# Stage 2 of the default recipe: continue at 512 tokens per row (context extension) with a lower LR.
+STAGE2_OVERRIDES = dict(seq_len=512, batch_size=8, steps=150, peak_lr=1e-3, warmup_steps=10, eval_every=50)
+STAGE2_FLAGS = "--seq-len 512 --batch-size 8 --steps 150 --lr 1e-3 --warmup-steps 10 --eval-every 50"
+
+
+def default_stages() -> list[PretrainConfig]:
+    """The shipped checkpoint's recipe: 400 steps at 256 tokens, then 150 at 512 tokens."""
+    base = PretrainConfig()
+    return [base, dataclasses.replace(base, **STAGE2_OVERRIDES)]
+
+
+def build_default(out, *, force: bool = False, progress: bool = True) -> dict:
+    """Run both stages of the default recipe into ``out`` (stage 1 in a temp dir beside it)."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise InputError(f"output directory {str(out)!r} already exists; pass --force to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    s1, s2 = default_stages()
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.stage1-", dir=out.parent))
+    try:
+        stage1 = work / "stage1"
+        run(stage1, s1, progress=progress, command=f"python -m dspark_jax.embedded.pretrain --out {stage1}")
+        return run(out, s2, force=force, progress=progress, init_from=stage1,
+                   command=f"python -m dspark_jax.embedded.pretrain --init-from {stage1} --out {out} "
+                           f"{STAGE2_FLAGS}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------ CLI
+def build_parser() -> argparse.ArgumentParser:
+    d = PretrainConfig()
+    p = argparse.ArgumentParser(
+        prog="python -m dspark_jax.embedded.pretrain",
+        description=(
+            "Train the embedded default target of dspark-jax from scratch: a tiny byte-level "
+            "Qwen3 LM on the Python standard library's own .py files (a deterministic ~5% of "
+            "files held out and listed in pretrain_metadata.json). Writes a Hugging Face / "
+            "PyTorch directory (config.json, model.safetensors, dspark_tokenizer.json, "
+            "pretrain_metadata.json) that transformers' Qwen3ForCausalLM and dspark-jax load. "
+            "The shipped checkpoint is `--recipe default`: these defaults (stage 1), then "
+            "--init-from the result with " + STAGE2_FLAGS + " (stage 2); about 10 minutes on "
+            "2 idle CPU cores."),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", required=True, help="output directory (must not exist unless --force)")
+    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed for init and batch sampling")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per step")
+    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens (bytes) per sequence")
+    p.add_argument("--lr", type=float, default=d.peak_lr, help="peak AdamW learning rate (warm-up + cosine)")
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="linear warm-up steps")
+    p.add_argument("--hidden-size", type=int, default=d.hidden_size, help="model width")
+    p.add_argument("--intermediate-size", type=int, default=d.intermediate_size, help="MLP width")
+    p.add_argument("--layers", type=int, default=d.num_hidden_layers, help="decoder layers")
+    p.add_argument("--heads", type=int, default=d.num_attention_heads, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=d.num_key_value_heads, help="key/value heads")
+    p.add_argument("--head-dim", type=int, default=d.head_dim, help="per-head width")
+    p.add_argument("--chat-fraction", type=float, default=d.chat_fraction,
+                   help="share of sequences in the <|user|>..<|assistant|> chat format")
+    p.add_argument("--eval-every", type=int, default=d.eval_every, help="held-out evaluation interval (steps)")
+    p.add_argument("--max-train-files", type=int, default=None,
+                   help="use only the first N training files (quick experiments and tests)")
+    p.add_argument("--recipe", choices=["default"], default=None,
+                   help="'default': run both stages of the shipped checkpoint's recipe (the defaults "
+                        "here, then " + STAGE2_FLAGS + " from its weights); other training flags are ignored")
+    p.add_argument("--init-from", default=None,
+                   help="continue training from this checkpoint directory (same model size flags)")
+    p.add_argument("--stdlib-dir", default=None,
+                   help="directory of .py files to train on (default: this Python's standard library)")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        pc = PretrainConfig(
+            hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
+            num_hidden_layers=args.layers, num_attention_heads=args.heads,
+            num_key_value_heads=args.kv_heads, head_dim=args.head_dim, steps=args.steps,
+            batch_size=args.batch_size, seq_len=args.seq_len, peak_lr=args.lr,
+            warmup_steps=min(args.warmup_steps, args.steps - 1), chat_fraction=args.chat_fraction,
+            eval_every=args.eval_every, seed=args.seed)
+        command = "python -m dspark_jax.embedded.pretrain " + " ".join(
+            sys.argv[1:] if argv is None else list(argv))
+        if args.recipe == "default":
+            meta = build_default(args.out, force=args.force, progress=not args.no_progress)
+        else:
+            meta = run(args.out, pc, force=args.force, progress=not args.no_progress, command=command,
+                       max_train_files=args.max_train_files, root=args.stdlib_dir,
+                       init_from=args.init_from)
+    except DSparkError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    summary = {k: meta[k] for k in ("output_dir", "num_parameters", "train_bits_per_byte",
+                                    "heldout_bits_per_byte", "train_seconds", "tokens_seen")}
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

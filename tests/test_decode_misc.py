@@ -106,20 +106,32 @@ def test_bad_input_raises_before_compiling(pair, fixture):
 
 
 def test_stop_tokens_match_reference_prefix(fixture):
+    """Every prompt (one batch of 8, sharing the parity test's compilation) stops at the first
+    occurrence of a token that first appears mid-stream (maybe among accepted drafts)."""
     tc, tp, dc, dp, ref = fixture
-    ref_out, ref_acc = ref["output_ids"][0], ref["acceptance_lengths"][0]
-    # stop at a token that first appears mid-stream (maybe among accepted drafts)
-    for stop in (ref_out[5], ref_out[20]):
-        cut = ref_out.index(stop)
-        (res,) = speculative_generate(tc, tp, dc, dp, ref["prompts"][:1], max_new_tokens=48,
-                                      stop_token_ids=[stop])
-        assert res.output_ids == ref_out[:cut + 1]
-        n = len(res.acceptance_lengths)
-        assert res.acceptance_lengths[:-1] == ref_acc[:n - 1]
-        assert 1 + sum(res.acceptance_lengths) == cut + 1
-    (ar,) = autoregressive_generate(tc, tp, ref["prompts"][:1], max_new_tokens=48,
-                                    stop_token_ids=[ref_out[20]])
-    assert ar.output_ids == ref_out[:ref_out.index(ref_out[20]) + 1]
+    n = len(ref["prompts"])
+    stopped = 0
+    for stop in (ref["output_ids"][0][5], ref["output_ids"][0][20]):
+        res = speculative_generate(tc, tp, dc, dp, ref["prompts"], max_new_tokens=48,
+                                   stop_token_ids=[stop], batch_size=n)
+        for i, r in enumerate(res):
+            ref_out, ref_acc = ref["output_ids"][i], ref["acceptance_lengths"][i]
+            if stop not in ref_out:
+                assert r.output_ids == ref_out and r.acceptance_lengths == ref_acc
+                continue
+            stopped += 1
+            cut = ref_out.index(stop)
+            assert r.output_ids == ref_out[:cut + 1]
+            k = len(r.acceptance_lengths)
+            assert r.acceptance_lengths[:-1] == ref_acc[:k - 1]
+            assert 1 + sum(r.acceptance_lengths) == cut + 1
+    assert stopped >= 2
+    stop = ref["output_ids"][0][20]
+    ar = autoregressive_generate(tc, tp, ref["prompts"], max_new_tokens=48, stop_token_ids=[stop],
+                                 batch_size=n)
+    for i, r in enumerate(ar):
+        ref_out = ref["output_ids"][i]
+        assert r.output_ids == (ref_out[:ref_out.index(stop) + 1] if stop in ref_out else ref_out)
 
 
 def test_autoregressive_greedy_matches_reference(fixture):
@@ -156,12 +168,12 @@ def test_rejection_sampler_rows_are_independent_and_ragged():
     drafts = jnp.array([[1, 2, 0], [1, 2, 3], [1, 2, 3]])
     lengths = jnp.array([3, 1, 3])
     stop = jnp.array([5, -1])
-    out = rejection_sample(jax.random.PRNGKey(0), tl, jnp.zeros((3, g, v)), drafts, lengths, 1.0,
-                           True, stop)
+    sample = jax.jit(rejection_sample, static_argnums=(6,))  # one compile, not op-by-op dispatch
+    out = sample(jax.random.PRNGKey(0), tl, jnp.zeros((3, g, v)), drafts, lengths, 1.0, True, stop)
     assert out.accepted.tolist() == [2, 1, 1]      # mismatch at 2; own length 1; mismatch at 1
     assert out.next_token.tolist() == [3, 2, 5]    # replacement, bonus at l=1, replacement
-    stop_out = rejection_sample(jax.random.PRNGKey(0), tl, jnp.zeros((3, g, v)), drafts, lengths,
-                                1.0, True, jnp.array([2, -1]))
+    stop_out = sample(jax.random.PRNGKey(0), tl, jnp.zeros((3, g, v)), drafts, lengths, 1.0, True,
+                      jnp.array([2, -1]))
     assert stop_out.stopped.tolist() == [True, False, False]
     assert stop_out.accepted.tolist() == [2, 1, 1] and stop_out.proposal_length.tolist() == [2, 1, 3]
 
@@ -170,14 +182,14 @@ def test_cli_generate_end_to_end(tiny_dir, tmp_path, capsys):
     ref = json.loads((tiny_dir / "decode_greedy.json").read_text())
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"id": i, "prompt_ids": p}) + "\n"
-                               for i, p in enumerate(ref["prompts"][:3])))
+                               for i, p in enumerate(ref["prompts"])))
     out = tmp_path / "out.jsonl"
     argv = ["generate", "--target", str(tiny_dir / "target"), "--draft", str(tiny_dir / "draft"),
             "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "48",
-            "--batch-size", "2", "--stop-token-ids"]
+            "--batch-size", "8", "--stop-token-ids"]  # batch 8: the parity test's compilation
     assert main(argv) == 0
     lines = [json.loads(x) for x in out.read_text().splitlines()]
-    assert [x["id"] for x in lines] == [0, 1, 2]
+    assert [x["id"] for x in lines] == list(range(len(ref["prompts"])))
     for i, x in enumerate(lines):
         assert x["output_ids"] == ref["output_ids"][i]
         assert x["acceptance_lengths"] == ref["acceptance_lengths"][i]
@@ -192,3 +204,37 @@ def test_cli_generate_end_to_end(tiny_dir, tmp_path, capsys):
     prompts.write_text(json.dumps({"prompt_ids": [1, 999]}) + "\n")
     assert main(argv + ["--force"]) == 2
     assert "vocabulary" in capsys.readouterr().err
+
+
+def test_cli_generate_applies_saved_sts_temperatures(fixture, tiny_dir, tmp_path, capsys):
+    """A drafter saved with extras {"sts_temperatures": [...]} gets them; the flag overrides."""
+    from dspark_jax.convert.checkpoint import save_draft
+
+    tc, tp, dc, dp, ref = fixture
+    g = dc.block_size
+    draft = save_draft(tmp_path / "draft", dc, dp, format="jax",
+                       extras={"sts_temperatures": [1e-3] * g})
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in ref["prompts"]))
+
+    def run(name, *extra):
+        out = tmp_path / name
+        assert main(["generate", "--target", str(tiny_dir / "target"), "--draft", str(draft),
+                     "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "48",
+                     "--batch-size", "8", "--stop-token-ids", "--verify", "threshold",
+                     "--confidence-threshold", "0.9", *extra]) == 0
+        return [json.loads(x) for x in out.read_text().splitlines()]
+
+    def expected(line, cut):  # longest prefix with every raw logit >= cut (not stopped early)
+        return [int(np.sum(np.cumprod(np.asarray(c) >= cut))) for c in line["confidence_logits"]]
+
+    saved = run("saved.jsonl")
+    assert "extras" in capsys.readouterr().err
+    flag = run("flag.jsonl", "--confidence-temperatures", *["1"] * g)
+    differ = 0
+    for i, (a, b) in enumerate(zip(saved, flag)):
+        assert a["output_ids"] == b["output_ids"] == ref["output_ids"][i]   # greedy: lossless
+        assert a["proposal_lengths"] == expected(a, 0.0)                    # sigmoid(x / 1e-3) >= 0.9
+        assert b["proposal_lengths"] == expected(b, float(np.log(0.9 / 0.1)))  # sigmoid(x) >= 0.9
+        differ += a["proposal_lengths"] != b["proposal_lengths"]
+    assert differ > 0

@@ -1,10 +1,10 @@
 """The prefix schedulers inside the real decode loop are lossless (statistical check).
 
 Reuses the decode loop's tiny target/drafter pair and exact-distribution helpers
-(dspark_jax.decode.testing): 10k requests in one batch, T = 1, the joint law of the
+(dspark_jax.decode.testing): 4k requests in one batch, T = 1, the joint law of the
 first 3 new tokens against the target's exact joint (chi-square). The SPS curve is
 chosen so that, at this batch size, the scheduler verifies a real mix of lengths.
-(The retrospective search's bias is diluted to nothing in a 10k-row global search, so it is
+(The retrospective search's bias is diluted to nothing in a 4k-row global search, so it is
 not caught here; the exact Appendix A test in test_scheduler.py covers it.)
 """
 
@@ -20,7 +20,7 @@ warnings.filterwarnings("ignore", message="Some donated buffers were not usable"
 
 PROMPT = [1, 6, 2]
 N_TOKENS = 3
-N = 10000
+N = 4000  # same batch as test_decode_lossless (shared prefill compile); power argument there
 # flat up to N tokens (one per request), then each extra verification token costs throughput
 SPS = S.SPSTable((1, N, 3 * N), (1.0, 1.0, 0.4))
 

@@ -41,7 +41,8 @@ def register(subparsers) -> None:
     p.add_argument("--confidence-threshold", type=float, default=None,
                    help="threshold C for --verify threshold (default 0.5)")
     p.add_argument("--confidence-temperatures", type=float, nargs="+", default=None, metavar="T",
-                   help="STS temperatures t_1..t_G applied as sigmoid(logit_k / t_k)")
+                   help="STS temperatures t_1..t_G applied as sigmoid(logit_k / t_k) (default: the "
+                        "drafter's saved extras['sts_temperatures'] from `calibrate`, else none)")
     p.add_argument("--sps", default=None, metavar="FILE", help="SPS table for scheduler policies")
     p.add_argument("--batch-size", type=int, default=1, help="requests decoded together (default 1)")
     p.add_argument("--seed", type=int, default=0, help="PRNG seed (runs are reproducible)")
@@ -68,7 +69,7 @@ def _default_stops(target_dir: Path) -> list[int]:
 def run(args) -> int:
     from tqdm import tqdm
 
-    from dspark_jax.convert.checkpoint import load_draft, load_target
+    from dspark_jax.convert.checkpoint import load_draft, load_target, read_extras
     from dspark_jax.data.prompts import read_prompts
     from dspark_jax.decode import autoregressive_generate, parse_policy, speculative_generate, summarize
     from dspark_jax.errors import InputError
@@ -98,8 +99,17 @@ def run(args) -> int:
         block = dcfg.block_size
         policy = parse_policy(args.verify, confidence_threshold=args.confidence_threshold,
                               sps_table=args.sps)
+        conf_temps = args.confidence_temperatures
+        if conf_temps is None:  # the flag overrides temperatures saved with the drafter
+            conf_temps = read_extras(args.draft).get("sts_temperatures")
+            if conf_temps is not None:
+                if not isinstance(conf_temps, list):
+                    raise InputError(f"drafter {args.draft!r}: extras['sts_temperatures'] must be a "
+                                     f"list of numbers, got {conf_temps!r}")
+                print(f"generate: STS temperatures from the drafter's extras: {conf_temps}",
+                      file=sys.stderr)
         results = speculative_generate(tcfg, tparams, dcfg, dparams, prompts, policy=policy,
-                                       confidence_temperatures=args.confidence_temperatures, **common)
+                                       confidence_temperatures=conf_temps, **common)
     else:
         results = autoregressive_generate(tcfg, tparams, prompts, **common)
     bar.close()

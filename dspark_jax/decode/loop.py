@@ -177,7 +177,7 @@ def _spec_prefill(tparams, dparams, prompts, lens, valid, key, temperature, stop
         round=jnp.zeros((), jnp.int32), rounds=jnp.zeros((b,), jnp.int32),
         acc_rec=zeros, prop_rec=zeros, drafts_rec=zeros,
         conf_rec=jnp.zeros((b, r, g), jnp.float32), cache=cache, ctx_k=ctx_k, ctx_v=ctx_v,
-        policy_state=static.policy.init_state(b, g))
+        policy_state=())  # set by the caller: the prefill's compilation does not depend on the policy
 
 
 def _draft_block(dparams, dcfg: DraftConfig, state: DecodeState, key, temperature, greedy):
@@ -468,6 +468,7 @@ def speculative_generate(
     p_len, max_len = plan_shapes(prompts, max_new_tokens, g, max_pos, max_cache_len)
     policy = policy if policy is not None else FullPolicy()
     static = _Static(target_cfg, draft_cfg, policy, sampling.is_greedy(temperature), max_new_tokens)
+    prefill_static = dataclasses.replace(static, policy=None)  # one prefill compile for all policies
     temp = jnp.float32(max(float(temperature), sampling.GREEDY_EPS))
     key = jax.random.PRNGKey(seed)
 
@@ -476,7 +477,8 @@ def speculative_generate(
         key, k_batch = jax.random.split(key)
         t0 = time.perf_counter()
         state = spec_prefill_jit(target_params, draft_params, arr, lens, valid, k_batch, temp,
-                                 stop_arr, static=static, max_len=max_len)
+                                 stop_arr, static=prefill_static, max_len=max_len)
+        state = dataclasses.replace(state, policy_state=policy.init_state(batch_size, g))
         if loop == "device":
             state = spec_run_jit(target_params, draft_params, state, temp, stop_arr, conf_temps,
                                  static=static)

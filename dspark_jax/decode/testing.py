@@ -3,8 +3,9 @@
 The target (vocab 8) gives token ``TARGET_ZERO`` probability exactly 0 in every
 context; the drafter never proposes ``DRAFT_ZERO`` (the target does) and proposes
 ``TARGET_ZERO`` often, so acceptance, rejection and residual sampling are all
-exercised. The confidence head reads the previous token strongly, so c_k
-varies with x_{k-1} (which an anticipating policy can exploit).
+exercised. The confidence head reads the previous token strongly (logit about +-3 by
+token parity-like pattern), so c_k varies with x_{k-1} (which an anticipating policy can
+exploit). Params come from numpy's RNG: building them costs no XLA compilation.
 """
 
 from __future__ import annotations
@@ -25,8 +26,12 @@ TARGET_ZERO = 3   # the target never emits this token
 DRAFT_ZERO = 5    # the drafter never proposes this token
 
 
+@functools.lru_cache(maxsize=None)
 def tiny_pair(block_size: int = 2, seed: int = 0):
-    """(target_cfg, target_params, draft_cfg, draft_params) with deliberately different distributions."""
+    """(target_cfg, target_params, draft_cfg, draft_params) with deliberately different distributions.
+
+    Cached: every test module of a session shares one pair (and so one set of compiled shapes).
+    """
     tcfg = TargetConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, rope_theta=1e4,
                         max_position_embeddings=64)
@@ -37,26 +42,52 @@ def tiny_pair(block_size: int = 2, seed: int = 0):
     return tcfg, tp, dcfg, dp
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _build_params(tcfg, dcfg, seed):
-    """All params in one compiled call (eager init would compile dozens of tiny ops)."""
-    ks = jax.random.split(jax.random.PRNGKey(seed), 8)
-    tp = qwen3.init_params(tcfg, ks[0])
-    tp["layers"] = jax.tree.map(lambda a: a * 3.0 if a.ndim == 3 else a, tp["layers"])
-    embed = jax.random.normal(ks[1], (VOCAB, 16))
-    tp["embed_tokens"] = embed.at[:, 0].set(4.0)              # dim 0: constant, dominant
-    head = 0.25 * jax.random.normal(ks[2], (16, VOCAB))
-    tp["lm_head"] = head.at[:, TARGET_ZERO].set(0.0).at[0, TARGET_ZERO].set(-1e3)
+def _random_like(tree, rng: np.random.Generator, std: float = 0.02) -> dict:
+    """numpy init of an abstract params tree: norms 1, biases 0, the rest N(0, std^2)."""
+    def leaf(path, a):
+        name = jax.tree_util.keystr(path)
+        if "norm" in name:
+            return np.ones(a.shape, np.float32)
+        if "bias" in name:
+            return np.zeros(a.shape, np.float32)
+        return (std * rng.standard_normal(a.shape)).astype(np.float32)
+    return jax.tree_util.tree_map_with_path(leaf, tree)
 
-    dp = draft_model.init_params(dcfg, ks[3], embed_tokens=tp["embed_tokens"])
-    dp["lm_head"] = 0.25 * jax.random.normal(ks[4], (16, VOCAB))
-    w1 = 0.5 * jax.random.normal(ks[5], (VOCAB, 4)).at[:, 0].set(1.0)   # latent dim 0 constant
-    w2 = 0.5 * jax.random.normal(ks[6], (4, VOCAB)).at[0, DRAFT_ZERO].set(-1e3).at[0, TARGET_ZERO].set(1.5)
+
+def _build_params(tcfg, dcfg, seed):
+    """All params with numpy's RNG (no XLA compilation: a jitted jax.random init took ~20 s)."""
+    rng = np.random.default_rng(seed)
+    key = jax.random.PRNGKey(0)  # only for eval_shape: the abstract tree structure, nothing runs
+    tp = _random_like(jax.eval_shape(lambda k: qwen3.init_params(tcfg, k), key), rng)
+    tp["layers"] = {k: a * 3.0 if a.ndim == 3 else a for k, a in tp["layers"].items()}
+    embed = rng.standard_normal((VOCAB, 16)).astype(np.float32)
+    embed[:, 0] = 4.0                                         # dim 0: constant, dominant
+    tp["embed_tokens"] = embed
+    head = (0.25 * rng.standard_normal((16, VOCAB))).astype(np.float32)
+    head[:, TARGET_ZERO] = 0.0
+    head[0, TARGET_ZERO] = -1e3
+    tp["lm_head"] = head
+
+    dp = _random_like(jax.eval_shape(lambda k: draft_model.init_params(dcfg, k), key), rng)
+    dp["embed_tokens"] = embed
+    dp["lm_head"] = (0.25 * rng.standard_normal((16, VOCAB))).astype(np.float32)
+    w1 = (0.5 * rng.standard_normal((VOCAB, 4))).astype(np.float32)
+    w1[:, 0] = 1.0                                            # latent dim 0 constant
+    w1[:, 1] = 1.5 * np.array([1, -1, 1, -1, 1, -1, -1, 1])   # dim 1: read by the confidence head
+    w2 = (0.5 * rng.standard_normal((4, VOCAB))).astype(np.float32)
+    w2[0, DRAFT_ZERO] = -1e3
+    w2[0, TARGET_ZERO] = 1.5
     dp["markov_head"] = {"markov_w1": w1, "markov_w2": w2}
-    kernel = jnp.concatenate([0.05 * jax.random.normal(ks[7], (16, 1)),
-                              jnp.array([[0.0], [3.0], [-3.0], [2.0]])], axis=0)
-    dp["confidence_head"] = {"kernel": kernel, "bias": jnp.zeros((1,))}
-    return tp, dp
+    kernel = np.concatenate([0.05 * rng.standard_normal((16, 1)),
+                             np.array([[0.0], [2.0], [0.0], [0.0]])], axis=0).astype(np.float32)
+    dp["confidence_head"] = {"kernel": kernel, "bias": np.zeros((1,), np.float32)}
+    return jax.tree.map(jnp.asarray, tp), jax.tree.map(jnp.asarray, dp)
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _target_logits(tparams, tcfg, tokens):
+    hidden, _, _ = qwen3.forward(tparams, tcfg, tokens)
+    return qwen3.compute_logits(tparams, hidden)
 
 
 def exact_joint(tcfg: TargetConfig, tparams: dict, prompt, n: int, temperature: float) -> np.ndarray:
@@ -64,8 +95,7 @@ def exact_joint(tcfg: TargetConfig, tparams: dict, prompt, n: int, temperature: 
     v = tcfg.vocab_size
     prefixes = np.array(list(itertools.product(range(v), repeat=n - 1)), np.int32).reshape(-1, n - 1)
     toks = np.concatenate([np.tile(np.asarray(prompt, np.int32), (len(prefixes), 1)), prefixes], 1)
-    hidden, _, _ = qwen3.forward(tparams, tcfg, jnp.asarray(toks))
-    logits = np.asarray(qwen3.compute_logits(tparams, hidden), np.float64)[:, len(prompt) - 1:]
+    logits = np.asarray(_target_logits(tparams, tcfg, jnp.asarray(toks)), np.float64)[:, len(prompt) - 1:]
     z = logits / temperature
     z = z - z.max(-1, keepdims=True)
     p = np.exp(z)

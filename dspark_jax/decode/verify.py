@@ -51,7 +51,7 @@ def rejection_sample(
     in_len = k_idx < lengths[:, None]
     rows = jnp.arange(b)
     if greedy:
-        target_argmax = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, G+1]
+        target_argmax = sampling.argmax(target_logits)  # [B, G+1]
         accept = draft_tokens == target_argmax[:, :g]
     else:
         key_u, key_s = jax.random.split(key)

@@ -79,25 +79,48 @@ def compute_logits(params: dict, hidden: jax.Array) -> jax.Array:
                       preferred_element_type=jnp.float32)
 
 
-def _layer(config: TargetConfig, x, p, positions, k_all, v_all, write_slots, mask):
-    """One decoder layer. With a cache, k_all/v_all are this layer's [B, max_len, Hkv, D]."""
+def _layer(config: TargetConfig, x, p, positions, mask, k_cache=None, v_cache=None, cache_mask=None):
+    """One decoder layer over x [B, T, H].
+
+    Without a cache: attention over the T new tokens (``mask`` [B, T, T]). With
+    one: this layer's read-only ``k_cache, v_cache [B, max_len, Hkv, D]`` (slots
+    visible per ``cache_mask`` [B, T, max_len]) plus the new tokens (``mask``).
+    Returns (x, k, v) with the new tokens' k, v [B, T, Hkv, D] (written by the caller).
+    """
     h = nn.rms_norm(x, p["input_layernorm"], config.rms_norm_eps)
     q, k, v = nn.qkv_heads(h, p, config.num_attention_heads, config.num_key_value_heads,
                            config.head_dim, config.rms_norm_eps)
     cos, sin = nn.rope_cos_sin(positions, config.head_dim, config.rope_theta)
     q, k = nn.apply_rope(q, cos, sin), nn.apply_rope(k, cos, sin)
-    if k_all is None:
-        keys, values = k, v
+    if k_cache is None:
+        attn = nn.attention(q, k, v, mask)
     else:
-        rows = jnp.arange(x.shape[0])[:, None]
-        k_all = k_all.at[rows, write_slots].set(k.astype(k_all.dtype), mode="drop")
-        v_all = v_all.at[rows, write_slots].set(v.astype(v_all.dtype), mode="drop")
-        keys, values = k_all.astype(q.dtype), v_all.astype(q.dtype)
-    attn = nn.attention(q, keys, values, mask)
+        attn = _cached_attention(q, k, v, k_cache.astype(q.dtype), v_cache.astype(q.dtype),
+                                 cache_mask, mask)
     b, t = x.shape[:2]
     x = x + attn.reshape(b, t, -1) @ p["o_proj"]
     x = x + nn.swiglu_mlp(nn.rms_norm(x, p["post_attention_layernorm"], config.rms_norm_eps), p)
-    return x, k_all, v_all
+    return x, k, v
+
+
+def _cached_attention(q, k, v, k_cache, v_cache, cache_mask, mask):
+    """One softmax over [cache slots ; new tokens] without materialising their concatenation.
+
+    q [B,T,Hq,D]; k, v [B,T,Hkv,D]; k_cache, v_cache [B,S,Hkv,D]; cache_mask [B,T,S];
+    mask [B,T,T]. Rows with nothing visible return zeros. Returns [B,T,Hq,D].
+    """
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, t, hkv, hq // hkv, d)
+    s_cache = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k_cache, preferred_element_type=jnp.float32)
+    s_new = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32)
+    m = jnp.concatenate([cache_mask, mask], axis=-1)[:, None, None]
+    scores = jnp.where(m, jnp.concatenate([s_cache, s_new], axis=-1) * (d ** -0.5), nn.NEG_INF)
+    probs = jnp.where(m, jax.nn.softmax(scores, axis=-1), 0.0).astype(v.dtype)
+    s = k_cache.shape[1]
+    out = (jnp.einsum("bhgqk,bkhd->bqhgd", probs[..., :s], v_cache)
+           + jnp.einsum("bhgqk,bkhd->bqhgd", probs[..., s:], v))
+    return out.reshape(b, t, hq, d)
 
 
 def forward(
@@ -124,15 +147,17 @@ def forward(
     embed = params["embed_tokens"]
     dtype = compute_dtype or embed.dtype
     x = embed[tokens].astype(dtype)
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
     if cache is None:
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-        write_slots = None
+        cache_mask = None
     else:
+        # The cache is read-only inside the layer loop: queries see the committed slots
+        # < lengths[b] plus the new tokens causally; the new k/v are written once at the end.
         positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         slots = jnp.arange(cache.max_len, dtype=jnp.int32)
-        mask = slots[None, None, :] <= positions[:, :, None]
-        write_slots = positions
+        cache_mask = jnp.broadcast_to(slots[None, None, :] < cache.lengths[:, None, None],
+                                      (b, t, cache.max_len))
 
     tap_ids = tuple(tap_layer_ids)
     tap_index = [-1] * config.num_hidden_layers
@@ -147,23 +172,33 @@ def forward(
 
     def body(carry, xs):
         x, taps = carry
-        p, idx, k_all, v_all = xs
-        x, k_all, v_all = _layer(config, x, p, positions, k_all, v_all, write_slots, mask)
+        if cache is None:
+            p, idx = xs
+            x, k, v = _layer(config, x, p, positions, causal)
+        else:
+            p, idx, k_cache, v_cache = xs
+            x, k, v = _layer(config, x, p, positions, causal, k_cache, v_cache, cache_mask)
         if tap_ids:
             slot = jnp.maximum(idx, 0)
             taps = jnp.where(idx >= 0, jax.lax.dynamic_update_index_in_dim(taps, x, slot, 0), taps)
-        return (x, taps), (k_all, v_all)
+        return (x, taps), (None if cache is None else (k, v))
 
-    k_stack = None if cache is None else cache.k
-    v_stack = None if cache is None else cache.v
-    (x, taps), (k_new, v_new) = jax.lax.scan(
-        body, (x, taps0), (layers, jnp.asarray(tap_index, jnp.int32), k_stack, v_stack))
+    xs = (layers, jnp.asarray(tap_index, jnp.int32))
+    if cache is not None:
+        xs = xs + (cache.k, cache.v)
+    (x, taps), new_kv = jax.lax.scan(body, (x, taps0), xs)
     hidden = nn.rms_norm(x, params["norm"].astype(dtype), config.rms_norm_eps)
     tap_features = None
     if tap_ids:
         tap_features = jnp.moveaxis(taps, 0, 2).reshape(b, t, len(tap_ids) * config.hidden_size)
     new_cache = None
     if cache is not None:
+        # One scatter per tensor for all layers: row b's tokens go to slots lengths[b] + t
+        # (slots >= max_len are dropped). In place when the cache buffer is donated.
+        k_new, v_new = new_kv                                     # [Lyr, B, T, Hkv, D]
+        rows = jnp.arange(b)[:, None]
+        k_all = cache.k.at[:, rows, positions].set(k_new.astype(cache.k.dtype), mode="drop")
+        v_all = cache.v.at[:, rows, positions].set(v_new.astype(cache.v.dtype), mode="drop")
         step = jnp.full((b,), t, jnp.int32) if num_new is None else num_new.astype(jnp.int32)
-        new_cache = KVCache(k_new, v_new, cache.lengths + step)
+        new_cache = KVCache(k_all, v_all, cache.lengths + step)
     return hidden, tap_features, new_cache

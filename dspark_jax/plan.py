@@ -123,8 +123,12 @@ def abstract_params(cfg, mesh: Mesh, dtype) -> tuple[Any, Any]:
 
 def plan_train_step(draft_cfg: DraftConfig, target_cfg: TargetConfig, mesh: Mesh, *, mode: str,
                     seq_len: int, micro_batch: int, grad_accum: int = 1, compute_dtype=jnp.bfloat16,
-                    loss_cfg: LossConfig = LossConfig()) -> tuple[ProgramPlan, dict]:
+                    loss_cfg: LossConfig = LossConfig(), remat: bool | str = False, loss_chunk: int = 0,
+                    shard_activations: bool = False) -> tuple[ProgramPlan, dict]:
     """Compile the sharded train step (``mode`` "online" or "cache") for abstract inputs.
+
+    ``remat``, ``loss_chunk`` and ``shard_activations`` (pass the mesh to the step so it
+    pins activations batch-sharded) are the memory options of ``step.build_train_step``.
 
     Returns the plan and a dict of per-device state bytes (params, optimizer, frozen, target).
     """
@@ -158,7 +162,8 @@ def plan_train_step(draft_cfg: DraftConfig, target_cfg: TargetConfig, mesh: Mesh
     batch_sh = step_lib.batch_shardings(mesh, batch)
     fn = step_lib.build_train_step(draft_cfg, loss_cfg, optimizer, schedule,
                                    target_cfg=target_cfg if mode == "online" else None,
-                                   compute_dtype=compute_dtype)
+                                   compute_dtype=compute_dtype, remat=remat, loss_chunk=loss_chunk,
+                                   mesh=mesh if shard_activations else None)
     args = (abstract(state_shapes, state_sh), abstract(frozen, frozen_sh),
             target_abs, abstract(batch, batch_sh))
     plan = compile_plan(f"train_step[{mode}]", fn, *args,

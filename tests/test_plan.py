@@ -72,8 +72,9 @@ def test_plan_decode_round_mid_size():
                                    num_anchors=16, markov_rank=32, block_size=4)
     mesh = sharding.make_mesh("data=4,tensor=2", jax.devices()[:8])
     p, sizes = plan.plan_decode_round(draft, target, mesh, batch=8, max_len=256, dtype=jnp.float32)
-    # KV cache: 4 layers x 8 rows x 256 slots x 2 heads x 64 x f32 x (k, v), rows split 4 ways.
-    assert sizes["kv_cache_bytes"] == 4 * 8 * 256 * 2 * 64 * 4 * 2 // 4 + 8 // 4 * 4
+    # KV cache: 4 layers x 8 rows x 256 slots x 2 heads x 64 x f32 x (k, v); rows split 4 ways
+    # over data, KV heads 2 ways over tensor; plus the per-row int32 lengths split over data.
+    assert sizes["kv_cache_bytes"] == 4 * 8 * 256 * 2 * 64 * 4 * 2 // 8 + 8 // 4 * 4
     assert p.alias_bytes > 0  # the state is donated
     assert p.collectives  # tensor-parallel weights need collectives
 
@@ -114,3 +115,39 @@ def test_full_size_configs_load(name):
         kind = name.split("_")[0]
         assert draft == presets.released_drafter(cfg.target, kind=kind)
         assert (cfg.ce_weight, cfg.l1_weight) == ((0.1, 0.9) if kind == "dspark" else (1.0, 0.0))
+
+
+def test_plan_memory_options_shrink_train_step():
+    """Chunked heads/loss + layer remat + batch-pinned activations cut the online step's temporaries
+    (no whole-batch [B, N, G, V] logits per device) and its all-reduced bytes on an fsdp mesh."""
+    target = TargetConfig(vocab_size=16384, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    draft = DraftConfig.for_target(target, num_hidden_layers=2, target_layer_ids=(0, 1), mask_token_id=16383,
+                                   num_anchors=32, markov_rank=16, block_size=4)
+    mesh = sharding.make_mesh("fsdp=4", jax.devices()[:4])
+    kw = dict(mode="online", seq_len=128, micro_batch=4, compute_dtype=jnp.float32)
+    base, _ = plan.plan_train_step(draft, target, mesh, **kw)
+    opt, _ = plan.plan_train_step(draft, target, mesh, remat="dots", loss_chunk=8, shard_activations=True, **kw)
+    logits_all_rows = 4 * 32 * 4 * 16384 * 4  # one f32 [B, N, G, V] for the whole micro-batch
+    assert base.temp_bytes > logits_all_rows  # before: whole-batch logits live on each device
+    assert opt.temp_bytes < base.temp_bytes / 2
+    reduced = lambda p: p.collectives.get("all-reduce", {}).get("bytes", 0)
+    assert reduced(opt) < reduced(base) / 2
+
+
+def test_plan_cli_memory_options(tmp_path, tiny_dir):
+    """`plan --config` takes remat / loss_chunk / shard_activations from the config; flags override."""
+    from dspark_jax import cli
+    config = tmp_path / "tiny_mem.py"
+    config.write_text(
+        f"CONFIG = dict(target={str(tiny_dir / 'target')!r}, data='x.jsonl', max_length=64, mesh='fsdp=2',\n"
+        "              remat='dots', loss_chunk=2, shard_activations=True,\n"
+        "              draft=dict(num_hidden_layers=1, block_size=4, target_layer_ids=(0, 2), mask_token_id=511,\n"
+        "                         num_anchors=4, markov_rank=8))\n")
+    out = tmp_path / "plan.json"
+    assert cli.main(["plan", "--config", str(config), "--modes", "cache", "--dtype", "float32",
+                     "--no-shard-activations", "--json", str(out)]) == 0
+    report = __import__("json").loads(out.read_text())
+    assert report["memory_options"] == {"remat": "dots", "loss_chunk": 2, "shard_activations": False}
+    assert report["programs"]["cache"]["temp_bytes"] > 0
+    assert cli.main(["plan", "--config", str(config), "--modes", "cache", "--loss-chunk", "-1"]) == 2

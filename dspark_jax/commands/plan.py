@@ -40,6 +40,15 @@ def register(sub) -> None:
     p.add_argument("--decode-batch", type=int, default=8, help="requests per decode round (default 8)")
     p.add_argument("--decode-len", type=int, default=4096, help="decode KV-cache capacity (default 4096)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="compute dtype")
+    p.add_argument("--remat", default=None, choices=["none", "dots", "full"],
+                   help="rematerialise draft layers in the backward pass: dots keeps only weight-matmul "
+                        "outputs, full keeps nothing (default: the config's remat, else none)")
+    p.add_argument("--loss-chunk", type=int, default=None,
+                   help="compute the vocabulary-sized heads and loss this many anchors at a time; 0 = all "
+                        "at once (default: the config's loss_chunk, else 0)")
+    p.add_argument("--shard-activations", default=None, action=argparse.BooleanOptionalAction,
+                   help="pin train-step activations batch-sharded so fsdp weights are all-gathered "
+                        "instead of whole-batch activations all-reduced (default: the config's value, else off)")
     p.add_argument("--json", dest="json_out", default=None, help="also write the plan as JSON here")
     p.set_defaults(func=run)
 
@@ -77,6 +86,7 @@ def run(args) -> int:
         mesh_spec = args.mesh or tcfg.mesh
         seq_len = args.seq_len or tcfg.max_length
         loss_cfg = tcfg.loss_config()
+        memory = dict(remat=tcfg.remat, loss_chunk=tcfg.loss_chunk, shard_activations=tcfg.shard_activations)
     else:
         target_cfg = presets.resolve_target(args.target)
         name = args.target if args.target in presets.TARGETS else None
@@ -87,6 +97,12 @@ def run(args) -> int:
         seq_len = args.seq_len or 4096
         from dspark_jax.config import LossConfig
         loss_cfg = LossConfig()
+        memory = dict(remat="none", loss_chunk=0, shard_activations=False)
+    for key in memory:
+        if getattr(args, key) is not None:
+            memory[key] = getattr(args, key)
+    if memory["loss_chunk"] < 0:
+        raise InputError("--loss-chunk must be >= 0")
     if not args.mesh and mesh_spec:  # the config's mesh decides the device count
         sizes = sharding.parse_mesh_spec(mesh_spec)
         if -1 not in sizes.values():
@@ -111,12 +127,14 @@ def run(args) -> int:
         lambda: plan_lib.qwen3.init_params(target_cfg, jax.random.PRNGKey(0))))
     report = {
         "mesh": dict(mesh.shape), "devices": len(devices), "seq_len": seq_len, "micro_batch": micro,
-        "draft": draft_cfg.to_hf(), "target_params": target_params,
+        "draft": draft_cfg.to_hf(), "target_params": target_params, "memory_options": memory,
         "draft_params": n_params, "draft_trainable_params": n_params - frozen,
         "draft_params_from_reference_shapes": plan_lib.reference_param_count(draft_cfg),
         "programs": {},
     }
-    print(f"mesh {dict(mesh.shape)} on {len(devices)} simulated devices; compute {args.dtype}")
+    print(f"mesh {dict(mesh.shape)} on {len(devices)} simulated devices; compute {args.dtype}; "
+          f"remat {memory['remat']}, loss_chunk {memory['loss_chunk']}, "
+          f"shard_activations {memory['shard_activations']}")
     print(f"target params {target_params:,}; drafter params {n_params:,} "
           f"(trainable {n_params - frozen:,}; frozen embed+head {frozen:,}); "
           f"from SPEC-11 tensor shapes {report['draft_params_from_reference_shapes']:,}")
@@ -124,7 +142,8 @@ def run(args) -> int:
         print(f"compiling {mode} ...", file=sys.stderr, flush=True)
         if mode in ("online", "cache"):
             plan, sizes = plan_lib.plan_train_step(draft_cfg, target_cfg, mesh, mode=mode, seq_len=seq_len,
-                                                   micro_batch=micro, compute_dtype=dtype, loss_cfg=loss_cfg)
+                                                   micro_batch=micro, compute_dtype=dtype, loss_cfg=loss_cfg,
+                                                   **memory)
         else:
             plan, sizes = plan_lib.plan_decode_round(draft_cfg, target_cfg, mesh, batch=args.decode_batch,
                                                      max_len=args.decode_len, dtype=dtype)

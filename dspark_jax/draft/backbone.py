@@ -67,6 +67,7 @@ def block_forward(
     ctx_v: jax.Array,
     ctx_mask: jax.Array,
     block_valid: jax.Array,
+    remat: bool | str = False,
 ) -> jax.Array:
     """Run the backbone over blocks.
 
@@ -74,6 +75,10 @@ def block_forward(
     [Ld, B, S, Hkv, D] from ``context_kv``; ctx_mask [B, N, S] marks the context
     rows each block sees (position < anchor); block_valid [B, N] (False: the
     block sees nothing and its attention output is zero).
+    ``remat`` rematerialises each layer in the backward pass (``jax.checkpoint``):
+    False/"none" keeps everything, True/"dots" keeps only the weight matmuls'
+    outputs (attention scores and elementwise ops are recomputed), "full" keeps
+    nothing but the layer inputs. Values and gradients do not change.
     Returns hidden [B, N, G, H] after the final norm.
     """
     b, n, g, h = block_embeds.shape
@@ -93,5 +98,20 @@ def block_forward(
         x = x + nn.swiglu_mlp(nn.rms_norm(x, p["post_attention_layernorm"], eps), p)
         return x, None
 
+    if remat not in (False, None, "none"):
+        layer = jax.checkpoint(layer, policy=remat_policy(remat))
     x, _ = jax.lax.scan(layer, block_embeds, (params["layers"], ctx_k, ctx_v))
     return nn.rms_norm(x, params["norm"], eps)
+
+
+REMAT_MODES = ("none", "dots", "full")
+
+
+def remat_policy(remat: bool | str):
+    """jax.checkpoint policy of a ``remat`` setting (True = "dots")."""
+    mode = "dots" if remat is True else remat
+    if mode == "dots":
+        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    if mode == "full":
+        return jax.checkpoint_policies.nothing_saveable
+    raise ValueError(f"remat={remat!r} must be one of {REMAT_MODES} or a bool")

@@ -130,3 +130,89 @@ def training_forward(
         th = jnp.take_along_axis(target_last_hidden_states.astype(dtype), idx[..., None], axis=1)
         aligned = compute_logits(p, th.reshape(*safe.shape, -1))
     return TrainForward(logits, conf, labels, eval_mask, aligned, keep)
+
+
+class TrainHidden(NamedTuple):
+    """Backbone outputs of one training forward, before the vocabulary-sized heads.
+
+    hidden [B, N, G, H] (after the final norm); prev_ids [B, N, G] (anchor, then labels);
+    target_ids, eval_mask [B, N, G]; target_hidden [B, N, G, H] (the target's last hidden
+    state at each label's preceding position, or None); block_keep_mask [B, N].
+    """
+
+    hidden: jax.Array
+    prev_ids: jax.Array
+    target_ids: jax.Array
+    eval_mask: jax.Array
+    target_hidden: jax.Array | None
+    block_keep_mask: jax.Array
+
+
+def cast_params(params: dict, dtype) -> dict:
+    """Every leaf cast to ``dtype`` (the compute copy of fp32 masters)."""
+    return jax.tree.map(lambda a: a.astype(dtype), params)
+
+
+def training_hidden(
+    params: dict,
+    config: DraftConfig,
+    input_ids: jax.Array,
+    target_hidden_states: jax.Array,
+    loss_mask: jax.Array,
+    anchor_positions: jax.Array,
+    block_keep_mask: jax.Array,
+    target_last_hidden_states: jax.Array | None = None,
+    compute_dtype=None,
+    remat: bool | str = False,
+    constrain=None,
+) -> TrainHidden:
+    """``training_forward`` up to (not including) the [.., V] heads; same arguments.
+
+    ``block_heads`` applied to the result (whole or per chunk of anchors) gives
+    exactly ``training_forward``'s logits. ``remat`` is passed to
+    ``backbone.block_forward``; ``constrain`` (optional, x -> x) pins the
+    sharding of [B, ...] activations (batch-sharded).
+    """
+    dtype = compute_dtype or params["fc"].dtype
+    p = cast_params(params, dtype)
+    pin = constrain or (lambda x: x)
+    b, s = input_ids.shape
+    g = config.block_size
+    anchors = anchor_positions.astype(jnp.int32)
+    keep = block_keep_mask.astype(bool)
+
+    labels, eval_mask, safe = batch_lib.block_targets(input_ids, loss_mask, anchors, keep, g)
+    block_ids = batch_lib.block_input_ids(input_ids, anchors, keep, g, config.mask_token_id)
+
+    ctx = pin(backbone.project_context(p, config, pin(target_hidden_states.astype(dtype))))
+    ctx_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    ctx_k, ctx_v = backbone.context_kv(p, config, ctx, ctx_pos)
+    ctx_mask = jnp.arange(s)[None, None, :] < anchors[:, :, None]
+    block_pos = anchors[:, :, None] + jnp.arange(g, dtype=jnp.int32)
+    hidden = pin(backbone.block_forward(p, config, pin(p["embed_tokens"][block_ids]), block_pos,
+                                        ctx_k, ctx_v, ctx_mask, keep, remat=remat))
+
+    anchor_tok = jnp.take_along_axis(input_ids, anchors, axis=1)
+    prev = jnp.concatenate([anchor_tok[..., None], labels[..., :-1]], axis=-1)
+    th = None
+    if target_last_hidden_states is not None:
+        idx = jnp.maximum(safe - 1, 0).reshape(b, -1)
+        th = jnp.take_along_axis(pin(target_last_hidden_states.astype(dtype)), idx[..., None], axis=1)
+        th = pin(th.reshape(*safe.shape, -1))
+    return TrainHidden(hidden, prev, labels, eval_mask, th, keep)
+
+
+def block_heads(p: dict, config: DraftConfig, hidden: jax.Array, prev_ids: jax.Array,
+                target_hidden: jax.Array | None = None):
+    """The [.., V] heads of ``training_forward`` on (a chunk of) backbone outputs.
+
+    p: compute-dtype params (``cast_params``); hidden [..., G, H]; prev_ids [..., G];
+    target_hidden [..., G, H] or None. Returns (draft logits [..., G, V] after the Markov
+    bias, confidence logits [..., G] or None, aligned target logits [..., G, V] or None).
+    """
+    logits = compute_logits(p, hidden)
+    if config.has_markov:
+        logits = markov.teacher_forced(p["markov_head"], config, logits, prev_ids, hidden)
+    conf = confidence.logits(p, config, hidden, prev_ids) if config.enable_confidence_head else None
+    aligned = compute_logits(p, target_hidden) if target_hidden is not None else None
+    return logits, conf, aligned

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from dspark_jax.config import DraftConfig, LossConfig, TargetConfig
+from dspark_jax.draft.backbone import REMAT_MODES
 from dspark_jax.errors import ConfigError
 
 FEATURE_MODES = ("online", "cache")
@@ -76,6 +77,10 @@ class TrainConfig:
     export_dir: str = ""
     progress: bool = True
     fast_compile: bool = False  # lower XLA backend optimisation: quicker compiles, slower steps (CPU smoke runs)
+    # Memory options of the train step (numerics unchanged; see train/step.py build_train_step):
+    remat: str = "none"  # "none" | "dots" | "full": rematerialise draft layers in the backward pass
+    loss_chunk: int = 0  # > 0: heads + loss this many anchors at a time (no full [B, N, G, V] logits)
+    shard_activations: bool = False  # pin activations batch-sharded (stops whole-batch all-reduces)
     resume: bool = True
     kill_at_step: int = 0  # testing only: SIGKILL this process after that step's checkpoint is saved
 
@@ -94,7 +99,8 @@ class TrainConfig:
         for name in ("max_length", "batch_size", "grad_accum", "epochs", "log_every"):
             v = getattr(self, name)
             req(isinstance(v, int) and not isinstance(v, bool) and v > 0, f"{name} must be a positive int, got {v!r}")
-        for name in ("steps", "checkpoint_every", "keep_checkpoints", "kill_at_step", "num_devices"):
+        req(self.remat in REMAT_MODES, f"remat={self.remat!r} must be one of {REMAT_MODES}")
+        for name in ("steps", "checkpoint_every", "keep_checkpoints", "kill_at_step", "num_devices", "loss_chunk"):
             v = getattr(self, name)
             req(isinstance(v, int) and v >= 0, f"{name} must be an int >= 0, got {v!r}")
         req(self.batch_size % self.grad_accum == 0,

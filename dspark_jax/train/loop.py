@@ -151,7 +151,9 @@ def train(cfg: TrainConfig) -> dict:
     data_iter = iter(dataset)
 
     step_fn = step_lib.build_train_step(draft_cfg, cfg.loss_config(), optimizer, schedule,
-                                        target_cfg=target_cfg if online else None, compute_dtype=compute_dtype)
+                                        target_cfg=target_cfg if online else None, compute_dtype=compute_dtype,
+                                        remat=cfg.remat, loss_chunk=cfg.loss_chunk,
+                                        mesh=mesh if cfg.shard_activations else None)
     jstep = step_lib.jit_train_step(step_fn, mesh, state_sh, frozen_sh, t_sh, batch_sh, cfg.fast_compile)
 
     out = Path(cfg.output_dir).absolute()

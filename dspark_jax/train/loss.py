@@ -12,7 +12,9 @@ import jax.numpy as jnp
 import optax
 
 from dspark_jax.config import LossConfig
-from dspark_jax.draft.model import TrainForward
+from dspark_jax.config import DraftConfig
+from dspark_jax.draft import model as draft_model
+from dspark_jax.draft.model import TrainForward, TrainHidden
 
 EPS = 1e-6
 
@@ -79,3 +81,42 @@ def finalize(sums: dict[str, jax.Array], cfg: LossConfig) -> tuple[jax.Array, di
 def dspark_loss(fwd: TrainForward, cfg: LossConfig = LossConfig()):
     """Loss and metrics of a whole batch (denominators over everything in ``fwd``)."""
     return finalize(loss_sums(fwd, cfg), cfg)
+
+
+def chunked_loss_sums(p: dict, config: DraftConfig, th: TrainHidden, cfg: LossConfig, chunk: int = 0,
+                      constrain=None) -> dict[str, jax.Array]:
+    """``loss_sums`` of ``training_forward`` computed ``chunk`` anchors at a time.
+
+    p: compute-dtype drafter params (``draft_model.cast_params``); th from
+    ``draft_model.training_hidden``. The [B, N, G, V] logits, softmaxes and
+    their gradients never exist at once: each chunk's heads and loss run under
+    ``jax.checkpoint`` inside ``lax.map``, so only [B, chunk, G, V] is live and the
+    backward pass recomputes it. N is padded with empty (not kept, not evaluated)
+    blocks to a multiple of ``chunk``; they add exactly 0 to every sum. chunk 0 (or
+    >= N): one piece, no loop. ``constrain`` (x -> x) pins chunk activations' sharding.
+    """
+    b, n, g = th.target_ids.shape
+    pin = constrain or (lambda x: x)
+
+    def sums_of(piece: TrainHidden):
+        logits, conf, aligned = draft_model.block_heads(p, config, pin(piece.hidden), piece.prev_ids,
+                                                        None if piece.target_hidden is None
+                                                        else pin(piece.target_hidden))
+        fwd = TrainForward(pin(logits), conf, piece.target_ids, piece.eval_mask,
+                           None if aligned is None else pin(aligned), piece.block_keep_mask)
+        return loss_sums(fwd, cfg)
+
+    if chunk <= 0 or chunk >= n:
+        return sums_of(th)
+    n_chunks = -(-n // chunk)
+    pad = n_chunks * chunk - n
+
+    def split(x):  # [B, N, ...] -> [n_chunks, B, chunk, ...], padded with zeros / False
+        if x is None:
+            return None
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape(b, n_chunks, chunk, *x.shape[2:]), 1, 0)
+
+    pieces = TrainHidden(*(split(x) for x in th))
+    per_chunk = jax.lax.map(jax.checkpoint(sums_of), pieces)
+    return jax.tree.map(lambda x: x.sum(axis=0), per_chunk)

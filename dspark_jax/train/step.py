@@ -27,6 +27,8 @@ from dspark_jax import sharding as shard_lib
 from dspark_jax.config import DraftConfig, LossConfig, TargetConfig
 from dspark_jax.data.online import target_features
 from dspark_jax.draft import model as draft_model
+from dspark_jax.draft.backbone import REMAT_MODES
+from dspark_jax.errors import ConfigError
 from dspark_jax.train import batch as batch_lib
 from dspark_jax.train import loss as loss_lib
 from dspark_jax.train.optim import merge_params
@@ -78,13 +80,45 @@ def make_loss_terms(cfg: LossConfig):
     return objective
 
 
+def activation_constraint(mesh: Mesh | None):
+    """x -> x with dim 0 (batch) sharded over the batch mesh axes (identity without a mesh).
+
+    Pinning activations this way keeps XLA from computing contractions over
+    fsdp-sharded weights as partial sums of whole-batch activations (which then
+    need all-reduces of e.g. the full [B, N, G, V] logits on every device): with
+    batch-sharded activations it all-gathers each weight instead (ZeRO-3).
+    """
+    if mesh is None:
+        return None
+
+    def pin(x):
+        spec = shard_lib.logical_to_spec(("batch",) + (None,) * (x.ndim - 1), shape=x.shape, mesh=mesh)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    return pin
+
+
 def build_train_step(draft_cfg: DraftConfig, loss_cfg: LossConfig, optimizer: optax.GradientTransformation,
                      schedule: Callable, *, target_cfg: TargetConfig | None = None,
-                     compute_dtype=jnp.float32) -> Callable:
+                     compute_dtype=jnp.float32, remat: bool | str = False, loss_chunk: int = 0,
+                     mesh: Mesh | None = None) -> Callable:
     """Pure step(state, frozen, target_params, batch) -> (state, metrics). Online mode when
-    ``target_cfg`` is given (features computed from target_params), else cache mode."""
+    ``target_cfg`` is given (features computed from target_params), else cache mode.
+
+    Memory options (numerics unchanged): ``remat`` ("none", "dots", "full"; see
+    ``backbone.block_forward``) rematerialises draft layers in the backward pass;
+    ``loss_chunk`` > 0 computes the vocabulary-sized heads and loss that many anchors
+    at a time (``loss.chunked_loss_sums``). ``mesh`` pins activations batch-sharded
+    (``activation_constraint``). With all three off the step is ``training_forward``
+    + ``loss_sums`` exactly as before.
+    """
     objective = make_loss_terms(loss_cfg)
     g = draft_cfg.block_size
+    if not isinstance(loss_chunk, int) or isinstance(loss_chunk, bool) or loss_chunk < 0:
+        raise ConfigError(f"loss_chunk={loss_chunk!r} must be an int >= 0 (0: no chunking)")
+    if remat not in (True, False, None) and remat not in REMAT_MODES:
+        raise ConfigError(f"remat={remat!r} must be one of {REMAT_MODES}")
+    pin = activation_constraint(mesh)
+    plain = remat in (False, None, "none") and loss_chunk == 0 and pin is None
 
     def step(state: TrainState, frozen: dict, target_params, batch: dict):
         ids = batch["input_ids"]
@@ -104,14 +138,26 @@ def build_train_step(draft_cfg: DraftConfig, loss_cfg: LossConfig, optimizer: op
             if target_cfg is not None:
                 feats, last = target_features(target_params, target_cfg, draft_cfg.target_layer_ids,
                                               mb["input_ids"], compute_dtype)
+                if pin is not None:
+                    feats, last = pin(feats), pin(last)
             else:
                 feats, last = mb["features"], mb["last_hidden"]
 
             def loss_fn(tp):
-                fwd = draft_model.training_forward(
-                    merge_params(tp, frozen), draft_cfg, mb["input_ids"], feats, mb["loss_mask"], anc, kp,
-                    last, compute_dtype=compute_dtype)
-                sums = loss_lib.loss_sums(fwd, loss_cfg)
+                if plain:
+                    fwd = draft_model.training_forward(
+                        merge_params(tp, frozen), draft_cfg, mb["input_ids"], feats, mb["loss_mask"], anc, kp,
+                        last, compute_dtype=compute_dtype)
+                    sums = loss_lib.loss_sums(fwd, loss_cfg)
+                else:
+                    p = draft_model.cast_params(merge_params(tp, frozen), compute_dtype)
+                    th = draft_model.training_hidden(p, draft_cfg, mb["input_ids"], feats, mb["loss_mask"], anc,
+                                                     kp, last, compute_dtype=compute_dtype, remat=remat,
+                                                     constrain=pin)
+                    if mesh is not None and loss_chunk:  # gather the LM head once, not once per chunk
+                        spec = shard_lib.logical_to_spec((None, "vocab"), shape=p["lm_head"].shape, mesh=mesh)
+                        p["lm_head"] = jax.lax.with_sharding_constraint(p["lm_head"], NamedSharding(mesh, spec))
+                    sums = loss_lib.chunked_loss_sums(p, draft_cfg, th, loss_cfg, loss_chunk, constrain=pin)
                 return objective(sums) / den, sums
 
             (_, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)

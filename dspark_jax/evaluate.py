@@ -1,0 +1,403 @@
+"""Evaluation of a drafter on prompt datasets: decode, per-dataset metrics, JSON / TensorBoard / PNG.
+
+``evaluate(...)`` decodes the first turn of each prompt of each dataset (reference JSONL
+format, see ``dspark_jax.data.eval_datasets``) with lossless speculative decoding and
+reports, per dataset (SPEC section 8): tau (mean acceptance length per round, bonus
+included), mean proposal length, verify_rate, accept_rate@k (prefix survival),
+conditional acceptance at k, tokens/s; with a confidence head also ECE / AUROC / Brier per
+block position (``dspark_jax.calibrate.position_metrics``) and a reliability diagram.
+With ``baseline=True`` the target also decodes alone and the speedup is reported.
+
+Prompt text -> ids (``encode_prompt``): a byte tokenizer (the embedded default target)
+encodes the plain text after ``<|bos|>``; a Hugging Face tokenizer applies its chat template
+with one user turn and the generation prompt (``enable_thinking`` off unless asked).
+
+The decoding helpers here (``timed_decode``, ``decode_summary``, ``plot_acceptance``) are
+shared with the demo (``dspark_jax.demo``). Timing excludes compilation: each mode first
+decodes one warm-up batch of the same shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from dspark_jax.errors import InputError
+
+RESULT_FILE = "eval.json"
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+def encode_prompt(tokenizer, text: str, *, thinking: bool = False) -> list[int]:
+    """Prompt ids of ``text``: byte tokenizer -> ``<|bos|>`` + UTF-8 bytes (plain text);
+    a Hugging Face tokenizer -> its chat template over one user turn with the generation
+    prompt (``enable_thinking=thinking``; templates without that switch ignore it)."""
+    from dspark_jax.tokenizer import ByteTokenizer
+
+    if isinstance(tokenizer, ByteTokenizer):
+        return tokenizer.encode(text, add_bos=True)
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                            add_generation_prompt=True, enable_thinking=thinking)
+        if isinstance(ids, Mapping):  # some versions return a BatchEncoding
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+    return [int(t) for t in tokenizer.encode(text)]
+
+
+def default_stop_ids(target_dir, tokenizer=None) -> list[int]:
+    """Stop tokens: ``eos_token_id`` of the target's generation_config.json, else config.json's,
+    else the tokenizer's (empty when none is known)."""
+    target_dir = Path(target_dir)
+    for name in ("generation_config.json", "config.json"):
+        path = target_dir / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                return [int(eos)] if isinstance(eos, int) else sorted({int(e) for e in eos})
+    eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    return [int(eos)] if eos is not None else []
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def timed_decode(target_cfg, target_params, prompts: Sequence[Sequence[int]], *, draft_cfg=None,
+                 draft_params=None, max_new_tokens: int = 128, temperature: float = 0.0,
+                 policy=None, batch_size: int = 1, seed: int = 0,
+                 stop_token_ids: Sequence[int] = (), confidence_temperatures=None,
+                 warmup: bool = True, progress: Callable[[int], None] | None = None) -> list:
+    """Decode ``prompts`` speculatively (with a drafter) or autoregressively (``draft_cfg=None``).
+
+    The cache capacity is fixed from all prompts, and with ``warmup`` one batch holding the
+    longest prompt is decoded first with identical shapes, so the timed run (the returned
+    ``decode.loop.Result`` list, one per prompt) does not include compilation.
+    """
+    from dspark_jax.decode import autoregressive_generate, speculative_generate
+    from dspark_jax.decode.loop import plan_shapes, validate_prompts
+
+    prompts = validate_prompts(list(prompts), target_cfg.vocab_size)
+    if draft_cfg is None:
+        slack, max_pos = 1, target_cfg.max_position_embeddings
+    else:
+        slack = draft_cfg.block_size
+        max_pos = min(target_cfg.max_position_embeddings, draft_cfg.max_position_embeddings)
+    _, cache_len = plan_shapes(prompts, max_new_tokens, slack, max_pos, None)
+
+    def run(ps, prog):
+        common = dict(max_new_tokens=max_new_tokens, temperature=temperature, batch_size=batch_size,
+                      seed=seed, stop_token_ids=list(stop_token_ids), max_cache_len=cache_len,
+                      progress=prog)
+        if draft_cfg is None:
+            return autoregressive_generate(target_cfg, target_params, ps, **common)
+        return speculative_generate(target_cfg, target_params, draft_cfg, draft_params, ps,
+                                    policy=policy, confidence_temperatures=confidence_temperatures,
+                                    **common)
+
+    if warmup:
+        run([max(prompts, key=len)], None)
+    return run(prompts, progress)
+
+
+def results_rounds(results):
+    """``calibrate.Rounds`` of speculative results that carry confidence logits (None otherwise)."""
+    from dspark_jax.calibrate import rounds_from_records
+
+    records = [r.to_json() for r in results if r.confidence_logits]
+    if not records:
+        return None
+    return rounds_from_records(records, where="decode results")
+
+
+def _finite(x):
+    """JSON-safe: NaN/inf -> None (recursively)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    if isinstance(x, np.generic):
+        return _finite(x.item())
+    return x
+
+
+def decode_summary(results, block_size: int | None = None, *, calibration: bool = True) -> dict:
+    """``decode.summarize`` plus, when the results carry confidences, ``calibration``:
+    per-position n / accept_rate / mean_conf / ece / brier / auroc / cond_auroc (raw
+    confidences, no STS) and their count-weighted summary. NaN -> null."""
+    from dspark_jax.calibrate import position_metrics, summary as calib_summary
+    from dspark_jax.decode import summarize
+
+    out = summarize(results, block_size)
+    rounds = results_rounds(results) if calibration else None
+    if rounds is not None:
+        per_pos = position_metrics(rounds)
+        out["calibration"] = {"per_position": per_pos, "summary": calib_summary(per_pos)}
+    return _finite(out)
+
+
+# --------------------------------------------------------------------------- outputs
+
+
+def write_json_atomic(path, data) -> Path:
+    """Write ``data`` as indented JSON via a temp file next to ``path`` and a rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=str(path.parent))
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(_finite(data), f, indent=1)
+            f.write("\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_results_jsonl(path, results, extra: Sequence[Mapping] | None = None) -> Path:
+    """One line per ``Result`` (``Result.to_json()`` plus the matching ``extra`` fields), atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=str(path.parent))
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for i, r in enumerate(results):
+                line = dict(extra[i]) if extra is not None else {}
+                line.update(r.to_json())
+                f.write(json.dumps(line) + "\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_results_jsonl(path) -> list:
+    """``Result`` list from a file written by ``write_results_jsonl``."""
+    import dataclasses
+
+    from dspark_jax.decode import Result
+
+    names = {f.name for f in dataclasses.fields(Result)}
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"decode results {str(path)!r} do not exist")
+    out = []
+    with path.open() as f:
+        for i, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise InputError(f"{path}:{i}: invalid JSON ({e.msg})") from None
+                missing = names - set(rec)
+                if missing:
+                    raise InputError(f"{path}:{i}: missing fields {sorted(missing)}")
+                out.append(Result(**{k: rec[k] for k in names}))
+    return out
+
+
+def plot_acceptance(curves: Mapping[str, Mapping[str, Sequence]], path, title: str = "") -> Path:
+    """PNG with two panels over block positions k = 1..G: accept_rate@k (prefix survival) and
+    conditional acceptance, one line per label. ``curves``: {label: decode_summary dict}."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for label, summ in curves.items():
+        for ax, key in zip(axes, ("accept_rate", "conditional_accept")):
+            vals = [np.nan if v is None else v for v in summ.get(key, [])]
+            if vals:
+                ax.plot(np.arange(1, len(vals) + 1), vals, marker="o", label=f"{label} (tau {summ['tau']:.2f})")
+    for ax, name in zip(axes, ("accept_rate@k (prefix survival)", "conditional acceptance at k")):
+        ax.set_xlabel("block position k")
+        ax.set_ylabel(name)
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_reliability(results, path, title: str = "") -> Path | None:
+    """Reliability diagram (raw confidences and in-sample STS) of results with a confidence
+    head; None when they carry no confidences."""
+    from dspark_jax.calibrate import fit_sts, reliability_diagram
+
+    rounds = results_rounds(results)
+    if rounds is None:
+        return None
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    reliability_diagram(rounds, fit_sts(rounds), path, title=title)
+    return path
+
+
+def format_table(rows: Mapping[str, Mapping[str, Any]], *, max_k: int | None = None,
+                 baseline: str | None = None) -> str:
+    """Plain-text table, one row per label: tau, proposal, verify_rate, accept_rate@1..K,
+    tokens/s and (when ``baseline`` names a row) speedup over it."""
+    k = max_k if max_k is not None else max((len(r.get("accept_rate") or []) for r in rows.values()), default=0)
+    head = ["", "tau", "prop", "verify"] + [f"acc@{i + 1}" for i in range(k)] + ["tok/s"]
+    if baseline:
+        head.append("speedup")
+    lines = []
+    base_tps = rows[baseline]["tokens_per_second"] if baseline in rows else None
+    for label, r in rows.items():
+        acc = list(r.get("accept_rate") or []) + [None] * k
+        cells = [label, f"{r['tau']:.3f}", f"{r['mean_proposal']:.2f}", f"{r['verify_rate']:.3f}"]
+        cells += ["-" if a is None else f"{a:.3f}" for a in acc[:k]]
+        cells.append(f"{r['tokens_per_second']:.1f}")
+        if baseline:
+            cells.append(f"{r['tokens_per_second'] / base_tps:.2f}x" if base_tps else "-")
+        lines.append(cells)
+    widths = [max(len(str(c)) for c in col) for col in zip(head, *lines)]
+    fmt = lambda cells: "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([fmt(head)] + [fmt(c) for c in lines])
+
+
+def tensorboard_scalars(log_dir, scalars: Mapping[str, Mapping[str, Any]]) -> Path:
+    """TensorBoard events: ``{group}/{metric}`` scalars at step 0 and per-position curves
+    (``{group}/accept_rate``, ``conditional_accept``, calibration ``ece``/``auroc``/``brier``)
+    with the 1-based position as the step."""
+    from tensorboardX import SummaryWriter
+
+    writer = SummaryWriter(str(log_dir))
+    try:
+        for group, s in scalars.items():
+            for key in ("tau", "mean_proposal", "verify_rate", "tokens_per_second", "speedup"):
+                if s.get(key) is not None:
+                    writer.add_scalar(f"{group}/{key}", float(s[key]), 0)
+            for key in ("accept_rate", "conditional_accept"):
+                for k, v in enumerate(s.get(key) or [], 1):
+                    if v is not None:
+                        writer.add_scalar(f"{group}/{key}", float(v), k)
+            for pos in (s.get("calibration") or {}).get("per_position", []):
+                for key in ("ece", "auroc", "brier"):
+                    if pos.get(key) is not None:
+                        writer.add_scalar(f"{group}/{key}", float(pos[key]), pos["position"])
+    finally:
+        writer.close()
+    return Path(log_dir)
+
+
+# --------------------------------------------------------------------------- the eval run
+
+
+def evaluate(target, draft, datasets, *, data_dir=None, max_samples: int | None = None,
+             max_new_tokens: int = 128, temperature: float = 0.0, verify: str = "full",
+             confidence_threshold: float | None = None, sps_table=None,
+             confidence_temperatures=None, thinking: bool = False, batch_size: int = 1,
+             seed: int = 0, stop_token_ids: Sequence[int] | None = None, baseline: bool = False,
+             out=None, force: bool = False, progress: bool = True, printer=print) -> dict:
+    """Evaluate drafter ``draft`` (dir) with target ``target`` (dir) on ``datasets``
+    ("a,b" or a list of names in ``data_dir``, default the packaged small copies).
+
+    Returns ``{"config": ..., "datasets": {name: decode_summary (+ "speedup",
+    "autoregressive" with baseline)}}``. With ``out`` (a directory, refused if it holds an
+    eval unless ``force``) writes ``eval.json``, ``results/<dataset>.jsonl``, TensorBoard
+    scalars under ``tb/`` and PNGs ``acceptance_<dataset>.png`` (+ ``reliability_<dataset>.png``
+    with a confidence head). All input is checked before any model is loaded or compiled.
+    """
+    from tqdm import tqdm
+
+    from dspark_jax.convert.checkpoint import load_draft, load_target
+    from dspark_jax.data.eval_datasets import load_datasets
+    from dspark_jax.decode import parse_policy
+    from dspark_jax.tokenizer import load_tokenizer
+
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    out = Path(out) if out is not None else None
+    if out is not None and (out / RESULT_FILE).exists() and not force:
+        raise InputError(f"--out {str(out)!r} already holds an evaluation ({RESULT_FILE}); "
+                         "pass --force to overwrite or choose another directory")
+    target, draft = Path(target), Path(draft)
+    for flag, d in (("--target", target), ("--draft", draft)):
+        if not d.is_dir():
+            raise InputError(f"{flag} {str(d)!r} is not a directory")
+    prompts_by_ds = load_datasets(datasets, data_dir, max_samples=max_samples)
+    tokenizer = load_tokenizer(target, required=True)
+    policy = parse_policy(verify, confidence_threshold=confidence_threshold, sps_table=sps_table)
+    stops = default_stop_ids(target, tokenizer) if stop_token_ids is None else list(stop_token_ids)
+    encoded = {name: [encode_prompt(tokenizer, p.text, thinking=thinking) for p in ps]
+               for name, ps in prompts_by_ds.items()}
+
+    tcfg, tparams = load_target(target)
+    dcfg, dparams = load_draft(draft)
+    dcfg.check_compatible(tcfg)
+    config = {"target": str(target), "draft": str(draft), "datasets": list(prompts_by_ds),
+              "data_dir": str(data_dir) if data_dir is not None else "(packaged)",
+              "max_samples": max_samples, "max_new_tokens": max_new_tokens,
+              "temperature": temperature, "verify": verify, "thinking": thinking,
+              "batch_size": batch_size, "seed": seed, "stop_token_ids": stops,
+              "block_size": dcfg.block_size, "markov_rank": dcfg.markov_rank,
+              "confidence_head": dcfg.enable_confidence_head}
+    report: dict[str, Any] = {"config": config, "datasets": {}}
+    all_results = {}
+    for name, prompts in encoded.items():
+        common = dict(max_new_tokens=max_new_tokens, temperature=temperature, batch_size=batch_size,
+                      seed=seed, stop_token_ids=stops)
+        with tqdm(total=len(prompts), desc=f"eval {name}", unit="prompt", disable=not progress) as bar:
+            results = timed_decode(tcfg, tparams, prompts, draft_cfg=dcfg, draft_params=dparams,
+                                   policy=policy, confidence_temperatures=confidence_temperatures,
+                                   progress=bar.update, **common)
+        summ = decode_summary(results, dcfg.block_size)
+        if baseline:
+            with tqdm(total=len(prompts), desc=f"autoregressive {name}", unit="prompt",
+                      disable=not progress) as bar:
+                ar = timed_decode(tcfg, tparams, prompts, progress=bar.update, **common)
+            ar_summ = decode_summary(ar)
+            summ["autoregressive"] = {k: ar_summ[k] for k in ("output_tokens", "seconds", "tokens_per_second")}
+            summ["speedup"] = (summ["tokens_per_second"] / ar_summ["tokens_per_second"]
+                               if ar_summ["tokens_per_second"] else None)
+        report["datasets"][name] = summ
+        all_results[name] = results
+
+    table_rows = dict(report["datasets"])
+    printer(format_table(table_rows))
+    for name, s in report["datasets"].items():
+        cal = s.get("calibration")
+        if cal:
+            pp = cal["per_position"]
+            fmt = lambda key: " ".join("-" if p[key] is None else f"{p[key]:.3f}" for p in pp)
+            printer(f"{name} confidence per position: ECE {fmt('ece')} | AUROC {fmt('auroc')} | "
+                    f"Brier {fmt('brier')}")
+        if s.get("speedup") is not None:
+            printer(f"{name} speedup over autoregressive: {s['speedup']:.2f}x")
+
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        files = {}
+        for name, results in all_results.items():
+            extra = [{"dataset": name, "index": p.index, "line": p.line} for p in prompts_by_ds[name]]
+            write_results_jsonl(out / "results" / f"{name}.jsonl", results, extra)
+            files[f"acceptance_{name}"] = str(plot_acceptance({name: report["datasets"][name]},
+                                                              out / f"acceptance_{name}.png", title=name))
+            rel = plot_reliability(results, out / f"reliability_{name}.png", title=f"{name}: confidence")
+            if rel is not None:
+                files[f"reliability_{name}"] = str(rel)
+        tensorboard_scalars(out / "tb", report["datasets"])
+        files["tensorboard"] = str(out / "tb")
+        report["files"] = files
+        write_json_atomic(out / RESULT_FILE, report)
+    return _finite(report)

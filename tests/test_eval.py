@@ -1,0 +1,129 @@
+"""`dspark-jax eval` end to end on the embedded default target + a (random) drafter, and bad input."""
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from dspark_jax import cli
+from dspark_jax.config import DraftConfig
+from dspark_jax.convert.checkpoint import load_target, save_draft
+from dspark_jax.data.eval_datasets import load_dataset
+from dspark_jax.demo import drafter_overrides, quick_config
+from dspark_jax.draft import model as draft_model
+from dspark_jax.embedded.default import default_target_dir
+from dspark_jax.errors import InputError
+from dspark_jax.evaluate import encode_prompt, evaluate
+from dspark_jax.target import qwen3
+
+FIXTURE = Path(__file__).parent / "fixtures" / "dspark_qwen3_tiny"
+MAX_NEW = quick_config().max_new_tokens  # the demo test's shapes: compiled rounds are shared
+
+
+@pytest.fixture(scope="module")
+def drafter(tmp_path_factory):
+    """A randomly initialised drafter for the default target, in the PyTorch format
+    (same config as the quick demo's DSpark drafter)."""
+    tdir = default_target_dir()
+    tcfg, tparams = load_target(tdir)
+    dcfg = DraftConfig.for_target(tcfg, **drafter_overrides(quick_config(), "dspark", tcfg))
+    params = draft_model.init_params(dcfg, jax.random.PRNGKey(0), embed_tokens=tparams["embed_tokens"],
+                                     lm_head=qwen3.lm_head_kernel(tparams))
+    path = tmp_path_factory.mktemp("eval") / "draft"
+    save_draft(path, dcfg, jax.tree.map(np.asarray, params))
+    return tdir, path, dcfg
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """Two datasets of held-out prompts, each holding the longest one (so both share shapes)."""
+    held = load_dataset("stdlib-heldout", max_samples=3)
+    longest = max(held, key=lambda p: len(p.text.encode()))
+    others = [p for p in held if p is not longest]
+    d = tmp_path_factory.mktemp("data")
+    (d / "alpha.jsonl").write_text(json.dumps({"turns": [longest.text, "second turn ignored"]}) + "\n\n"
+                                   + json.dumps({"turns": [others[0].text], "id": 7}) + "\n")
+    (d / "beta_set.jsonl").write_text(json.dumps({"turns": [others[1].text]}) + "\n"
+                                      + json.dumps({"turns": [longest.text]}) + "\n")
+    return d
+
+
+def test_eval_cli_end_to_end(drafter, data_dir, tmp_path, capsys):
+    tdir, draft, dcfg = drafter
+    out = tmp_path / "eval"
+    rc = cli.main(["eval", "--target", str(tdir), "--draft", str(draft), "--datasets", "alpha,beta-set",
+                   "--data-dir", str(data_dir), "--max-new-tokens", str(MAX_NEW), "--baseline",
+                   "--out", str(out), "--no-progress"])
+    assert rc == 0
+    stdout = capsys.readouterr().out
+    assert "alpha" in stdout and "beta-set" in stdout and "tau" in stdout and "ECE" in stdout
+    report = json.loads((out / "eval.json").read_text())
+    assert list(report["datasets"]) == ["alpha", "beta-set"]
+    g = dcfg.block_size
+    for name, s in report["datasets"].items():
+        assert s["requests"] == 2
+        assert 1.0 <= s["tau"] <= g + 1 and s["mean_proposal"] == g
+        assert s["verify_rate"] == pytest.approx(s["tau"] / (g + 1))
+        assert len(s["accept_rate"]) == len(s["conditional_accept"]) == g
+        pp = s["calibration"]["per_position"]
+        assert len(pp) == g and {"ece", "auroc", "brier"} <= set(pp[0])
+        assert pp[0]["n"] == s["rounds"]  # position 1 is verified in every round
+        assert s["speedup"] > 0 and s["autoregressive"]["output_tokens"] == s["output_tokens"]
+        lines = (out / "results" / f"{name}.jsonl").read_text().splitlines()
+        assert len(lines) == 2 and json.loads(lines[0])["dataset"] == name
+        for png in (f"acceptance_{name}.png", f"reliability_{name}.png"):
+            assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((out / "results" / "alpha.jsonl").read_text().splitlines()[1])["line"] == 3
+    assert any(p.name.startswith("events.out.tfevents") for p in (out / "tb").iterdir())
+    assert report["config"]["thinking"] is False
+    # an existing evaluation is not overwritten without --force
+    with pytest.raises(InputError, match="--force"):
+        evaluate(tdir, draft, "alpha", data_dir=data_dir, out=out, progress=False)
+
+
+def test_unknown_dataset(drafter, capsys):
+    tdir, draft, _ = drafter
+    rc = cli.main(["eval", "--target", str(tdir), "--draft", str(draft), "--datasets", "stdlib-heldout,nope"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "unknown dataset 'nope'" in err and "gsm8k" in err
+
+
+def test_malformed_line_reports_line_number(drafter, tmp_path):
+    tdir, draft, _ = drafter
+    (tmp_path / "bad.jsonl").write_text('{"turns": ["ok"]}\n\n{"turns": ["x"\n')
+    with pytest.raises(InputError, match=r"bad\.jsonl:3: malformed JSONL"):
+        evaluate(tdir, draft, "bad", data_dir=tmp_path, progress=False)
+
+
+def test_target_without_tokenizer(tmp_path, capsys):
+    (tmp_path / "p.jsonl").write_text('{"turns": ["hello"]}\n')
+    rc = cli.main(["eval", "--target", str(FIXTURE / "target"), "--draft", str(FIXTURE / "draft"),
+                   "--datasets", "p", "--data-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "has no tokenizer" in err
+
+
+def test_missing_draft_dir(tmp_path):
+    with pytest.raises(InputError, match="--draft"):
+        evaluate(default_target_dir(), tmp_path / "absent", "stdlib-heldout", progress=False)
+
+
+def test_encode_prompt_chat_template_and_thinking_switch():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "<u>", "<a>", "<think>", "hello", "world"])}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>")
+    tok.chat_template = ("{% for m in messages %}<u> {{ m['content'] }} {% endfor %}"
+                         "{% if add_generation_prompt %}<a>{% endif %}"
+                         "{% if enable_thinking is defined and enable_thinking %} <think>{% endif %}")
+    ids_off = encode_prompt(tok, "hello world")
+    ids_on = encode_prompt(tok, "hello world", thinking=True)
+    assert ids_off == [1, 4, 5, 2] and ids_on == [1, 4, 5, 2, 3]
+    from dspark_jax.tokenizer import ByteTokenizer
+    bt = ByteTokenizer()
+    assert encode_prompt(bt, "hi") == [bt.bos_token_id, ord("h"), ord("i")]

@@ -16,42 +16,11 @@ Plan it first (no weights needed; see docs/scaling.md)::
     dspark-jax plan --config configs/dflash_qwen3_8b.py --mesh data=2,fsdp=4
 """
 
-CONFIG = dict(
-    target="Qwen/Qwen3-8B",
-    data="train.jsonl",
-    data_format="chat",
-    tokenizer="Qwen/Qwen3-8B",
-    output_dir="runs/dflash_qwen3_8b",
-    features="online",
-    draft=dict(num_hidden_layers=5, block_size=7, target_layer_ids=(1, 9, 17, 25, 33),
-               mask_token_id=151669, num_anchors=512, markov_rank=0, enable_confidence_head=False,
-               confidence_head_with_markov=False),
-    max_length=4096,
-    batch_size=512,
-    grad_accum=64,  # 512 / 8 devices: one 4096-token sequence per device per micro-step
-    epochs=10,
-    learning_rate=6e-4,
-    warmup_ratio=0.04,
-    grad_clip=1.0,
-    compute_dtype="bfloat16",
-    # Memory (numerics unchanged; `dspark-jax plan` shows the effect): rematerialise draft layers
-    # keeping only matmul outputs, heads + loss 64 anchors at a time, activations pinned batch-sharded.
-    remat="dots",
-    loss_chunk=64,
-    shard_activations=True,
-    ce_weight=1.0,
-    l1_weight=0.0,
-    confidence_weight=0.0,
-    mesh="data=2,fsdp=4",
-    checkpoint_every=3000,
-    keep_checkpoints=3,
-    seed=42,
-)
+from dspark_jax.presets import MESH_PLANS as _PLANS
+from dspark_jax.presets import released_train_config
 
-# Sharding plans checked with `dspark-jax plan` (docs/scaling.md has the memory tables).
-# Keep one sequence per device per micro-step: grad_accum = 512 / number of devices.
-MESH_PLANS = {
-    "8xH100/H200 (one node)": "data=2,fsdp=4",
-    "TPU v5p-64 (32 chips)": "data=8,fsdp=4",
-    "TPU v6e-64": "data=16,fsdp=4",
-}
+CONFIG = released_train_config("Qwen/Qwen3-8B", kind="dflash")
+
+# Meshes checked with `dspark-jax plan` (docs/scaling.md has the memory tables). Keep one
+# sequence per device per micro-step: grad_accum = 512 / number of devices.
+MESH_PLANS = _PLANS["Qwen/Qwen3-8B"]

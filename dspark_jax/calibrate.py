@@ -19,13 +19,12 @@ All functions are numpy (calibration is offline, small, and runs once).
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import numpy as np
 
 from dspark_jax.errors import InputError
+from dspark_jax.fileio import iter_jsonl
 
 DEFAULT_GRID = np.geomspace(0.05, 20.0, 481)
 DEFAULT_BINS = 15
@@ -141,17 +140,7 @@ def rounds_from_records(records: Iterable[Mapping[str, Any]], where: str = "logs
 
 def load_decode_logs(path) -> Rounds:
     """Rounds from a JSONL file (one round, or one record with ``rounds``, per line)."""
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"decode log {str(path)!r} does not exist")
-    records = []
-    with path.open() as f:
-        for i, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise InputError(f"{path}:{i}: invalid JSON ({e})") from None
+    records = [record for _, record in iter_jsonl(path, "decode log")]
     return rounds_from_records(records, where=str(path))
 
 

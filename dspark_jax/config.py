@@ -40,6 +40,32 @@ def _get(hf: Mapping[str, Any], key: str, where: str) -> Any:
     return hf[key]
 
 
+def _qwen3_hf_fields(cfg, architecture: str, *, tie_word_embeddings: bool) -> dict[str, Any]:
+    """The Hugging Face Qwen3 config fields shared by targets and drafters."""
+    return {
+        "architectures": [architecture],
+        "model_type": "qwen3",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "hidden_act": "silu",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
+        "tie_word_embeddings": tie_word_embeddings,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "layer_types": ["full_attention"] * cfg.num_hidden_layers,
+        "use_sliding_window": False,
+        "sliding_window": None,
+    }
+
+
 @dataclasses.dataclass(frozen=True)
 class TargetConfig:
     """A Qwen3 causal LM (the frozen target).
@@ -111,28 +137,7 @@ class TargetConfig:
         )
 
     def to_hf(self) -> dict[str, Any]:
-        return {
-            "architectures": ["Qwen3ForCausalLM"],
-            "model_type": "qwen3",
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-            "hidden_act": "silu",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "max_position_embeddings": self.max_position_embeddings,
-            "layer_types": ["full_attention"] * self.num_hidden_layers,
-            "use_sliding_window": False,
-            "sliding_window": None,
-        }
+        return _qwen3_hf_fields(self, "Qwen3ForCausalLM", tie_word_embeddings=self.tie_word_embeddings)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,27 +295,8 @@ class DraftConfig:
         )
 
     def to_hf(self) -> dict[str, Any]:
-        hf: dict[str, Any] = {
-            "architectures": ["Qwen3DSparkModel"],
-            "model_type": "qwen3",
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-            "hidden_act": "silu",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": False,
-            "layer_types": ["full_attention"] * self.num_hidden_layers,
-            "use_sliding_window": False,
-            "sliding_window": None,
+        hf = _qwen3_hf_fields(self, "Qwen3DSparkModel", tie_word_embeddings=False)
+        hf.update({
             "num_target_layers": self.num_target_layers,
             "block_size": self.block_size,
             "mask_token_id": self.mask_token_id,
@@ -318,7 +304,7 @@ class DraftConfig:
             "num_anchors": self.num_anchors,
             "enable_confidence_head": self.enable_confidence_head,
             "markov_rank": self.markov_rank,
-        }
+        })
         if self.enable_confidence_head:
             hf["confidence_head_with_markov"] = self.confidence_head_with_markov
         if self.markov_rank > 0:

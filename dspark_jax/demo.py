@@ -31,6 +31,7 @@ from typing import Any, Callable
 import numpy as np
 
 from dspark_jax.errors import ConfigError, InputError
+from dspark_jax.fileio import atomic_open
 
 STAGES = ("sample", "train", "decode", "report")
 DRAFTERS = ("dspark", "dflash")
@@ -297,19 +298,9 @@ def stage_sample(cfg: DemoConfig, *, progress: bool = True, log: Callable[[str],
 
 
 def _write_jsonl(path: Path, rows) -> None:
-    import os
-    import tempfile
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=str(path.parent))
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_open(path) as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
 
 
 # --------------------------------------------------------------------------- train

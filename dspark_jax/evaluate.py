@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from dspark_jax.errors import InputError
+from dspark_jax.fileio import atomic_open, iter_jsonl, write_json
 
 RESULT_FILE = "eval.json"
 
@@ -150,38 +149,17 @@ def decode_summary(results, block_size: int | None = None, *, calibration: bool 
 
 def write_json_atomic(path, data) -> Path:
     """Write ``data`` as indented JSON via a temp file next to ``path`` and a rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=str(path.parent))
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(_finite(data), f, indent=1)
-            f.write("\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_json(path, _finite(data), indent=1)
 
 
 def write_results_jsonl(path, results, extra: Sequence[Mapping] | None = None) -> Path:
     """One line per ``Result`` (``Result.to_json()`` plus the matching ``extra`` fields), atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=str(path.parent))
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for i, r in enumerate(results):
-                line = dict(extra[i]) if extra is not None else {}
-                line.update(r.to_json())
-                f.write(json.dumps(line) + "\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    with atomic_open(path) as f:
+        for i, r in enumerate(results):
+            line = dict(extra[i]) if extra is not None else {}
+            line.update(r.to_json())
+            f.write(json.dumps(line) + "\n")
+    return Path(path)
 
 
 def read_results_jsonl(path) -> list:
@@ -191,21 +169,12 @@ def read_results_jsonl(path) -> list:
     from dspark_jax.decode import Result
 
     names = {f.name for f in dataclasses.fields(Result)}
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"decode results {str(path)!r} do not exist")
     out = []
-    with path.open() as f:
-        for i, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise InputError(f"{path}:{i}: invalid JSON ({e.msg})") from None
-                missing = names - set(rec)
-                if missing:
-                    raise InputError(f"{path}:{i}: missing fields {sorted(missing)}")
-                out.append(Result(**{k: rec[k] for k in names}))
+    for where, rec in iter_jsonl(path, "decode results"):
+        missing = names - set(rec) if isinstance(rec, dict) else names
+        if missing:
+            raise InputError(f"{where}: missing fields {sorted(missing)}")
+        out.append(Result(**{k: rec[k] for k in names}))
     return out
 
 

@@ -61,3 +61,45 @@ def released_drafter(target: str, *, kind: str = "dspark", block_size: int = 7,
     return DraftConfig.for_target(TARGETS[target], num_hidden_layers=num_layers, block_size=block_size,
                                   target_layer_ids=_LAYER_IDS[target], mask_token_id=QWEN3_MASK_TOKEN_ID,
                                   num_anchors=512, **head)
+
+
+# Meshes checked with `dspark-jax plan` for each released target (docs/scaling.md).
+MESH_PLANS: dict[str, dict[str, str]] = {
+    "Qwen/Qwen3-4B": {"8xH100/H200 (one node)": "data=4,fsdp=2", "TPU v5p-64 (32 chips)": "data=16,fsdp=2",
+                      "TPU v6e-64": "data=32,fsdp=2"},
+    "Qwen/Qwen3-8B": {"8xH100/H200 (one node)": "data=2,fsdp=4", "TPU v5p-64 (32 chips)": "data=8,fsdp=4",
+                      "TPU v6e-64": "data=16,fsdp=4"},
+    "Qwen/Qwen3-14B": {"8xH100/H200 (one node)": "data=1,fsdp=8", "TPU v5p-64 (32 chips)": "data=4,fsdp=8",
+                       "TPU v6e-64": "data=8,fsdp=8"},
+}
+
+
+def released_train_config(target: str, *, kind: str = "dspark", block_size: int = 7, num_layers: int = 5,
+                          target_layer_ids: tuple[int, ...] | None = None, **overrides) -> dict:
+    """TrainConfig fields of the paper's recipe for a released drafter shape on 8 devices.
+
+    AdamW lr 6e-4, 4% warm-up then cosine, clip 1.0, global batch 512 sequences of up to 4096
+    tokens (one per device per micro-step: grad_accum 64 on 8 devices), 10 epochs, bf16 compute
+    over fp32 masters; DFlash trains with CE only. The memory options (remat, chunked loss,
+    activation sharding) change no numerics. ``overrides`` replace any field.
+    """
+    draft = released_drafter(target, kind=kind, block_size=block_size, num_layers=num_layers)
+    fields = ("num_hidden_layers", "block_size", "target_layer_ids", "mask_token_id", "num_anchors",
+              "markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
+    draft_fields = {f: getattr(draft, f) for f in fields}
+    if target_layer_ids is not None:
+        draft_fields["target_layer_ids"] = tuple(target_layer_ids)
+    short = target.split("/")[-1].lower().replace("-", "_")
+    cfg = dict(
+        target=target, data="train.jsonl", data_format="chat", tokenizer=target,
+        output_dir=f"runs/{kind}_{short}", features="online", draft=draft_fields,
+        max_length=4096, batch_size=512, grad_accum=64, epochs=10, learning_rate=6e-4,
+        warmup_ratio=0.04, grad_clip=1.0, compute_dtype="bfloat16",
+        remat="dots", loss_chunk=64, shard_activations=True,
+        mesh=MESH_PLANS[target]["8xH100/H200 (one node)"],
+        checkpoint_every=3000, keep_checkpoints=3, seed=42,
+    )
+    if kind == "dflash":
+        cfg.update(ce_weight=1.0, l1_weight=0.0, confidence_weight=0.0)
+    cfg.update(overrides)
+    return cfg

@@ -19,9 +19,7 @@ It is saved as a small JSON file (``dspark_tokenizer.json``; deliberately not
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
@@ -199,18 +197,8 @@ class ByteTokenizer:
         path = Path(path)
         if path.suffix != ".json":
             path = path / TOKENIZER_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=path.parent)
-        try:
-            os.chmod(tmp, 0o644)  # mkstemp makes 0600
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.to_json(), f, indent=2)
-                f.write("\n")
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return path
+        from dspark_jax.fileio import write_json
+        return write_json(path, self.to_json())
 
     @classmethod
     def load(cls, path) -> "ByteTokenizer":
@@ -251,7 +239,10 @@ def load_tokenizer(directory, *, required: bool = False):
         except ImportError:  # pragma: no cover - transformers is optional at runtime
             raise InputError(f"{str(directory)!r} has a Hugging Face tokenizer but the "
                              "'transformers' package is not installed") from None
-        return AutoTokenizer.from_pretrained(str(directory))
+        try:
+            return AutoTokenizer.from_pretrained(str(directory))
+        except Exception as e:  # corrupted or incompatible tokenizer files are bad input
+            raise InputError(f"cannot load the tokenizer in {str(directory)!r}: {e}") from None
     if required:
         raise InputError(f"target directory {str(directory)!r} has no tokenizer ({TOKENIZER_FILE} or "
                          "Hugging Face tokenizer files); give token ids instead of text prompts")

@@ -10,6 +10,7 @@ def run(args) -> int:
     from dspark_jax.data import cache as cache_lib
     from dspark_jax.data import sources
     from dspark_jax.errors import InputError
+    from dspark_jax.tokenizer import load_tokenizer
     from dspark_jax.train.config import load_config
 
     if args.config:
@@ -30,7 +31,7 @@ def run(args) -> int:
             raise InputError("--layer-ids is required without --config")
         layer_ids = cfg.draft_config(tcfg).target_layer_ids
     if fmt == "chat":
-        seqs = sources.read_chat_jsonl(data, sources.load_tokenizer(tokenizer), max_length, overlong)
+        seqs = sources.read_chat_jsonl(data, load_tokenizer(tokenizer, required=True), max_length, overlong)
     else:
         seqs = sources.read_token_jsonl(data, max_length, tcfg.vocab_size, overlong)
     manifest = cache_lib.write_cache(out, tcfg, tparams, layer_ids, seqs, batch_size=args.batch_size,

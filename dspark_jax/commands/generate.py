@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
+
+from dspark_jax.fileio import atomic_open
 
 HELP = "speculative decoding of JSONL prompts with a target and a DSpark drafter"
 DESCRIPTION = """\
@@ -114,23 +114,16 @@ def run(args) -> int:
         results = autoregressive_generate(tcfg, tparams, prompts, **common)
     bar.close()
 
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=str(out.parent.resolve()))
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for (rec, ids), res in zip(records, results):
-                line = {k: v for k, v in rec.items()}
-                line.update(output_ids=res.output_ids, acceptance_lengths=res.acceptance_lengths,
-                            proposal_lengths=res.proposal_lengths,
-                            accepted_drafts=res.accepted_drafts,
-                            confidence_logits=res.confidence_logits)
-                if tokenizer is not None:
-                    line["output_text"] = tokenizer.decode(res.output_ids)
-                f.write(json.dumps(line) + "\n")
-        os.replace(tmp, out)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_open(out) as f:
+        for (rec, ids), res in zip(records, results):
+            line = {k: v for k, v in rec.items()}
+            line.update(output_ids=res.output_ids, acceptance_lengths=res.acceptance_lengths,
+                        proposal_lengths=res.proposal_lengths,
+                        accepted_drafts=res.accepted_drafts,
+                        confidence_logits=res.confidence_logits)
+            if tokenizer is not None:
+                line["output_text"] = tokenizer.decode(res.output_ids)
+            f.write(json.dumps(line) + "\n")
     summary = summarize(results, block)
     summary["mode"] = "speculative" if args.draft else "autoregressive"
     summary["verify"] = args.verify if args.draft else None

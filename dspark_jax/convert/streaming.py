@@ -23,7 +23,6 @@ from dspark_jax import sharding as sharding_lib
 from dspark_jax.config import DraftConfig, TargetConfig
 from dspark_jax.convert import mapping
 from dspark_jax.convert.safetensors_io import TensorReader
-from dspark_jax.errors import CheckpointError
 
 def _our_shape(torch_shape, transpose: bool, num_layers: int | None):
     shape = tuple(reversed(torch_shape)) if transpose else tuple(torch_shape)

@@ -18,11 +18,11 @@ directory, a malformed line (file and 1-based line number), empty ``turns``.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Sequence
 
 from dspark_jax.errors import InputError
+from dspark_jax.fileio import iter_jsonl
 
 SUFFIX = ".jsonl"
 
@@ -92,34 +92,23 @@ def read_prompt_file(path, *, dataset: str | None = None, max_samples: int | Non
         raise InputError(f"--max-samples must be a positive int, got {max_samples!r}")
     dataset = dataset or path.name.removesuffix(SUFFIX)
     out: list[EvalPrompt] = []
-    try:
-        f = path.open("r", encoding="utf-8")
-    except OSError as e:
-        raise InputError(f"cannot read prompt file {str(path)!r}: {e.strerror}") from None
-    with f:
-        for lineno, line in enumerate(f, start=1):
-            if max_samples is not None and len(out) >= max_samples:
-                break
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{where}: malformed JSONL line ({e.msg} at column {e.colno})") from None
-            if not isinstance(record, dict):
-                raise InputError(f"{where}: expected a JSON object with 'turns', got {type(record).__name__}")
-            if "turns" not in record:
-                raise InputError(f"{where}: missing field 'turns' (keys: {sorted(record)})")
-            turns = record["turns"]
-            if not isinstance(turns, list):
-                raise InputError(f"{where}: 'turns' must be a list of strings, got {type(turns).__name__}")
-            if not turns:
-                raise InputError(f"{where}: 'turns' is empty")
-            first = turns[0]
-            if not isinstance(first, str) or not first.strip():
-                raise InputError(f"{where}: the first turn must be a non-empty string, got {first!r:.60}")
-            out.append(EvalPrompt(dataset=dataset, index=len(out), line=lineno, text=first))
+    for where, record in iter_jsonl(path, "prompt file"):
+        lineno = int(where.rsplit(":", 1)[1])
+        if not isinstance(record, dict):
+            raise InputError(f"{where}: expected a JSON object with 'turns', got {type(record).__name__}")
+        if "turns" not in record:
+            raise InputError(f"{where}: missing field 'turns' (keys: {sorted(record)})")
+        turns = record["turns"]
+        if not isinstance(turns, list):
+            raise InputError(f"{where}: 'turns' must be a list of strings, got {type(turns).__name__}")
+        if not turns:
+            raise InputError(f"{where}: 'turns' is empty")
+        first = turns[0]
+        if not isinstance(first, str) or not first.strip():
+            raise InputError(f"{where}: the first turn must be a non-empty string, got {first!r:.60}")
+        out.append(EvalPrompt(dataset=dataset, index=len(out), line=lineno, text=first))
+        if max_samples is not None and len(out) >= max_samples:
+            break
     if not out:
         raise InputError(f"prompt file {str(path)!r} holds no prompts")
     return out

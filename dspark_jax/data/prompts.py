@@ -7,11 +7,10 @@ Other fields (e.g. ``"id"``) are kept and copied to the output line.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any, Callable
 
 from dspark_jax.errors import InputError
+from dspark_jax.fileio import iter_jsonl
 
 
 def read_prompts(path, encode: Callable[[str], list[int]] | None = None,
@@ -20,38 +19,27 @@ def read_prompts(path, encode: Callable[[str], list[int]] | None = None,
 
     ``encode`` turns text into ids (None: ``{"text": ...}`` lines are an error).
     """
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"prompts file {str(path)!r} does not exist")
     out = []
-    with path.open("r", encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{where}: not valid JSON ({e.msg})") from None
-            if not isinstance(rec, dict):
-                raise InputError(f"{where}: expected a JSON object with 'prompt_ids' or 'text'")
-            if "prompt_ids" in rec:
-                ids = rec["prompt_ids"]
-                if not isinstance(ids, list) or not all(
-                        isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                    raise InputError(f"{where}: 'prompt_ids' must be a list of ints")
-            elif "text" in rec:
-                if not isinstance(rec["text"], str):
-                    raise InputError(f"{where}: 'text' must be a string")
-                if encode is None:
-                    raise InputError(f"{where}: a 'text' prompt needs a tokenizer{tokenizer_hint}; "
-                                     "give 'prompt_ids' instead")
-                ids = [int(t) for t in encode(rec["text"])]
-            else:
-                raise InputError(f"{where}: expected a 'prompt_ids' or 'text' field")
-            if not ids:
-                raise InputError(f"{where}: the prompt is empty")
-            out.append((rec, ids))
+    for where, rec in iter_jsonl(path, "prompts file"):
+        if not isinstance(rec, dict):
+            raise InputError(f"{where}: expected a JSON object with 'prompt_ids' or 'text'")
+        if "prompt_ids" in rec:
+            ids = rec["prompt_ids"]
+            if not isinstance(ids, list) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise InputError(f"{where}: 'prompt_ids' must be a list of ints")
+        elif "text" in rec:
+            if not isinstance(rec["text"], str):
+                raise InputError(f"{where}: 'text' must be a string")
+            if encode is None:
+                raise InputError(f"{where}: a 'text' prompt needs a tokenizer{tokenizer_hint}; "
+                                 "give 'prompt_ids' instead")
+            ids = [int(t) for t in encode(rec["text"])]
+        else:
+            raise InputError(f"{where}: expected a 'prompt_ids' or 'text' field")
+        if not ids:
+            raise InputError(f"{where}: the prompt is empty")
+        out.append((rec, ids))
     if not out:
         raise InputError(f"prompts file {str(path)!r} holds no prompts")
     return out

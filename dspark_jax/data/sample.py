@@ -44,16 +44,12 @@ def sample_sequences(params: dict, config: TargetConfig, num: int, length: int, 
 def write_jsonl(path, sequences: np.ndarray, loss_from: int = 1) -> None:
     """Write ``{"input_ids", "loss_mask"}`` lines (loss_mask 0 on the first ``loss_from`` tokens)."""
     import json
-    import os
-    from pathlib import Path
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    with tmp.open("w") as f:
+
+    from dspark_jax.fileio import atomic_open
+    with atomic_open(path) as f:
         for seq in sequences:
             mask = [0] * loss_from + [1] * (len(seq) - loss_from)
             f.write(json.dumps({"input_ids": [int(t) for t in seq], "loss_mask": mask}) + "\n")
-    os.replace(tmp, path)
 
 
 def main(argv=None) -> int:

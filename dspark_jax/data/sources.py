@@ -9,13 +9,12 @@ All lines are parsed and validated once on construction, before any compilation.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
 from dspark_jax.errors import InputError
+from dspark_jax.fileio import iter_jsonl
 
 
 def pad_record(ids: Sequence[int], mask: Sequence[float], max_length: int, index: int) -> dict:
@@ -71,26 +70,15 @@ class TokenSequences:
 def read_token_jsonl(path, max_length: int, vocab_size: int | None = None,
                      overlong: str = "truncate") -> TokenSequences:
     """JSONL lines ``{"input_ids": [...], "loss_mask": [...]}`` (loss_mask optional: all 1)."""
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"data file {str(path)!r} does not exist")
     seqs = []
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{where}: not valid JSON ({e.msg})") from None
-            if not isinstance(rec, dict) or "input_ids" not in rec:
-                raise InputError(f"{where}: expected an object with 'input_ids'")
-            ids = rec["input_ids"]
-            mask = rec.get("loss_mask", [1] * len(ids))
-            if len(ids) > max_length and overlong == "refuse":
-                _fit(ids, mask, max_length, overlong, where)
-            seqs.append((ids, mask))
+    for where, rec in iter_jsonl(path, "data file"):
+        if not isinstance(rec, dict) or "input_ids" not in rec:
+            raise InputError(f"{where}: expected an object with 'input_ids'")
+        ids = rec["input_ids"]
+        mask = rec.get("loss_mask", [1] * len(ids))
+        if len(ids) > max_length and overlong == "refuse":
+            _fit(ids, mask, max_length, overlong, where)
+        seqs.append((ids, mask))
     return TokenSequences(seqs, max_length, vocab_size, overlong, name=str(path))
 
 
@@ -127,36 +115,14 @@ def chat_to_tokens(tokenizer, messages: list[dict]) -> tuple[list[int], list[flo
 
 def read_chat_jsonl(path, tokenizer, max_length: int, overlong: str = "truncate") -> TokenSequences:
     """JSONL lines ``{"messages": [{"role", "content"}, ...]}`` via ``tokenizer``'s chat template."""
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"data file {str(path)!r} does not exist")
     seqs = []
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{where}: not valid JSON ({e.msg})") from None
-            msgs = rec.get("messages") if isinstance(rec, dict) else None
-            if not isinstance(msgs, list) or not msgs:
-                raise InputError(f"{where}: expected an object with a non-empty 'messages' list")
-            ids, mask = chat_to_tokens(tokenizer, msgs)
-            _fit(ids, mask, max_length, overlong, where)
-            seqs.append((ids, mask))
+    for where, rec in iter_jsonl(path, "data file"):
+        msgs = rec.get("messages") if isinstance(rec, dict) else None
+        if not isinstance(msgs, list) or not msgs:
+            raise InputError(f"{where}: expected an object with a non-empty 'messages' list")
+        ids, mask = chat_to_tokens(tokenizer, msgs)
+        _fit(ids, mask, max_length, overlong, where)
+        seqs.append((ids, mask))
     return TokenSequences(seqs, max_length, None, overlong,
                           name=str(path))
 
-
-def load_tokenizer(path):
-    """A Hugging Face tokenizer (with a chat template) from a local directory."""
-    try:
-        from transformers import AutoTokenizer
-    except ImportError as e:  # pragma: no cover
-        raise InputError("data_format='chat' needs the 'transformers' package") from e
-    try:
-        return AutoTokenizer.from_pretrained(str(path))
-    except Exception as e:
-        raise InputError(f"cannot load tokenizer from {str(path)!r}: {e}") from None

@@ -54,8 +54,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -64,6 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.errors import ConfigError, InputError
+from dspark_jax.fileio import atomic_open
 
 SPS_FORMAT = "dspark-jax/sps-table/v1"
 FITS = ("none", "monotone", "linear", "convex")
@@ -243,19 +242,8 @@ def fit_sps(batch_sizes: Sequence[int], sps: Sequence[float], method: str = DEFA
 
 
 def atomic_write_text(path, text: str, force: bool = False) -> None:
-    path = Path(path)
-    if path.exists() and not force:
-        raise InputError(f"{str(path)!r} exists (pass --force to overwrite)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a table is a shareable artefact
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_open(path, force=force) as f:
+        f.write(text)
 
 
 # ----------------------------------------------------------------------------- core search

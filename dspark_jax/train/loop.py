@@ -35,6 +35,7 @@ from dspark_jax.data import pipeline, sources
 from dspark_jax.draft import model as draft_model
 from dspark_jax.errors import CheckpointError, ConfigError, DSparkError, InputError
 from dspark_jax.target import qwen3
+from dspark_jax.tokenizer import load_tokenizer
 from dspark_jax.train import optim, step as step_lib
 from dspark_jax.train.config import TrainConfig
 
@@ -70,7 +71,7 @@ def load_source(cfg: TrainConfig, target_cfg, draft_cfg, target_params):
         src.validate(draft_cfg, target_cfg, cache_lib.target_identity(target_cfg, target_params))
         return src
     if cfg.data_format == "chat":
-        tok = sources.load_tokenizer(cfg.tokenizer)
+        tok = load_tokenizer(cfg.tokenizer, required=True)
         return sources.read_chat_jsonl(cfg.data, tok, cfg.max_length, cfg.overlong)
     return sources.read_token_jsonl(cfg.data, cfg.max_length, target_cfg.vocab_size, cfg.overlong)
 
@@ -139,7 +140,7 @@ def train(cfg: TrainConfig) -> dict:
     state = jax.jit(lambda p: step_lib.init_state(p, optimizer, cfg.seed),
                     in_shardings=(state_sh.params,), out_shardings=state_sh)(trainable_dev)
 
-    s, a, bm = cfg.max_length, cfg.grad_accum, cfg.micro_batch_size
+    a, bm = cfg.grad_accum, cfg.micro_batch_size
     example = source[0]
     fields = [k for k in ("input_ids", "loss_mask", "features", "last_hidden") if k in example]
     global_shapes = {k: (a, bm) + example[k].shape for k in fields}

@@ -40,6 +40,24 @@ def _get(hf: Mapping[str, Any], key: str, where: str) -> Any:
     return hf[key]
 
 
+def _qwen3_hf_kwargs(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """Constructor arguments shared by TargetConfig and DraftConfig, from a HF config dict."""
+    heads = int(_get(hf, "num_attention_heads", where))
+    hidden = int(_get(hf, "hidden_size", where))
+    return dict(
+        vocab_size=int(_get(hf, "vocab_size", where)),
+        hidden_size=hidden,
+        intermediate_size=int(_get(hf, "intermediate_size", where)),
+        num_hidden_layers=int(_get(hf, "num_hidden_layers", where)),
+        num_attention_heads=heads,
+        num_key_value_heads=int(hf.get("num_key_value_heads", heads)),
+        head_dim=int(hf.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(hf),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 40960)),
+    )
+
+
 def _qwen3_hf_fields(cfg, architecture: str, *, tie_word_embeddings: bool) -> dict[str, Any]:
     """The Hugging Face Qwen3 config fields shared by targets and drafters."""
     return {
@@ -119,22 +137,8 @@ class TargetConfig:
             raise ConfigError("attention_bias=true is not supported for Qwen3 targets")
         if hf.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"hidden_act={hf.get('hidden_act')!r} is not supported (only 'silu')")
-        where = "target config.json"
-        heads = int(_get(hf, "num_attention_heads", where))
-        hidden = int(_get(hf, "hidden_size", where))
-        return cls(
-            vocab_size=int(_get(hf, "vocab_size", where)),
-            hidden_size=hidden,
-            intermediate_size=int(_get(hf, "intermediate_size", where)),
-            num_hidden_layers=int(_get(hf, "num_hidden_layers", where)),
-            num_attention_heads=heads,
-            num_key_value_heads=int(hf.get("num_key_value_heads", heads)),
-            head_dim=int(hf.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=_rope_theta(hf),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 40960)),
-        )
+        return cls(**_qwen3_hf_kwargs(hf, "target config.json"),
+                   tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)))
 
     def to_hf(self) -> dict[str, Any]:
         return _qwen3_hf_fields(self, "Qwen3ForCausalLM", tie_word_embeddings=self.tie_word_embeddings)
@@ -263,8 +267,6 @@ class DraftConfig:
         if arch and arch[0] != "Qwen3DSparkModel":
             raise ConfigError(f"unsupported drafter architecture {arch[0]!r}: expected 'Qwen3DSparkModel'")
         where = "drafter config.json"
-        heads = int(_get(hf, "num_attention_heads", where))
-        hidden = int(_get(hf, "hidden_size", where))
         rank = int(_get(hf, "markov_rank", where))
         conf = bool(_get(hf, "enable_confidence_head", where))
         if rank > 0 and "markov_head_type" not in hf:
@@ -273,13 +275,7 @@ class DraftConfig:
             raise ConfigError(f"{where}: confidence_head_with_markov is required when "
                               "enable_confidence_head is true")
         return cls(
-            vocab_size=int(_get(hf, "vocab_size", where)),
-            hidden_size=hidden,
-            intermediate_size=int(_get(hf, "intermediate_size", where)),
-            num_hidden_layers=int(_get(hf, "num_hidden_layers", where)),
-            num_attention_heads=heads,
-            num_key_value_heads=int(hf.get("num_key_value_heads", heads)),
-            head_dim=int(hf.get("head_dim") or hidden // heads),
+            **_qwen3_hf_kwargs(hf, where),
             num_target_layers=int(_get(hf, "num_target_layers", where)),
             target_layer_ids=tuple(_get(hf, "target_layer_ids", where)),
             block_size=int(_get(hf, "block_size", where)),
@@ -289,9 +285,6 @@ class DraftConfig:
             markov_head_type=str(hf.get("markov_head_type", "vanilla")).lower(),
             enable_confidence_head=conf,
             confidence_head_with_markov=bool(hf.get("confidence_head_with_markov", False)) if conf else False,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=_rope_theta(hf),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 40960)),
         )
 
     def to_hf(self) -> dict[str, Any]:

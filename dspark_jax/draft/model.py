@@ -99,37 +99,11 @@ def training_forward(
     anchor_positions, block_keep_mask [B, N]; target_last_hidden_states
     [B, S, H] (post final norm) for the aligned target logits.
     """
-    dtype = compute_dtype or params["fc"].dtype
-    p = jax.tree.map(lambda a: a.astype(dtype), params)
-    b, s = input_ids.shape
-    g = config.block_size
-    anchors = anchor_positions.astype(jnp.int32)
-    keep = block_keep_mask.astype(bool)
-
-    labels, eval_mask, safe = batch_lib.block_targets(input_ids, loss_mask, anchors, keep, g)
-    block_ids = batch_lib.block_input_ids(input_ids, anchors, keep, g, config.mask_token_id)
-
-    ctx = backbone.project_context(p, config, target_hidden_states.astype(dtype))
-    ctx_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    ctx_k, ctx_v = backbone.context_kv(p, config, ctx, ctx_pos)
-    ctx_mask = jnp.arange(s)[None, None, :] < anchors[:, :, None]
-    block_pos = anchors[:, :, None] + jnp.arange(g, dtype=jnp.int32)
-    hidden = backbone.block_forward(p, config, p["embed_tokens"][block_ids], block_pos,
-                                    ctx_k, ctx_v, ctx_mask, keep)
-
-    logits = compute_logits(p, hidden)
-    anchor_tok = jnp.take_along_axis(input_ids, anchors, axis=1)
-    prev = jnp.concatenate([anchor_tok[..., None], labels[..., :-1]], axis=-1)
-    if config.has_markov:
-        logits = markov.teacher_forced(p["markov_head"], config, logits, prev, hidden)
-    conf = confidence.logits(p, config, hidden, prev) if config.enable_confidence_head else None
-
-    aligned = None
-    if target_last_hidden_states is not None:
-        idx = jnp.maximum(safe - 1, 0).reshape(b, -1)
-        th = jnp.take_along_axis(target_last_hidden_states.astype(dtype), idx[..., None], axis=1)
-        aligned = compute_logits(p, th.reshape(*safe.shape, -1))
-    return TrainForward(logits, conf, labels, eval_mask, aligned, keep)
+    th = training_hidden(params, config, input_ids, target_hidden_states, loss_mask, anchor_positions,
+                         block_keep_mask, target_last_hidden_states, compute_dtype)
+    p = cast_params(params, compute_dtype or params["fc"].dtype)
+    logits, conf, aligned = block_heads(p, config, th.hidden, th.prev_ids, th.target_hidden)
+    return TrainForward(logits, conf, th.target_ids, th.eval_mask, aligned, th.block_keep_mask)
 
 
 class TrainHidden(NamedTuple):

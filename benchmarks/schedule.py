@@ -15,7 +15,9 @@ What is real and what is simulated:
   with the fitted curve, and the simulated clock is the fitted curve too (our best estimate
   of the hardware); every result is also reported under the raw measured clock
   (``throughput_measured_clock``) as a robustness check.
-- STS temperatures are fitted on half of the rounds; the other half feeds the simulation.
+- STS temperatures are fitted on half of the rounds (``--split rounds``, fixture default) or
+  of the requests (``--split requests``, default with --target: no prompt on both sides);
+  only the other half feeds the simulation (no test-set tuning).
 - The serving loop is simulated: every round, each of R concurrent requests draws one
   held-out round; the policy picks l_r from the calibrated confidences; the round emits
   sum_r (1 + min(accepted_r, l_r)) tokens and costs 1 / SPS(sum_r (1 + l_r)) seconds
@@ -30,6 +32,9 @@ What is real and what is simulated:
   test-set use, but it ignores the drafter's per-round confidences: a static SPS-aware length).
 
 Usage: .venv/bin/python benchmarks/schedule.py --out benchmarks/results/schedule [--rounds 300]
+Any target/drafter pair: --target DIR --draft DIR [--dataset stdlib-heldout --max-samples N]:
+prompts of the dataset are encoded with the target's tokenizer and the target's greedy
+continuations (--max-new-tokens) are generated with the real decode loop, then replayed.
 Writes OUT/sps.json, OUT/schedule.json, OUT/schedule.png.
 """
 
@@ -53,21 +58,27 @@ from dspark_jax.convert import checkpoint  # noqa: E402
 from dspark_jax.decode import policies, profile  # noqa: E402
 from dspark_jax.decode import scheduler as S  # noqa: E402
 from dspark_jax.draft import model as draft_model  # noqa: E402
+from dspark_jax.errors import InputError  # noqa: E402
 from dspark_jax.target import qwen3  # noqa: E402
 
 FIXTURE = ROOT / "tests" / "fixtures" / "dspark_qwen3_tiny"
 
 
-def drafter_rounds(fixture: Path) -> C.Rounds:
-    """Real (confidence logits, accepted drafts) for every anchor of the greedy continuations."""
-    tcfg, tparams = checkpoint.load_target(fixture / "target")
-    dcfg, dparams = checkpoint.load_draft(fixture / "draft")
-    dec = json.loads((fixture / "decode_greedy.json").read_text())
+def replay_rounds(tcfg, tparams, dcfg, dparams, pairs, *, return_groups: bool = False):
+    """Real (confidence logits [N, G], accepted drafts [N]) for every anchor of greedy continuations.
+
+    ``pairs``: (prompt ids, greedy output ids) per request. Each prompt+output sequence is run
+    through the target once (taps) and the drafter is teacher-forced at every anchor from the
+    last prompt token to the last position with G tokens after it. With ``return_groups``
+    also returns the request index of every round ([N] int).
+    """
     g = dcfg.block_size
-    logits, acc = [], []
-    for prompt, outp in zip(dec["prompts"], dec["output_ids"]):
-        seq = np.asarray(prompt + outp, np.int32)[None]
+    logits, acc, groups = [], [], []
+    for i, (prompt, outp) in enumerate(pairs):
+        seq = np.asarray(list(prompt) + list(outp), np.int32)[None]
         s = seq.shape[1]
+        if s - g <= len(prompt) - 1:
+            continue  # continuation shorter than one block: no anchor
         hidden, taps, _ = qwen3.forward(tparams, tcfg, jnp.asarray(seq), tap_layer_ids=dcfg.target_layer_ids)
         anchors = np.arange(len(prompt) - 1, s - g)[None]
         fwd = draft_model.training_forward(dparams, dcfg, jnp.asarray(seq), taps, jnp.ones((1, s), jnp.int32),
@@ -75,8 +86,63 @@ def drafter_rounds(fixture: Path) -> C.Rounds:
         match = np.asarray(jnp.argmax(fwd.draft_logits, -1) == fwd.target_ids)[0]   # [N, G]
         acc.append(np.cumprod(match, axis=1).sum(axis=1))
         logits.append(np.asarray(fwd.confidence_logits)[0])
+        groups.append(np.full(anchors.shape[1], i))
+    if not acc:
+        raise InputError("no drafter rounds: every greedy continuation is shorter than one block "
+                         f"(block_size {g}); raise --max-new-tokens")
     logits, acc = np.concatenate(logits), np.concatenate(acc)
-    return C.Rounds(logits.astype(np.float64), acc.astype(np.int64), np.full(len(acc), g))
+    rounds = C.Rounds(logits.astype(np.float64), acc.astype(np.int64), np.full(len(acc), g))
+    return (rounds, np.concatenate(groups)) if return_groups else rounds
+
+
+def split_by_request(rounds: C.Rounds, groups: np.ndarray, seed: int = 0) -> tuple[C.Rounds, C.Rounds]:
+    """(fit, held-out): a seeded half of the *requests* with all their rounds on each side, so
+    the held-out rounds share no prompt with the rounds STS is fitted on."""
+    ids = np.unique(groups)
+    if len(ids) < 2:
+        raise InputError(f"only {len(ids)} request(s) with rounds: too few to split by request")
+    held_ids = np.random.default_rng(seed).permutation(ids)[: len(ids) // 2]
+    held = np.isin(groups, held_ids)
+    return rounds.take(np.flatnonzero(~held)), rounds.take(np.flatnonzero(held))
+
+
+def drafter_rounds(fixture: Path) -> C.Rounds:
+    """Rounds of the fixture drafter on the fixture's stored greedy continuations."""
+    tcfg, tparams = checkpoint.load_target(fixture / "target")
+    dcfg, dparams = checkpoint.load_draft(fixture / "draft")
+    dec = json.loads((fixture / "decode_greedy.json").read_text())
+    return replay_rounds(tcfg, tparams, dcfg, dparams, zip(dec["prompts"], dec["output_ids"]))
+
+
+def dataset_rounds(target_dir, draft_dir, dataset: str, max_samples: int | None, max_new_tokens: int,
+                   batch_size: int = 8) -> tuple[C.Rounds, dict]:
+    """Rounds of any target/drafter pair on a prompt dataset (text -> ids via the target's
+    tokenizer); the target's greedy continuations (up to ``max_new_tokens``, cut at its stop
+    tokens) are generated here with the real decode loop, then replayed as in the fixture mode."""
+    from dspark_jax.data import eval_datasets
+    from dspark_jax.decode import loop
+    from dspark_jax.evaluate import default_stop_ids, encode_prompt
+    from dspark_jax.tokenizer import load_tokenizer
+
+    tcfg, tparams = checkpoint.load_target(target_dir)
+    dcfg, dparams = checkpoint.load_draft(draft_dir)
+    dcfg.check_compatible(tcfg)
+    tok = load_tokenizer(target_dir, required=True)
+    texts = eval_datasets.load_prompts(dataset, max_samples=max_samples)
+    prompts = [encode_prompt(tok, t) for t in texts]
+    stops = default_stop_ids(target_dir, tok)
+    t0 = time.time()
+    res = loop.autoregressive_generate(tcfg, tparams, prompts, max_new_tokens=max_new_tokens, temperature=0.0,
+                                       batch_size=batch_size, stop_token_ids=stops)
+    outs = [r.output_ids for r in res]
+    print(f"greedy continuations: {len(prompts)} prompts, mean {np.mean([len(o) for o in outs]):.1f} new "
+          f"tokens ({time.time() - t0:.1f}s)", file=sys.stderr)
+    info = {"target": str(target_dir), "draft": str(draft_dir), "dataset": dataset, "prompts": len(prompts),
+            "mean_prompt_tokens": float(np.mean([len(p) for p in prompts])),
+            "mean_new_tokens": float(np.mean([len(o) for o in outs])), "max_new_tokens": max_new_tokens,
+            "stop_token_ids": stops}
+    rounds, groups = replay_rounds(tcfg, tparams, dcfg, dparams, zip(prompts, outs), return_groups=True)
+    return rounds, groups, info
 
 
 def simulate(policy, conf_all, accepted, clocks, concurrency: int, n_rounds: int, seed: int):
@@ -147,19 +213,55 @@ def main(argv=None) -> int:
     ap.add_argument("--raw-sps", action="store_true", help="same as --fit none")
     ap.add_argument("--repeats", type=int, default=15, help="interleaved timing passes per size")
     ap.add_argument("--sps", default=None, help="reuse an SPS table (refitted from its raw values)")
+    ap.add_argument("--target", default=None,
+                    help="target checkpoint dir (default: the tiny reference fixture's target); with "
+                         "--draft, the rounds come from the target's greedy continuations of --dataset")
+    ap.add_argument("--draft", default=None, help="drafter checkpoint dir (default: the fixture drafter)")
+    ap.add_argument("--dataset", default="stdlib-heldout",
+                    help="prompt dataset (dspark_jax.data.eval_datasets) for --target/--draft mode")
+    ap.add_argument("--max-samples", type=int, default=None, help="at most N prompts of --dataset")
+    ap.add_argument("--split", choices=("rounds", "requests"), default=None,
+                    help="STS fit/held-out halves: a random half of the rounds (fixture default) or of "
+                         "the requests, all rounds of a prompt on one side (default with --target)")
+    ap.add_argument("--max-new-tokens", type=int, default=96,
+                    help="greedy continuation length per prompt in --target/--draft mode")
     args = ap.parse_args(argv)
+    if (args.target is None) != (args.draft is None):
+        ap.error("--target and --draft go together (neither = the tiny reference fixture)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     levels = [int(x) for x in args.concurrency.split(",")]
 
     t0 = time.time()
-    rounds = drafter_rounds(FIXTURE)
+    if args.target is None:
+        rounds, source = drafter_rounds(FIXTURE), {"target": "tests/fixtures/dspark_qwen3_tiny/target",
+                                                   "draft": "tests/fixtures/dspark_qwen3_tiny/draft",
+                                                   "prompts": "decode_greedy.json (fixture)"}
+        target_dir = FIXTURE / "target"
+        label = "tiny fixture drafter"
+    else:
+        rounds, groups, source = dataset_rounds(args.target, args.draft, args.dataset, args.max_samples,
+                                                args.max_new_tokens)
+        target_dir = Path(args.target)
+        label = f"drafter {args.draft} + target {Path(args.target).name} on {args.dataset}"
     g = rounds.block_size
-    fit, held = C.split_rounds(rounds, 0.5, seed=0)
+    split = args.split or ("rounds" if args.target is None else "requests")
+    if split == "requests" and args.target is None:
+        ap.error("--split requests needs --target/--draft (the fixture rounds carry no request ids)")
+    if split == "rounds":
+        fit, held = C.split_rounds(rounds, 0.5, seed=0)
+    else:
+        fit, held = split_by_request(rounds, groups, seed=0)
+    source["sts_split"] = split
     temps = C.fit_sts(fit)
     cal = {"temperatures": temps.tolist(),
            "heldout_ece_before": C.summary(C.position_metrics(held))["ece"],
            "heldout_ece_after": C.summary(C.position_metrics(held, temps))["ece"],
+           "heldout_brier_before": C.summary(C.position_metrics(held))["brier"],
+           "heldout_brier_after": C.summary(C.position_metrics(held, temps))["brier"],
+           "heldout_auroc_per_position_before": [m["auroc"] for m in C.position_metrics(held)],
+           "heldout_auroc_per_position_after": [m["auroc"] for m in C.position_metrics(held, temps)],
+           "fit_rounds": fit.num_rounds, "heldout_rounds": held.num_rounds,
            "mean_accepted": float(rounds.accepted.mean()), "rounds": rounds.num_rounds}
     print(f"drafter rounds: {rounds.num_rounds}, mean accepted {cal['mean_accepted']:.2f}, "
           f"held-out ECE {cal['heldout_ece_before']:.3f} -> {cal['heldout_ece_after']:.3f}", file=sys.stderr)
@@ -168,11 +270,11 @@ def main(argv=None) -> int:
     if args.sps:
         table = S.SPSTable.load(args.sps, fit=fit_name)
     else:
-        tcfg, tparams = checkpoint.load_target(FIXTURE / "target")
+        tcfg, tparams = checkpoint.load_target(target_dir)
         sizes = profile.default_batch_sizes(max(levels) * (g + 1), dense_up_to=16, growth=1.3)
         table = profile.measure_sps(tcfg, tparams, sizes, args.cache_length, iters=3, min_seconds=0.02,
                                     repeats=args.repeats, fit=fit_name,
-                                    meta={"target": "tests/fixtures/dspark_qwen3_tiny/target"},
+                                    meta={"target": source["target"]},
                                     progress=lambda b, s: print(f"  SPS({b}) = {s:.1f}", file=sys.stderr))
         table.save(out / "sps.json", force=True)
     clocks = {"fitted": table, "measured": table.fitted("none")}
@@ -221,8 +323,30 @@ def main(argv=None) -> int:
               f"predicts {sch['predicted_throughput']:.0f}), mean l {sch['budget']:.2f}, verified fraction "
               f"per position {sch['verified_fraction_per_position']}", file=sys.stderr)
 
-    report = {"mode": "simulated rounds, real SPS table + real drafter confidences/acceptances "
-                      "(teacher-forced greedy replay of the fixture)",
+    main_fixed = [n for n in pols if n.startswith(("fixed", "threshold"))]
+    summary = []
+    for i, r in enumerate(levels):
+        row = {"concurrency": r}
+        for n in pols:
+            if "diagnostic" not in n:
+                row[n] = {"tokens_per_s": round(results[n][i]["throughput"], 1),
+                          "mean_budget": round(results[n][i]["budget"], 3)}
+        best_n = max(main_fixed, key=lambda n: results[n][i]["throughput"])
+        row["best_fixed_policy"] = best_n
+        for n in ("scheduler", "scheduler-async"):
+            row[f"{n}_vs_best_fixed_policy"] = round(results[n][i]["throughput"]
+                                                     / results[best_n][i]["throughput"], 4)
+            row[f"{n}_vs_best_fixed_l_0..G"] = round(results[n][i]["throughput"]
+                                                     / diagnostics[i]["best_fixed_throughput"], 4)
+        summary.append(row)
+        print(f"R={r:>3}  " + "  ".join(f"{n.split(' (')[0]}: {row[n]['tokens_per_s']:.0f} tok/s l={row[n]['mean_budget']:.2f}"
+                                       for n in pols if "diagnostic" not in n), file=sys.stderr)
+    report_head = {"summary": summary}
+
+    report = {**report_head, "mode": "simulated rounds, real SPS table + real drafter confidences/acceptances "
+                      "(teacher-forced greedy replay of the " + ("fixture)" if args.target is None else
+                                                                 "target's greedy continuations)"),
+              "source": source,
               "device": table.meta.get("device"), "sps_table": table.to_json(), "calibration": cal,
               "block_size": g, "rounds_per_point": args.rounds, "concurrency": levels,
               "sps_fit": fit_name, "results": results, "diagnostics": diagnostics,
@@ -258,7 +382,7 @@ def main(argv=None) -> int:
     ax[1].set_yscale("log")
     ax[3].set_xlabel("verification tokens B")
     ax[0].legend(fontsize=8)
-    fig.suptitle(f"tiny fixture drafter (block {g}) on {table.meta.get('device')}; simulated serving rounds")
+    fig.suptitle(f"{label} (block {g}) on {table.meta.get('device')}; simulated serving rounds")
     fig.tight_layout()
     fig.savefig(out / "schedule.png", dpi=110)
     print(json.dumps({"out": str(out), "seconds": round(time.time() - t0, 1)}))
@@ -266,4 +390,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dspark_jax.errors import DSparkError
+    try:
+        sys.exit(main())
+    except DSparkError as e:  # bad input: one clean line, exit 2 (as the CLI does)
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -401,8 +401,8 @@ def stage_decode(cfg: DemoConfig, *, modes=MODES, progress: bool = True,
     """Decode the held-out prompts with each mode -> ``decode/<mode>.jsonl``."""
     from tqdm import tqdm
 
-    from dspark_jax.convert.checkpoint import load_draft, load_target
-    from dspark_jax.evaluate import (decode_summary, default_stop_ids, encode_prompt, timed_decode,
+    from dspark_jax.convert.checkpoint import default_stop_ids, load_draft, load_target
+    from dspark_jax.evaluate import (decode_summary, encode_prompt, timed_decode,
                                      write_results_jsonl)
     from dspark_jax.tokenizer import load_tokenizer
 

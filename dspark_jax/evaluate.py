@@ -52,20 +52,6 @@ def encode_prompt(tokenizer, text: str, *, thinking: bool = False) -> list[int]:
     return [int(t) for t in tokenizer.encode(text)]
 
 
-def default_stop_ids(target_dir, tokenizer=None) -> list[int]:
-    """Stop tokens: ``eos_token_id`` of the target's generation_config.json, else config.json's,
-    else the tokenizer's (empty when none is known)."""
-    target_dir = Path(target_dir)
-    for name in ("generation_config.json", "config.json"):
-        path = target_dir / name
-        if path.is_file():
-            eos = json.loads(path.read_text()).get("eos_token_id")
-            if eos is not None:
-                return [int(eos)] if isinstance(eos, int) else sorted({int(e) for e in eos})
-    eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
-    return [int(eos)] if eos is not None else []
-
-
 # --------------------------------------------------------------------------- decoding
 
 
@@ -289,7 +275,7 @@ def evaluate(target, draft, datasets, *, data_dir=None, max_samples: int | None 
     """
     from tqdm import tqdm
 
-    from dspark_jax.convert.checkpoint import load_draft, load_target
+    from dspark_jax.convert.checkpoint import default_stop_ids, load_draft, load_target, sts_temperatures
     from dspark_jax.data.eval_datasets import load_datasets
     from dspark_jax.decode import parse_policy
     from dspark_jax.tokenizer import load_tokenizer
@@ -308,6 +294,7 @@ def evaluate(target, draft, datasets, *, data_dir=None, max_samples: int | None 
     tokenizer = load_tokenizer(target, required=True)
     policy = parse_policy(verify, confidence_threshold=confidence_threshold, sps_table=sps_table)
     stops = default_stop_ids(target, tokenizer) if stop_token_ids is None else list(stop_token_ids)
+    confidence_temperatures = sts_temperatures(draft, confidence_temperatures)
     encoded = {name: [encode_prompt(tokenizer, p.text, thinking=thinking) for p in ps]
                for name, ps in prompts_by_ds.items()}
 

@@ -486,3 +486,27 @@ def test_cli_help(capsys):
     text = capsys.readouterr().out
     for flag in ("--to", "--dtype", "--force", "--allow-pickle", "--max-shard-size"):
         assert flag in text
+
+
+def test_decode_defaults_from_checkpoint_dirs(tmp_path, tiny_dir):
+    """generate and eval share these: saved STS temperatures and the stop-token fallback chain."""
+    cfg, params = load_draft(tiny_dir / "draft")
+    assert checkpoint.sts_temperatures(tiny_dir / "draft") is None
+    save_draft(tmp_path / "d", cfg, params, extras={"sts_temperatures": [1.5] * cfg.block_size})
+    assert checkpoint.sts_temperatures(tmp_path / "d") == [1.5] * cfg.block_size
+    assert checkpoint.sts_temperatures(tmp_path / "d", [2.0] * 3) == [2.0] * 3  # the flag wins
+    save_draft(tmp_path / "bad", cfg, params, extras={"sts_temperatures": "hot"})
+    with pytest.raises(CheckpointError, match="sts_temperatures.*list of numbers"):
+        checkpoint.sts_temperatures(tmp_path / "bad")
+
+    t = tmp_path / "t"
+    t.mkdir()
+    assert checkpoint.default_stop_ids(t) == []
+    (t / "config.json").write_text(json.dumps({"eos_token_id": 7}))
+    assert checkpoint.default_stop_ids(t) == [7]
+    (t / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, 3, 9]}))
+    assert checkpoint.default_stop_ids(t) == [3, 9]  # generation_config.json first
+
+    class Tok:
+        eos_token_id = 5
+    assert checkpoint.default_stop_ids(tmp_path, Tok()) == [5]

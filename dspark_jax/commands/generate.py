@@ -47,8 +47,8 @@ def register(subparsers) -> None:
     p.add_argument("--batch-size", type=int, default=1, help="requests decoded together (default 1)")
     p.add_argument("--seed", type=int, default=0, help="PRNG seed (runs are reproducible)")
     p.add_argument("--stop-token-ids", type=int, nargs="*", default=None, metavar="ID",
-                   help="stop tokens (default: eos_token_id of the target's generation_config.json; "
-                        "give the flag with no ids for none)")
+                   help="stop tokens (default: eos_token_id of the target's generation_config.json, "
+                        "else config.json, else its tokenizer; give the flag with no ids for none)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="cast weights (default: as stored)")
     p.add_argument("--max-cache-len", type=int, default=None,
@@ -56,20 +56,10 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def _default_stops(target_dir: Path) -> list[int]:
-    cfg = target_dir / "generation_config.json"
-    if not cfg.is_file():
-        return []
-    eos = json.loads(cfg.read_text()).get("eos_token_id")
-    if eos is None:
-        return []
-    return [int(eos)] if isinstance(eos, int) else sorted({int(e) for e in eos})
-
-
 def run(args) -> int:
     from tqdm import tqdm
 
-    from dspark_jax.convert.checkpoint import load_draft, load_target, read_extras
+    from dspark_jax.convert.checkpoint import default_stop_ids, load_draft, load_target, sts_temperatures
     from dspark_jax.data.prompts import read_prompts
     from dspark_jax.decode import autoregressive_generate, parse_policy, speculative_generate, summarize
     from dspark_jax.errors import InputError
@@ -86,7 +76,8 @@ def run(args) -> int:
     records = read_prompts(args.prompts, encode,
                            tokenizer_hint=f" (none found in {str(target_dir)!r})")
     prompts = [ids for _, ids in records]
-    stops = _default_stops(target_dir) if args.stop_token_ids is None else list(args.stop_token_ids)
+    stops = (default_stop_ids(target_dir, tokenizer) if args.stop_token_ids is None
+             else list(args.stop_token_ids))
 
     tcfg, tparams = load_target(target_dir, args.dtype)
     bar = tqdm(total=len(prompts), desc="generate", unit="prompt", file=sys.stderr)
@@ -99,15 +90,9 @@ def run(args) -> int:
         block = dcfg.block_size
         policy = parse_policy(args.verify, confidence_threshold=args.confidence_threshold,
                               sps_table=args.sps)
-        conf_temps = args.confidence_temperatures
-        if conf_temps is None:  # the flag overrides temperatures saved with the drafter
-            conf_temps = read_extras(args.draft).get("sts_temperatures")
-            if conf_temps is not None:
-                if not isinstance(conf_temps, list):
-                    raise InputError(f"drafter {args.draft!r}: extras['sts_temperatures'] must be a "
-                                     f"list of numbers, got {conf_temps!r}")
-                print(f"generate: STS temperatures from the drafter's extras: {conf_temps}",
-                      file=sys.stderr)
+        conf_temps = sts_temperatures(args.draft, args.confidence_temperatures)
+        if conf_temps is not None and args.confidence_temperatures is None:
+            print(f"generate: STS temperatures from the drafter's extras: {conf_temps}", file=sys.stderr)
         results = speculative_generate(tcfg, tparams, dcfg, dparams, prompts, policy=policy,
                                        confidence_temperatures=conf_temps, **common)
     else:

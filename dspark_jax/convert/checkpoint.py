@@ -341,6 +341,33 @@ def read_extras(path) -> dict:
     return dict((hf.get("dspark_jax") or {}).get("extras") or {})
 
 
+def sts_temperatures(draft_dir, override=None) -> list[float] | None:
+    """STS temperatures for decoding: ``override`` (a flag) if given, else the ones saved
+    with the drafter (``extras["sts_temperatures"]`` from `calibrate --write-draft`), else None."""
+    if override is not None:
+        return list(override)
+    temps = read_extras(draft_dir).get("sts_temperatures")
+    if temps is not None and not (isinstance(temps, list)
+                                  and all(isinstance(t, (int, float)) for t in temps)):
+        raise CheckpointError(f"drafter {str(draft_dir)!r}: extras['sts_temperatures'] must be a "
+                              f"list of numbers, got {temps!r}")
+    return temps
+
+
+def default_stop_ids(target_dir, tokenizer=None) -> list[int]:
+    """Stop tokens of a target: ``eos_token_id`` of its generation_config.json, else of its
+    config.json, else the tokenizer's (empty when none is known)."""
+    target_dir = Path(target_dir)
+    for name in ("generation_config.json", "config.json"):
+        path = target_dir / name
+        if path.is_file():
+            eos = _read_json(path, name).get("eos_token_id")
+            if eos is not None:
+                return [int(eos)] if isinstance(eos, int) else sorted({int(e) for e in eos})
+    eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    return [int(eos)] if eos is not None else []
+
+
 def _save(kind, path, config, params, *, format, force, extras, max_shard_size, hf_base=None,
           copy_from=None) -> Path:
     if format not in ("torch", "jax"):

@@ -1,0 +1,672 @@
+"""Gemma4 text decoder (``gemma4_text`` / ``gemma4_unified_text``) as pure functions.
+
+Params (kernels ``[in, out]``)::
+
+    {"embed_tokens": [V, H], "norm": [H], "lm_head": [H, V] (absent when tied),
+     "sliding": {stacked params of the sliding-window layers, leading axis Ls},
+     "full":    {stacked params of the full-attention layers, leading axis Lf}}
+
+Sliding and full layers differ in head size and KV-head count, so each type is its own
+stack; a group absent from ``layer_types`` is absent from the tree. Full layers with
+``attention_k_eq_v`` have no ``v_proj``: V is a weightless RMS norm of the K projection.
+
+Layer (SPEC section 13)::
+
+    h = x + post_attention_layernorm(attn(input_layernorm(x)))
+    h = h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))
+    out = h * layer_scalar
+
+KV cache (``Gemma4Cache``): a static, full-length cache per layer type,
+``[L_type, B, max_len, Hkv_type, D_type]`` for K and V plus per-row ``lengths [B]``.
+Sliding layers keep every slot too and mask those outside the window
+(key j visible to query i iff i - window < j <= i), so rolling back is only setting
+``lengths`` (any length <= the current one), exactly as for Qwen3. (A ring buffer of
+``window + max_extend - 1`` slots per sliding layer would cut their memory; not done.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dspark_jax.errors import CheckpointError, ConfigError
+from dspark_jax.params import ParamSpec
+
+NEG_INF = -1e30
+SLIDING, FULL = "sliding_attention", "full_attention"
+GROUPS = (("sliding", SLIDING), ("full", FULL))
+MODEL_TYPES = ("gemma4_text", "gemma4_unified_text")
+TEXT_ARCHITECTURES = {"gemma4_text": "Gemma4ForCausalLM", "gemma4_unified_text": "Gemma4UnifiedForCausalLM"}
+# Multimodal wrappers whose text weights sit under ``model.language_model.``.
+MULTIMODAL = {"gemma4": "Gemma4ForConditionalGeneration",
+              "gemma4_unified": "Gemma4UnifiedForConditionalGeneration"}
+TEXT_PREFIX, MULTIMODAL_PREFIX = "model.", "model.language_model."
+ACTIVATIONS = ("gelu_pytorch_tanh",)
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemma4TargetConfig:
+    """A Gemma4 text decoder.
+
+    Sliding layers: ``head_dim``, ``num_key_value_heads``, default rotary (``sliding_rope_theta``).
+    Full layers: ``global_head_dim``, ``full_num_key_value_heads`` (the global count under
+    ``attention_k_eq_v``, as transformers), rotary ``full_rope_type`` ("proportional": only the
+    first ``int(partial_rotary_factor * global_head_dim / 2)`` frequencies rotate).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    global_head_dim: int
+    layer_types: tuple[str, ...]
+    sliding_window: int
+    num_global_key_value_heads: int | None = None
+    attention_k_eq_v: bool = False
+    sliding_rope_theta: float = 1e4
+    full_rope_theta: float = 1e6
+    full_rope_type: str = "proportional"
+    partial_rotary_factor: float = 0.25
+    final_logit_softcapping: float | None = None
+    hidden_activation: str = "gelu_pytorch_tanh"
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 131072
+    model_type: str = "gemma4_unified_text"
+    pad_token_id: int | None = 0
+    bos_token_id: int | None = 2
+    eos_token_id: Any = 1
+
+    def __post_init__(self):
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "global_head_dim",
+                     "sliding_window", "max_position_embeddings"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and not isinstance(value, bool) and value > 0,
+                     f"Gemma4TargetConfig.{name} must be a positive int, got {value!r}")
+        _require(len(self.layer_types) == self.num_hidden_layers,
+                 f"layer_types has {len(self.layer_types)} entries, num_hidden_layers is {self.num_hidden_layers}")
+        bad = sorted(set(self.layer_types) - {SLIDING, FULL})
+        _require(not bad, f"layer_types: unknown {bad}; expected {SLIDING!r} or {FULL!r}")
+        for kind, heads, dim in (("sliding", self.num_key_value_heads, self.head_dim),
+                                 ("full", self.full_num_key_value_heads, self.global_head_dim)):
+            _require(heads > 0 and self.num_attention_heads % heads == 0,
+                     f"{kind} layers: num_attention_heads={self.num_attention_heads} is not a multiple "
+                     f"of {heads} KV heads")
+            _require(dim % 2 == 0, f"{kind} layers: head size {dim} must be even for rotary")
+        _require(self.full_rope_type in ("default", "proportional"),
+                 f"rope_parameters.full_attention.rope_type={self.full_rope_type!r} is not supported "
+                 "('default' or 'proportional')")
+        _require(0.0 <= self.partial_rotary_factor <= 1.0,
+                 f"partial_rotary_factor={self.partial_rotary_factor} must be in [0, 1]")
+        _require(self.hidden_activation in ACTIVATIONS,
+                 f"hidden_activation={self.hidden_activation!r} is not supported; expected one of {ACTIVATIONS}")
+        _require(self.final_logit_softcapping is None or self.final_logit_softcapping > 0,
+                 "final_logit_softcapping must be > 0 or null")
+        _require(self.rms_norm_eps > 0, "rms_norm_eps must be > 0")
+        _require(self.model_type in MODEL_TYPES, f"model_type={self.model_type!r}; expected one of {MODEL_TYPES}")
+
+    @property
+    def full_num_key_value_heads(self) -> int:
+        """KV heads of full layers: num_global_key_value_heads under k = v (transformers' rule)."""
+        if self.attention_k_eq_v and self.num_global_key_value_heads is not None:
+            return self.num_global_key_value_heads
+        return self.num_key_value_heads
+
+    def layer_ids(self, layer_type: str) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == layer_type)
+
+    def group_shape(self, group: str) -> tuple[int, int, bool]:
+        """(KV heads, head size, has v_proj) of the ``"sliding"`` or ``"full"`` layers."""
+        if group == "sliding":
+            return self.num_key_value_heads, self.head_dim, True
+        return self.full_num_key_value_heads, self.global_head_dim, not self.attention_k_eq_v
+
+    def replace(self, **changes) -> "Gemma4TargetConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any]) -> "Gemma4TargetConfig":
+        """From a ``gemma4_text`` / ``gemma4_unified_text`` config.json (or a multimodal one's text_config)."""
+        if "text_config" in hf:
+            hf = hf["text_config"]
+        return cls(**gemma4_text_kwargs(hf, "target config.json"))
+
+    def to_hf(self, architecture: str | None = None) -> dict[str, Any]:
+        """The Hugging Face text config (``architectures``: the text CausalLM by default)."""
+        return gemma4_text_fields(self, architecture or TEXT_ARCHITECTURES[self.model_type])
+
+
+def _get(hf: Mapping[str, Any], key: str, where: str) -> Any:
+    if key not in hf:
+        raise ConfigError(f"{where}: required field {key!r} is missing")
+    return hf[key]
+
+
+def gemma4_text_kwargs(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """Gemma4TargetConfig arguments from a Gemma4 text config dict; refuses unsupported features."""
+    model_type = hf.get("model_type", "gemma4_unified_text")
+    if model_type not in MODEL_TYPES:
+        raise ConfigError(f"{where}: model_type={model_type!r} is not a Gemma4 text config; "
+                          f"expected one of {MODEL_TYPES}")
+    # transformers' gemma4_text defaults to per-layer inputs of size 256; unified has none.
+    ple = hf.get("hidden_size_per_layer_input", 256 if model_type == "gemma4_text" else 0)
+    for key, value, ok in (("hidden_size_per_layer_input", ple, not ple),
+                           ("enable_moe_block", hf.get("enable_moe_block", False), not hf.get("enable_moe_block")),
+                           ("num_kv_shared_layers", hf.get("num_kv_shared_layers", 0),
+                            not hf.get("num_kv_shared_layers")),
+                           ("attention_bias", hf.get("attention_bias", False), not hf.get("attention_bias")),
+                           ("use_bidirectional_attention", hf.get("use_bidirectional_attention"),
+                            hf.get("use_bidirectional_attention") != "all")):
+        if not ok:
+            raise ConfigError(f"{where}: {key}={value!r} is not supported for Gemma4")
+    layers = int(_get(hf, "num_hidden_layers", where))
+    layer_types = hf.get("layer_types")
+    if layer_types is None:  # transformers' default: 5 sliding : 1 full
+        layer_types = [SLIDING if (i + 1) % 6 else FULL for i in range(layers)]
+    rope = hf.get("rope_parameters") or {}
+    sliding_rope = rope.get(SLIDING) or {"rope_type": "default", "rope_theta": 1e4}
+    full_rope = rope.get(FULL) or {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                   "rope_theta": 1e6}
+    if sliding_rope.get("rope_type", "default") != "default":
+        raise ConfigError(f"{where}: rope_parameters.sliding_attention.rope_type="
+                          f"{sliding_rope.get('rope_type')!r} is not supported (only 'default')")
+    for name, params in (("sliding_attention", sliding_rope), ("full_attention", full_rope)):
+        if float(params.get("factor", 1.0)) != 1.0:
+            raise ConfigError(f"{where}: rope_parameters.{name}.factor={params['factor']} is not supported")
+    softcap = hf.get("final_logit_softcapping")
+    heads = int(_get(hf, "num_attention_heads", where))
+    global_kv = hf.get("num_global_key_value_heads")
+    return dict(
+        vocab_size=int(_get(hf, "vocab_size", where)),
+        hidden_size=int(_get(hf, "hidden_size", where)),
+        intermediate_size=int(_get(hf, "intermediate_size", where)),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=int(hf.get("num_key_value_heads", heads)),
+        head_dim=int(hf.get("head_dim", 256)),
+        global_head_dim=int(hf.get("global_head_dim", 512)),
+        num_global_key_value_heads=None if global_kv is None else int(global_kv),
+        attention_k_eq_v=bool(hf.get("attention_k_eq_v", False)),
+        layer_types=tuple(layer_types),
+        sliding_window=int(_get(hf, "sliding_window", where)),
+        sliding_rope_theta=float(sliding_rope.get("rope_theta", 1e4)),
+        full_rope_theta=float(full_rope.get("rope_theta", 1e6)),
+        full_rope_type=str(full_rope.get("rope_type", "default")),
+        partial_rotary_factor=float(full_rope.get("partial_rotary_factor", 1.0)),
+        final_logit_softcapping=None if softcap is None else float(softcap),
+        hidden_activation=str(hf.get("hidden_activation", "gelu_pytorch_tanh")),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 131072)),
+        model_type=model_type,
+        pad_token_id=hf.get("pad_token_id", 0),
+        bos_token_id=hf.get("bos_token_id", 2),
+        eos_token_id=hf.get("eos_token_id", 1),
+    )
+
+
+def gemma4_text_fields(cfg, architecture: str) -> dict[str, Any]:
+    """The Hugging Face Gemma4 text-config fields of ``cfg`` (a target or drafter config)."""
+    full_rope = {"rope_type": cfg.full_rope_type, "rope_theta": cfg.full_rope_theta}
+    if cfg.full_rope_type == "proportional":
+        full_rope["partial_rotary_factor"] = cfg.partial_rotary_factor
+    hf = {
+        "architectures": [architecture],
+        "model_type": cfg.model_type,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "global_head_dim": cfg.global_head_dim,
+        "num_global_key_value_heads": cfg.num_global_key_value_heads,
+        "attention_k_eq_v": cfg.attention_k_eq_v,
+        "layer_types": list(cfg.layer_types),
+        "sliding_window": cfg.sliding_window,
+        "rope_parameters": {SLIDING: {"rope_type": "default", "rope_theta": cfg.sliding_rope_theta},
+                            FULL: full_rope},
+        "final_logit_softcapping": cfg.final_logit_softcapping,
+        "hidden_activation": cfg.hidden_activation,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "enable_moe_block": False,
+        "hidden_size_per_layer_input": 0,
+        "num_kv_shared_layers": 0,
+        "use_double_wide_mlp": False,
+        "pad_token_id": cfg.pad_token_id,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id,
+    }
+    if cfg.model_type == "gemma4_unified_text":
+        hf["use_bidirectional_attention"] = "vision"
+    return hf
+
+
+def checkpoint_prefix(hf: Mapping[str, Any]) -> str:
+    """Torch-name prefix of the text weights: ``model.language_model.`` for multimodal checkpoints."""
+    arch = (hf.get("architectures") or [""])[0]
+    if "text_config" in hf or arch in MULTIMODAL.values() or hf.get("model_type") in MULTIMODAL:
+        return MULTIMODAL_PREFIX
+    return TEXT_PREFIX
+
+
+# ----------------------------------------------------------------------------- declaration
+
+
+def layer_declaration(cfg, group: str, layer_ids: Sequence[int], name: str) -> dict[tuple, ParamSpec]:
+    """Stacked Gemma4 decoder-layer leaves ``(group, leaf)`` of one head shape.
+
+    ``name`` is the torch name of layer ``{i}`` without the leaf (``model.layers.{i}.``).
+    """
+    n, h, inter, hq = len(layer_ids), cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
+    kv, d, has_v = cfg.group_shape(group)
+    ids = tuple(layer_ids)
+
+    def leaf(shape, axes, torch, **kw):
+        return ParamSpec((n, *shape), ("layers", *axes), name + torch, layer_ids=ids, **kw)
+
+    decl = {
+        "q_proj": leaf((h, hq * d), ("embed", "heads"), "self_attn.q_proj.weight", transpose=True),
+        "k_proj": leaf((h, kv * d), ("embed", "kv_heads"), "self_attn.k_proj.weight", transpose=True),
+        "o_proj": leaf((hq * d, h), ("heads", "embed"), "self_attn.o_proj.weight", transpose=True),
+        "q_norm": leaf((d,), (None,), "self_attn.q_norm.weight", init="ones"),
+        "k_norm": leaf((d,), (None,), "self_attn.k_norm.weight", init="ones"),
+        "gate_proj": leaf((h, inter), ("embed", "mlp"), "mlp.gate_proj.weight", transpose=True),
+        "up_proj": leaf((h, inter), ("embed", "mlp"), "mlp.up_proj.weight", transpose=True),
+        "down_proj": leaf((inter, h), ("mlp", "embed"), "mlp.down_proj.weight", transpose=True),
+        "layer_scalar": leaf((1,), (None,), "layer_scalar", init="ones"),
+    }
+    if has_v:
+        decl["v_proj"] = leaf((h, kv * d), ("embed", "kv_heads"), "self_attn.v_proj.weight", transpose=True)
+    for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm"):
+        decl[norm] = leaf((h,), (None,), f"{norm}.weight", init="ones")
+    return {(group, k): v for k, v in decl.items()}
+
+
+def declare(cfg: Gemma4TargetConfig, prefix: str = TEXT_PREFIX) -> dict[tuple, ParamSpec]:
+    """Every parameter: our path -> ParamSpec. ``prefix``: ``model.`` or ``model.language_model.``."""
+    v, h = cfg.vocab_size, cfg.hidden_size
+    decl = {
+        ("embed_tokens",): ParamSpec((v, h), ("vocab", "embed"), f"{prefix}embed_tokens.weight"),
+        ("norm",): ParamSpec((h,), (None,), f"{prefix}norm.weight", init="ones"),
+    }
+    if not cfg.tie_word_embeddings:
+        decl[("lm_head",)] = ParamSpec((h, v), ("embed", "vocab"), "lm_head.weight", transpose=True)
+    for group, layer_type in GROUPS:
+        ids = cfg.layer_ids(layer_type)
+        if ids:
+            decl.update(layer_declaration(cfg, group, ids, f"{prefix}layers.{{i}}."))
+    return decl
+
+
+# Generic derivations from a declaration. TODO(merge): replace with params.py's shared
+# versions once the declaration refactor lands (kept here so this family is usable alone).
+
+
+def _set(tree: dict, path: tuple, value) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def init_from_declaration(decl: Mapping[tuple, ParamSpec], rng: jax.Array, dtype=jnp.float32) -> dict:
+    """Random params per each spec's initializer."""
+    tree: dict = {}
+    keys = jax.random.split(rng, len(decl))
+    for key, (path, spec) in zip(keys, sorted(decl.items())):
+        if spec.init == "ones":
+            value = jnp.ones(spec.shape, dtype)
+        elif spec.init == "zeros":
+            value = jnp.zeros(spec.shape, dtype)
+        else:
+            value = (spec.init_std * jax.random.normal(key, spec.shape, jnp.float32)).astype(dtype)
+        _set(tree, path, value)
+    return tree
+
+
+def axes_from_declaration(decl: Mapping[tuple, ParamSpec]) -> dict:
+    tree: dict = {}
+    for path, spec in decl.items():
+        _set(tree, path, spec.axes)
+    return tree
+
+
+def from_torch(decl: Mapping[tuple, ParamSpec], state: Mapping[str, np.ndarray], where: str = "checkpoint") -> dict:
+    """Our params tree (numpy) from a torch-named state dict; missing / misshapen tensors are CheckpointErrors."""
+
+    def one(name, shape, transpose):
+        if name not in state:
+            raise CheckpointError(f"{where}: tensor {name!r} is missing")
+        a = np.asarray(state[name])
+        a = a.T if transpose else a
+        if a.shape != tuple(shape):
+            raise CheckpointError(f"{where}: tensor {name!r} has shape {tuple(np.asarray(state[name]).shape)}, "
+                                  f"expected {tuple(shape)[::-1] if transpose else tuple(shape)}")
+        return a
+
+    tree: dict = {}
+    for path, spec in decl.items():
+        if spec.layer_ids is None:
+            value = one(spec.torch, spec.shape, spec.transpose)
+        else:
+            value = np.stack([one(spec.torch.format(i=i), spec.shape[1:], spec.transpose)
+                              for i in spec.layer_ids])
+        _set(tree, path, value)
+    return tree
+
+
+def init_params(cfg: Gemma4TargetConfig, rng: jax.Array, dtype=jnp.float32) -> dict:
+    """Random params (std 0.02, norms and layer_scalar 1), for tests and from-scratch runs."""
+    return init_from_declaration(declare(cfg), rng, dtype)
+
+
+def param_axes(cfg: Gemma4TargetConfig) -> dict:
+    """Logical axis names, same tree structure as ``init_params``."""
+    return axes_from_declaration(declare(cfg))
+
+
+# ----------------------------------------------------------------------------- shared math
+
+
+def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
+    """Gemma4 RMSNorm: in float32 ``x * rsqrt(mean(x^2) + eps) * weight`` (no 1 +), cast back."""
+    xf = x.astype(jnp.float32)
+    out = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if weight is not None:
+        out = out * weight.astype(jnp.float32)
+    return out.astype(x.dtype)
+
+
+def inv_freq(head_dim: int, theta: float, rope_type: str = "default", partial: float = 1.0) -> np.ndarray:
+    """[head_dim / 2] rotary frequencies; "proportional" zeroes those past int(partial * head_dim / 2)."""
+    half = head_dim // 2
+    rotated = int(partial * head_dim // 2) if rope_type == "proportional" else half
+    freq = np.zeros((half,), np.float32)
+    freq[:rotated] = 1.0 / (theta ** (np.arange(0, 2 * rotated, 2, dtype=np.float32) / head_dim))
+    return freq
+
+
+def rope_cos_sin(positions: jax.Array, freq: np.ndarray, dtype) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [*positions.shape, 2 * len(freq)] (rotate-half layout), in ``dtype``."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(freq)
+    emb = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [B, S, heads, D]; cos, sin [B, S, D]."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+def group_rope(cfg, group: str) -> np.ndarray:
+    if group == "sliding":
+        return inv_freq(cfg.head_dim, cfg.sliding_rope_theta)
+    return inv_freq(cfg.global_head_dim, cfg.full_rope_theta, cfg.full_rope_type, cfg.partial_rotary_factor)
+
+
+def gelu_mlp(x: jax.Array, p: dict) -> jax.Array:
+    """down(gelu_tanh(gate(x)) * up(x))."""
+    return (jax.nn.gelu(x @ p["gate_proj"], approximate=True) * (x @ p["up_proj"])) @ p["down_proj"]
+
+
+def embed(embed_tokens: jax.Array, ids: jax.Array, dtype=None) -> jax.Array:
+    """Scaled embeddings ``E[ids] * sqrt(H)``, the scale cast to the weight dtype first (as transformers)."""
+    scale = jnp.asarray(math.sqrt(embed_tokens.shape[-1]), embed_tokens.dtype)
+    x = embed_tokens[ids] * scale
+    return x if dtype is None else x.astype(dtype)
+
+
+def softcap(logits: jax.Array, cap: float | None) -> jax.Array:
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
+def project_qkv(h: jax.Array, p: dict, num_heads: int, num_kv: int, head_dim: int, eps: float):
+    """q [B,S,Hq,D] (q-normed), k [B,S,Hkv,D] (k-normed), v [B,S,Hkv,D] (v-normed), all before rotary.
+
+    Without ``v_proj`` (k = v) V is the raw K projection through the weightless v norm.
+    """
+    b, s, _ = h.shape
+    q = rms_norm((h @ p["q_proj"]).reshape(b, s, num_heads, head_dim), p["q_norm"], eps)
+    k_raw = (h @ p["k_proj"]).reshape(b, s, num_kv, head_dim)
+    v_raw = (h @ p["v_proj"]).reshape(b, s, num_kv, head_dim) if "v_proj" in p else k_raw
+    return q, rms_norm(k_raw, p["k_norm"], eps), rms_norm(v_raw, None, eps)
+
+
+def attend(q: jax.Array, parts: Sequence[tuple[jax.Array, jax.Array, jax.Array]], scale: float = 1.0):
+    """One softmax over several key/value sources.
+
+    q [B, T, Hq, D]; each part (k, v [B, S_i, Hkv, D], visible [B, T, S_i]). Rows that see
+    nothing return zeros. Returns [B, T, Hq, D].
+    """
+    b, t, hq, d = q.shape
+    hkv = parts[0][0].shape[2]
+    qg = q.reshape(b, t, hkv, hq // hkv, d)
+    scores = jnp.concatenate([jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32)
+                              for k, _, _ in parts], axis=-1) * scale
+    m = jnp.concatenate([vis for _, _, vis in parts], axis=-1)[:, None, None]
+    probs = jnp.where(m, jax.nn.softmax(jnp.where(m, scores, NEG_INF), axis=-1), 0.0)
+    out, start = 0.0, 0
+    for k, v, _ in parts:
+        size = k.shape[1]
+        out = out + jnp.einsum("bhgqk,bkhd->bqhgd", probs[..., start:start + size].astype(v.dtype), v)
+        start += size
+    return out.reshape(b, t, hq, d)
+
+
+def sandwich(x: jax.Array, attn_out: jax.Array, p: dict, eps: float) -> jax.Array:
+    """The rest of a Gemma4 layer after attention: post-attn norm, residual, MLP sandwich, layer_scalar."""
+    h = x + rms_norm(attn_out, p["post_attention_layernorm"], eps)
+    mlp = gelu_mlp(rms_norm(h, p["pre_feedforward_layernorm"], eps), p)
+    h = h + rms_norm(mlp, p["post_feedforward_layernorm"], eps)
+    return h * p["layer_scalar"].astype(h.dtype)
+
+
+# ----------------------------------------------------------------------------- cache and forward
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Gemma4Cache:
+    """Static cache. k/v: {"sliding": [Ls, B, max_len, Hkv, D], "full": [Lf, B, max_len, Hkv_g, D_g]}; lengths [B]."""
+
+    k: dict
+    v: dict
+    lengths: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        return next(iter(self.k.values())).shape[2]
+
+    def with_lengths(self, lengths: jax.Array) -> "Gemma4Cache":
+        return dataclasses.replace(self, lengths=lengths.astype(jnp.int32))
+
+
+def init_cache(cfg: Gemma4TargetConfig, batch: int, max_len: int, dtype=jnp.float32) -> Gemma4Cache:
+    k, v = {}, {}
+    for group, layer_type in GROUPS:
+        n = len(cfg.layer_ids(layer_type))
+        if n:
+            kv, d, _ = cfg.group_shape(group)
+            k[group] = jnp.zeros((n, batch, max_len, kv, d), dtype)
+            v[group] = jnp.zeros((n, batch, max_len, kv, d), dtype)
+    return Gemma4Cache(k, v, jnp.zeros((batch,), jnp.int32))
+
+
+def lm_head_kernel(params: dict) -> jax.Array:
+    """[H, V] output projection (the embedding's transpose when tied)."""
+    return params["lm_head"] if "lm_head" in params else params["embed_tokens"].T
+
+
+def compute_logits(params: dict, cfg: Gemma4TargetConfig, hidden: jax.Array) -> jax.Array:
+    """hidden [..., H] (after the final norm) -> softcapped logits [..., V] float32."""
+    logits = jnp.einsum("...h,hv->...v", hidden, lm_head_kernel(params).astype(hidden.dtype),
+                        preferred_element_type=jnp.float32)
+    return softcap(logits, cfg.final_logit_softcapping)
+
+
+def _period(layer_types: tuple[str, ...]) -> int:
+    """Smallest P such that layer_types is its first P entries repeated."""
+    n = len(layer_types)
+    for p in range(1, n + 1):
+        if n % p == 0 and layer_types == layer_types[:p] * (n // p):
+            return p
+    return n
+
+
+def forward(
+    params: dict,
+    cfg: Gemma4TargetConfig,
+    tokens: jax.Array,
+    cache: Gemma4Cache | None = None,
+    *,
+    num_new: jax.Array | None = None,
+    tap_layer_ids: Sequence[int] = (),
+    compute_dtype=None,
+):
+    """Run the decoder over ``tokens [B, T]``; same contract as ``target.qwen3.forward``.
+
+    Without a cache: a causal pass over positions 0..T-1. With one: an extend at positions
+    ``lengths[b] + t`` that sees the committed slots (and, on sliding layers, only those
+    inside the window); the returned cache has ``lengths + num_new`` (default T).
+    Returns ``(hidden [B, T, H] after the final norm, taps [B, T, n*H] or None, cache or None)``;
+    taps are decoder-layer outputs after ``layer_scalar`` (-1 = the scaled embedding).
+    """
+    b, t = tokens.shape
+    dtype = compute_dtype or params["embed_tokens"].dtype
+    eps, hq = cfg.rms_norm_eps, cfg.num_attention_heads
+    x = embed(params["embed_tokens"], tokens, dtype)
+    if cache is None:
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    else:
+        positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    offset = jnp.arange(t)[:, None] - jnp.arange(t)[None, :]          # query - key, new tokens
+    new_mask = {"full": jnp.broadcast_to(offset >= 0, (b, t, t)),
+                "sliding": jnp.broadcast_to((offset >= 0) & (offset < cfg.sliding_window), (b, t, t))}
+    cache_mask = {}
+    if cache is not None:
+        slots = jnp.arange(cache.max_len, dtype=jnp.int32)[None, None, :]
+        committed = slots < cache.lengths[:, None, None]
+        cache_mask = {"full": jnp.broadcast_to(committed, (b, t, cache.max_len)),
+                      "sliding": committed & (slots > positions[:, :, None] - cfg.sliding_window)}
+    rope = {g: rope_cos_sin(positions, group_rope(cfg, g), dtype) for g, _ in GROUPS}
+
+    tap_ids = tuple(tap_layer_ids)
+    n_taps = max(len(tap_ids), 1)
+    taps = jnp.zeros((n_taps, b, t, cfg.hidden_size), dtype)
+    if -1 in tap_ids:
+        taps = taps.at[tap_ids.index(-1)].set(x)
+    tap_slot = np.full((cfg.num_hidden_layers,), -1, np.int32)
+    for n, layer_id in enumerate(tap_ids):
+        if layer_id >= 0:
+            tap_slot[layer_id] = n
+
+    # Scan over repeats of the layer-type pattern; each step runs one period unrolled.
+    period = _period(cfg.layer_types)
+    reps = cfg.num_hidden_layers // period
+    pattern = ["sliding" if lt == SLIDING else "full" for lt in cfg.layer_types[:period]]
+    per_rep = {g: pattern.count(g) for g, _ in GROUPS}
+    regroup = lambda a, g: a.reshape(reps, per_rep[g], *a.shape[1:])
+    layers = {g: jax.tree.map(lambda a: regroup(a.astype(dtype), g), params[g])
+              for g, _ in GROUPS if per_rep[g]}
+    xs = {"p": layers, "tap": jnp.asarray(tap_slot.reshape(reps, period))}
+    if cache is not None:
+        xs["k"] = {g: regroup(a, g) for g, a in cache.k.items()}
+        xs["v"] = {g: regroup(a, g) for g, a in cache.v.items()}
+
+    def body(carry, xs):
+        x, taps = carry
+        new_k = {g: [] for g in layers}
+        new_v = {g: [] for g in layers}
+        seen = {g: 0 for g in layers}
+        for j, g in enumerate(pattern):
+            p = jax.tree.map(lambda a: a[seen[g]], xs["p"][g])
+            kv, d, _ = cfg.group_shape(g)
+            q, k, v = project_qkv(rms_norm(x, p["input_layernorm"], eps), p, hq, kv, d, eps)
+            cos, sin = rope[g]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            parts = [(k, v, new_mask[g])]
+            if cache is not None:
+                parts.insert(0, (xs["k"][g][seen[g]].astype(dtype), xs["v"][g][seen[g]].astype(dtype),
+                                 cache_mask[g]))
+            attn = attend(q, parts).reshape(b, t, -1) @ p["o_proj"]
+            x = sandwich(x, attn, p, eps)
+            slot = xs["tap"][j]
+            taps = jnp.where(slot >= 0, jax.lax.dynamic_update_index_in_dim(taps, x, jnp.maximum(slot, 0), 0),
+                             taps)
+            new_k[g].append(k)
+            new_v[g].append(v)
+            seen[g] += 1
+        out = None
+        if cache is not None:
+            out = ({g: jnp.stack(a) for g, a in new_k.items()}, {g: jnp.stack(a) for g, a in new_v.items()})
+        return (x, taps), out
+
+    (x, taps), new_kv = jax.lax.scan(body, (x, taps), xs)
+    hidden = rms_norm(x, params["norm"].astype(dtype), eps)
+    features = None
+    if tap_ids:
+        features = jnp.moveaxis(taps, 0, 2).reshape(b, t, len(tap_ids) * cfg.hidden_size)
+    new_cache = None
+    if cache is not None:
+        rows = jnp.arange(b)[:, None]
+
+        def write(buf, new):  # new [reps, per_rep, B, T, ...] -> slots lengths[b] + t (past max_len dropped)
+            new = new.reshape(-1, *new.shape[2:]).astype(buf.dtype)
+            return buf.at[:, rows, positions].set(new, mode="drop")
+
+        k_all = {g: write(cache.k[g], new_kv[0][g]) for g in cache.k}
+        v_all = {g: write(cache.v[g], new_kv[1][g]) for g in cache.v}
+        step = jnp.full((b,), t, jnp.int32) if num_new is None else num_new.astype(jnp.int32)
+        new_cache = Gemma4Cache(k_all, v_all, cache.lengths + step)
+    return hidden, features, new_cache
+
+
+def load_params(directory, cfg: Gemma4TargetConfig | None = None, prefix: str | None = None):
+    """(config, numpy params) of a Hugging Face Gemma4 checkpoint directory (single or sharded safetensors).
+
+    TODO(merge): the family registry / convert package should own checkpoint loading.
+    """
+    import json
+    from pathlib import Path
+
+    from safetensors.numpy import load_file
+
+    directory = Path(directory)
+    try:
+        hf = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{directory / 'config.json'}: {e}") from None
+    cfg = cfg or Gemma4TargetConfig.from_hf(hf)
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory}: no *.safetensors files")
+    state: dict = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return cfg, from_torch(declare(cfg, prefix or checkpoint_prefix(hf)), state, str(directory))

@@ -39,14 +39,17 @@ def context_kv(params: dict, config: DraftConfig, ctx: jax.Array, positions: jax
     return jax.lax.map(one_layer, params["layers"])
 
 
-def _block_attention(q, k_blk, v_blk, k_ctx, v_ctx, ctx_mask, block_valid):
-    """q, k_blk, v_blk [B,N,G,H*,D]; k_ctx, v_ctx [B,S,Hkv,D]; ctx_mask [B,N,S]; block_valid [B,N]."""
+def _block_attention(q, k_blk, v_blk, k_ctx, v_ctx, ctx_mask, block_valid, scale=None):
+    """q, k_blk, v_blk [B,N,G,H*,D]; k_ctx, v_ctx [B,S,Hkv,D]; ctx_mask [B,N,S]; block_valid [B,N].
+
+    ``scale`` multiplies the scores (default D^-0.5; Gemma4 uses 1.0).
+    """
     b, n, g, hq, d = q.shape
     hkv = k_ctx.shape[2]
     q = q.reshape(b, n, g, hkv, hq // hkv, d)
     s_ctx = jnp.einsum("bngjrd,bsjd->bjrngs", q, k_ctx, preferred_element_type=jnp.float32)
     s_blk = jnp.einsum("bngjrd,bnkjd->bjrngk", q, k_blk, preferred_element_type=jnp.float32)
-    scores = jnp.concatenate([s_ctx, s_blk], axis=-1) * (d ** -0.5)
+    scores = jnp.concatenate([s_ctx, s_blk], axis=-1) * (d ** -0.5 if scale is None else scale)
     vis_ctx = ctx_mask & block_valid[:, :, None]
     vis_blk = jnp.broadcast_to(block_valid[:, :, None], (b, n, g))
     visible = jnp.concatenate([vis_ctx, vis_blk], axis=-1)[:, None, None, :, None, :]

@@ -219,8 +219,13 @@ def gemma4_text_kwargs(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
         model_type=model_type,
         pad_token_id=hf.get("pad_token_id", 0),
         bos_token_id=hf.get("bos_token_id", 2),
-        eos_token_id=hf.get("eos_token_id", 1),
+        eos_token_id=_hashable(hf.get("eos_token_id", 1)),
     )
+
+
+def _hashable(value):
+    """Lists (e.g. several eos ids) as tuples, so configs stay hashable (jit static arguments)."""
+    return tuple(value) if isinstance(value, list) else value
 
 
 def gemma4_text_fields(cfg, architecture: str) -> dict[str, Any]:
@@ -258,7 +263,7 @@ def gemma4_text_fields(cfg, architecture: str) -> dict[str, Any]:
         "use_double_wide_mlp": False,
         "pad_token_id": cfg.pad_token_id,
         "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": cfg.eos_token_id,
+        "eos_token_id": list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else cfg.eos_token_id,
     }
     if cfg.model_type == "gemma4_unified_text":
         hf["use_bidirectional_attention"] = "vision"

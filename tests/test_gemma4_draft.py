@@ -92,3 +92,21 @@ def test_declaration_matches_checkpoint_and_config_round_trip():
     params = gemma4.init_params(cfg, jax.random.PRNGKey(0))
     axes = gemma4.param_axes(cfg)
     assert jax.tree.structure(params) == jax.tree.structure(axes, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def test_sharded_training_forward_and_family_mismatch(reference):
+    from dspark_jax import sharding
+    from dspark_jax.config import TargetConfig
+
+    cfg, params, data, fwd = reference
+    mesh = sharding.make_mesh("data=1,fsdp=2,tensor=4")
+    sharded = sharding.shard_params(params, gemma4.param_axes(cfg), mesh)
+    args = [jax.device_put(jnp.asarray(data[k]), sharding.batch_sharding(mesh, data[k].ndim))
+            for k in ("input_ids", "target_hidden_states", "loss_mask", "anchor_positions", "block_keep_mask",
+                      "target_last_hidden_states")]
+    out = jax.jit(lambda p, *a: gemma4.training_forward(p, cfg, *a))(sharded, *args)
+    np.testing.assert_allclose(np.asarray(out.draft_logits), np.asarray(fwd.draft_logits), atol=1e-4)
+    qwen = TargetConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    with pytest.raises(ConfigError, match="Gemma4 target"):
+        cfg.check_compatible(qwen)

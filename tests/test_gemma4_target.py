@@ -188,3 +188,28 @@ def test_matches_transformers_prefill_and_extends(name):
             ref = model(torch.as_tensor(seq)).logits.numpy()[0, keep:]
         assert np.abs(got[row] - ref).max() <= 1e-4, row
     assert list(np.asarray(cache.lengths)) == [26, 23]
+
+
+def test_sharded_and_bf16_forward(fixture_target):
+    """Params placed by their logical axes on a data/fsdp/tensor mesh give the same outputs; bf16 runs."""
+    from dspark_jax import sharding
+
+    cfg, params = fixture_target
+    ids = jnp.asarray(np.load(FIXTURE / "train_forward.npz")["tgt_input_ids"])
+    run = jax.jit(lambda p, i: gemma4.forward(p, cfg, i, tap_layer_ids=(0, 2, 4))[:2])
+    ref_h, ref_t = run(params, ids)
+    mesh = sharding.make_mesh("data=1,fsdp=2,tensor=4")
+    sharded = sharding.shard_params(params, gemma4.param_axes(cfg), mesh)
+    h, t = run(sharded, jax.device_put(ids, sharding.batch_sharding(mesh, 2)))
+    np.testing.assert_allclose(np.asarray(h), np.asarray(ref_h), atol=1e-4)
+    np.testing.assert_allclose(np.asarray(t), np.asarray(ref_t), atol=1e-4)
+
+    bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+    h16, _ = run(bf16, ids)
+    assert h16.dtype == jnp.bfloat16
+    logits16 = np.asarray(gemma4.compute_logits(bf16, cfg, h16))
+    logits = np.asarray(gemma4.compute_logits(params, cfg, ref_h))
+    assert np.mean(logits16.argmax(-1) == logits.argmax(-1)) > 0.9
+    # the embedding scale is cast to the weight dtype first: sqrt(3840) -> 62.0 in bf16
+    table = jnp.ones((2, 3840), jnp.bfloat16)
+    assert float(gemma4.embed(table, jnp.asarray([0]))[0, 0]) == 62.0

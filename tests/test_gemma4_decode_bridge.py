@@ -34,11 +34,13 @@ def pair():
     return tc, tp, dc, dp, json.loads((FIXTURE / "decode_greedy.json").read_text())
 
 
-@pytest.mark.parametrize("batch_size", [1, 8])
-def test_greedy_parity(pair, batch_size, monkeypatch):
+@pytest.mark.parametrize("batch_size,ring", [(1, False), (8, False), (8, True)])
+def test_greedy_parity(pair, batch_size, ring, monkeypatch):
+    """ring: sliding layers keep window - 1 + (G + 1) slots instead of the whole context."""
     tc, tp, dc, dp, ref = pair
+    slots = target_gemma4.ring_slots(tc, dc.block_size + 1) if ring else None
     monkeypatch.setattr(loop, "qwen3", types.SimpleNamespace(
-        init_cache=target_gemma4.init_cache, forward=target_gemma4.forward,
+        init_cache=lambda *a: target_gemma4.init_cache(*a, sliding_slots=slots), forward=target_gemma4.forward,
         compute_logits=lambda p, h: target_gemma4.compute_logits(p, tc, h)))
     monkeypatch.setattr(loop, "backbone", types.SimpleNamespace(
         project_context=draft_gemma4.project_context, context_kv=draft_gemma4.context_kv,

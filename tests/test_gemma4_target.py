@@ -51,6 +51,34 @@ def test_fixture_cached_extends_match_full_pass(fixture_target):
     assert start == ids.shape[1] and (np.asarray(cache.lengths) == start).all()
 
 
+def test_ring_cache_matches_full_length_cache(fixture_target):
+    """Sliding ring of window-1+max_extend slots == full-length cache, through padded prefill,
+    random extends of <= max_extend tokens and rollbacks to a kept prefix (speculative decoding)."""
+    cfg, params = fixture_target
+    rng = np.random.default_rng(3)
+    b, max_extend, max_len = 3, 8, 160
+    ring = gemma4.ring_slots(cfg, max_extend)
+    full = gemma4.init_cache(cfg, b, max_len)
+    small = gemma4.init_cache(cfg, b, max_len, sliding_slots=ring)
+    assert small.k["sliding"].shape[2] == ring < max_len and small.k["full"].shape[2] == max_len
+    step = jax.jit(lambda p, i, c, n: gemma4.forward(p, cfg, i, c, num_new=n))
+    lens = jnp.asarray([40, 9, 25])
+    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, 40)))
+    outs = [step(params, prompt, c, lens) for c in (full, small)]
+    for row, n in enumerate(np.asarray(lens)):
+        np.testing.assert_allclose(np.asarray(outs[0][0][row, :n]), np.asarray(outs[1][0][row, :n]), atol=1e-4)
+    full, small = outs[0][2], outs[1][2]
+    for _ in range(14):
+        t = int(rng.integers(1, max_extend + 1))
+        tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, t)))
+        num = jnp.full((b,), t, jnp.int32)
+        (h_full, _, full), (h_small, _, small) = (step(params, tokens, c, num) for c in (full, small))
+        np.testing.assert_allclose(np.asarray(h_full), np.asarray(h_small), atol=1e-4)
+        keep = np.asarray(full.lengths) - t + rng.integers(1, t + 1, b)
+        full, small = full.with_lengths(jnp.asarray(keep)), small.with_lengths(jnp.asarray(keep))
+    assert int(np.asarray(full.lengths).min()) > ring + cfg.sliding_window   # every ring wrapped
+
+
 def test_fixture_loads_through_declaration():
     """Tied head: no lm_head.weight; every stored tensor is declared and used."""
     from safetensors.numpy import load_file
@@ -165,15 +193,16 @@ def test_matches_transformers_prefill_and_extends(name):
     ref_taps = np.concatenate([out.hidden_states[i + 1].numpy() for i in (-1, 1, 2)], axis=-1)
     assert np.abs(np.asarray(taps) - ref_taps).max() <= 1e-4 * max(1.0, np.abs(ref_taps).max())
 
-    # prefill 20 then extends of 6 + 5 + 3 (well past the window of 8)
-    cache = gemma4.init_cache(cfg, 2, 40)
+    # prefill 20 then extends of 6 + 5 + 3 (well past the window of 8); full-length and ring sliding caches
     step = jax.jit(lambda p, i, c: gemma4.forward(p, cfg, i, c))
-    start = 0
-    for size in (20, 6, 5, 3):
-        hidden, _, cache = step(params, jnp.asarray(ids[:, start:start + size]), cache)
-        got = np.asarray(gemma4.compute_logits(params, cfg, hidden))
-        assert np.abs(got - ref_logits[:, start:start + size]).max() <= 1e-4, (size, start)
-        start += size
+    for slots in (None, gemma4.ring_slots(cfg, 6)):
+        cache = gemma4.init_cache(cfg, 2, 40, sliding_slots=slots)
+        start = 0
+        for size in (20, 6, 5, 3):
+            hidden, _, cache = step(params, jnp.asarray(ids[:, start:start + size]), cache)
+            got = np.asarray(gemma4.compute_logits(params, cfg, hidden))
+            assert np.abs(got - ref_logits[:, start:start + size]).max() <= 1e-4, (slots, size, start)
+            start += size
 
     # per-row lengths + rollback: row 1 keeps only 17 of the first 20 tokens, then both extend
     cache = gemma4.init_cache(cfg, 2, 40)

@@ -16,12 +16,16 @@ Layer (SPEC section 13)::
     h = h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))
     out = h * layer_scalar
 
-KV cache (``Gemma4Cache``): a static, full-length cache per layer type,
-``[L_type, B, max_len, Hkv_type, D_type]`` for K and V plus per-row ``lengths [B]``.
-Sliding layers keep every slot too and mask those outside the window
-(key j visible to query i iff i - window < j <= i), so rolling back is only setting
-``lengths`` (any length <= the current one), exactly as for Qwen3. (A ring buffer of
-``window + max_extend - 1`` slots per sliding layer would cut their memory; not done.)
+KV cache (``Gemma4Cache``): static, per layer type, K and V ``[L_type, B, slots, Hkv_type,
+D_type]`` plus per-row ``lengths [B]``; rolling back is setting ``lengths`` (nothing is copied).
+Full layers hold ``max_len`` slots (position p in slot p, as Qwen3). Sliding layers hold a
+ring of R slots (position p in slot p mod R; key j visible to query i iff i - window < j <= i):
+R = max_len by default (then any rollback is fine), or ``ring_slots(cfg, max_extend)`` =
+window - 1 + max_extend, which stays exact as long as every extend of T tokens is at most
+``max_extend`` long *if it is later rolled back*, and rollbacks go no further back than the
+length before the last extend (or to 0). Prefill extends of any length are fine (only the
+last R of each row's ``num_new`` tokens are kept). That is what speculative decoding does:
+verify G+1 tokens, keep a prefix.
 """
 
 from __future__ import annotations
@@ -498,29 +502,35 @@ def sandwich(x: jax.Array, attn_out: jax.Array, p: dict, eps: float) -> jax.Arra
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Gemma4Cache:
-    """Static cache. k/v: {"sliding": [Ls, B, max_len, Hkv, D], "full": [Lf, B, max_len, Hkv_g, D_g]}; lengths [B]."""
+    """Static cache. k/v: {"sliding": [Ls, B, R, Hkv, D] (ring), "full": [Lf, B, max_len, Hkv_g, D_g]};
+    lengths [B]; ``max_len`` (static): the position capacity."""
 
     k: dict
     v: dict
     lengths: jax.Array
-
-    @property
-    def max_len(self) -> int:
-        return next(iter(self.k.values())).shape[2]
+    max_len: int = dataclasses.field(metadata=dict(static=True), default=0)
 
     def with_lengths(self, lengths: jax.Array) -> "Gemma4Cache":
         return dataclasses.replace(self, lengths=lengths.astype(jnp.int32))
 
 
-def init_cache(cfg: Gemma4TargetConfig, batch: int, max_len: int, dtype=jnp.float32) -> Gemma4Cache:
+def ring_slots(cfg: Gemma4TargetConfig, max_extend: int) -> int:
+    """Sliding-layer ring size that keeps rolled-back extends of up to ``max_extend`` tokens exact."""
+    return cfg.sliding_window - 1 + max_extend
+
+
+def init_cache(cfg: Gemma4TargetConfig, batch: int, max_len: int, dtype=jnp.float32,
+               sliding_slots: int | None = None) -> Gemma4Cache:
+    """Empty cache for ``max_len`` positions; ``sliding_slots`` (default max_len): the sliding ring size."""
+    slots = {"sliding": min(sliding_slots or max_len, max_len), "full": max_len}
     k, v = {}, {}
     for group, layer_type in GROUPS:
         n = len(cfg.layer_ids(layer_type))
         if n:
             kv, d, _ = cfg.group_shape(group)
-            k[group] = jnp.zeros((n, batch, max_len, kv, d), dtype)
-            v[group] = jnp.zeros((n, batch, max_len, kv, d), dtype)
-    return Gemma4Cache(k, v, jnp.zeros((batch,), jnp.int32))
+            k[group] = jnp.zeros((n, batch, slots[group], kv, d), dtype)
+            v[group] = jnp.zeros((n, batch, slots[group], kv, d), dtype)
+    return Gemma4Cache(k, v, jnp.zeros((batch,), jnp.int32), max_len)
 
 
 def lm_head_kernel(params: dict) -> jax.Array:
@@ -575,10 +585,15 @@ def forward(
                 "sliding": jnp.broadcast_to((offset >= 0) & (offset < cfg.sliding_window), (b, t, t))}
     cache_mask = {}
     if cache is not None:
-        slots = jnp.arange(cache.max_len, dtype=jnp.int32)[None, None, :]
-        committed = slots < cache.lengths[:, None, None]
-        cache_mask = {"full": jnp.broadcast_to(committed, (b, t, cache.max_len)),
-                      "sliding": committed & (slots > positions[:, :, None] - cfg.sliding_window)}
+        lengths = cache.lengths[:, None, None]
+        if "full" in cache.k:
+            slots = jnp.arange(cache.k["full"].shape[2], dtype=jnp.int32)[None, None, :]
+            cache_mask["full"] = jnp.broadcast_to(slots < lengths, (b, t, slots.shape[-1]))
+        if "sliding" in cache.k:  # ring: slot s holds the last position < lengths that is s mod R
+            ring = cache.k["sliding"].shape[2]
+            slots = jnp.arange(ring, dtype=jnp.int32)[None, None, :]
+            held = slots + ring * jnp.floor_divide(lengths - 1 - slots, ring)
+            cache_mask["sliding"] = (held >= 0) & (held > positions[:, :, None] - cfg.sliding_window)
     rope = {g: rope_cos_sin(positions, group_rope(cfg, g), dtype) for g, _ in GROUPS}
 
     tap_ids = tuple(tap_layer_ids)
@@ -640,15 +655,21 @@ def forward(
     new_cache = None
     if cache is not None:
         rows = jnp.arange(b)[:, None]
-
-        def write(buf, new):  # new [reps, per_rep, B, T, ...] -> slots lengths[b] + t (past max_len dropped)
-            new = new.reshape(-1, *new.shape[2:]).astype(buf.dtype)
-            return buf.at[:, rows, positions].set(new, mode="drop")
-
-        k_all = {g: write(cache.k[g], new_kv[0][g]) for g in cache.k}
-        v_all = {g: write(cache.v[g], new_kv[1][g]) for g in cache.v}
         step = jnp.full((b,), t, jnp.int32) if num_new is None else num_new.astype(jnp.int32)
-        new_cache = Gemma4Cache(k_all, v_all, cache.lengths + step)
+        end = (cache.lengths + step)[:, None]
+        slots = {"full": positions}                               # past max_len: dropped
+        if "sliding" in cache.k:  # the last R of each row's num_new tokens, at p mod R
+            ring = cache.k["sliding"].shape[2]
+            keep = (positions >= end - ring) & (positions < end)
+            slots["sliding"] = jnp.where(keep, positions % ring, ring)
+
+        def write(buf, new, g):  # new [reps, per_rep, B, T, ...]
+            new = new.reshape(-1, *new.shape[2:]).astype(buf.dtype)
+            return buf.at[:, rows, slots[g]].set(new, mode="drop")
+
+        k_all = {g: write(cache.k[g], new_kv[0][g], g) for g in cache.k}
+        v_all = {g: write(cache.v[g], new_kv[1][g], g) for g in cache.v}
+        new_cache = Gemma4Cache(k_all, v_all, cache.lengths + step, cache.max_len)
     return hidden, features, new_cache
 
 

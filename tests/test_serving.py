@@ -145,12 +145,16 @@ def checker_sglang(d: Path):
 
 def checker_sglang_jax(d: Path):
     """python/sgl_jax/srt/models/dspark.py + speculative/dspark_worker.py (sglang-jax PR #1632,
-    per SERVING.md): Qwen3DSparkModel, vanilla Markov head only, no embedding tap."""
+    per SERVING.md): Qwen3DSparkModel, vanilla Markov head only; models/qwen3.py
+    set_dflash_layers_to_capture (id+1, None residual handled: -1 works, capture point < N);
+    speculative/dflash_util.py (block_size > 1)."""
     check_files_readable(d)
     hf, shapes = read_export(d)
     need(hf.get("architectures", [None])[0] == "Qwen3DSparkModel", "sglang-jax: architectures[0]")
     need(int(hf.get("markov_rank", 0)) > 0, "sglang-jax: markov_rank > 0")
-    need(min(tapped_ids(hf)) >= 0, "sglang-jax: layer id -1")
+    n = hf["num_target_layers"]
+    need(all(-1 <= i <= n - 2 for i in tapped_ids(hf)), "sglang-jax: capture point id+1 >= N")
+    need(hf["block_size"] > 1, "sglang-jax: block_size must be > 1")
     check_backbone(hf, shapes, "sglang-jax")
     markov = {k for k in shapes if k.startswith("markov_head.")}
     need(markov == {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight"},
@@ -232,7 +236,7 @@ def test_export_passes_checker_or_is_refused(tmp_path, drafters, engine, head):
 EXPECTED = {  # (engine, head) pairs refused, from the engines' code (see the checkers)
     ("vllm", "gated"), ("vllm", "rnn"), ("vllm", "dflash"), ("vllm", "tap_minus_1"),
     ("sglang", "dflash"), ("sglang", "no_confidence"), ("sglang", "tap_minus_1"),
-    ("sglang-jax", "gated"), ("sglang-jax", "rnn"), ("sglang-jax", "dflash"), ("sglang-jax", "tap_minus_1"),
+    ("sglang-jax", "gated"), ("sglang-jax", "rnn"), ("sglang-jax", "dflash"),
 }
 
 
@@ -306,7 +310,8 @@ BREAKS = {
     "sglang-jax": {
         "architecture": lambda d: _edit_config(d, architectures=["Gemma4DSparkModel"]),
         "markov_rank 0": lambda d: _edit_config(d, markov_rank=0),
-        "layer id -1": lambda d: _ids(d, [-1, 2, 4]),
+        "layer id N-1": lambda d: _ids(d, [0, 2, 5]),
+        "block size 1": lambda d: _edit_config(d, block_size=1, n_predict=1),
         "gated tensors": lambda d: _edit_tensors(d, add={"markov_head.gate_proj.bias": np.zeros((64,), np.float32)}),
         "backbone tensor": lambda d: _edit_tensors(d, drop=["norm.weight"]),
         "mode 0600": lambda d: os.chmod(d / "model.safetensors", 0o600),

@@ -34,7 +34,7 @@ ARCHITECTURES: dict[str, dict[str, str]] = {
     # python/sglang/srt/models/dspark.py: EntryClass = [Qwen3DSparkModel] (Qwen3 only).
     "sglang": {"qwen3": "Qwen3DSparkModel"},
     # python/sgl_jax/srt/models/dspark.py (sglang-jax PR #1632; not in our 2026-08 snapshot,
-    # per SERVING.md): Qwen3 only.
+    # per SERVING.md; its DFlash path in that snapshot is Qwen3): Qwen3 only.
     "sglang-jax": {"qwen3": "Qwen3DSparkModel"},
 }
 
@@ -143,6 +143,16 @@ def _capture_in_range(engine: str):
     return test
 
 
+def _capture_in_range_or_embedding(engine: str):
+    def test(f: DraftFacts):
+        bad = [i for i in f.target_layer_ids if not -1 <= i <= f.num_target_layers - 2]
+        if bad:
+            return (f"{engine} captures target layer id+1, so every id must be in "
+                    f"[-1, {f.num_target_layers - 2}]; got {bad}")
+        return None
+    return test
+
+
 def _needs_confidence_head(f: DraftFacts):
     if not f.enable_confidence_head:
         return ("sglang builds the confidence head whatever enable_confidence_head says and refuses a "
@@ -197,9 +207,11 @@ RULES: tuple[Rule, ...] = (
     # (markov_head.gate_proj.*, markov_head.joint_proj.*) raises.
     Rule("vllm", "vanilla-markov", "vllm/model_executor/models/qwen3_dspark.py (load_weights)",
          _vanilla_only("vllm")),
-    # Aux hidden states are captured before layer id+1 as hidden_states + residual
-    # (vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py; SERVING.md pitfalls): -1 -> 0.
-    Rule("vllm", "no-layer-id-minus-1", "vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py",
+    # Aux hidden states are captured before layer id+1 as hidden_states + residual, and the
+    # residual is None before layer 0 (vllm/model_executor/models/interfaces.py
+    # EagleModelMixin._maybe_add_hidden_state; qwen2.py/qwen3 forward), so id -1 fails.
+    Rule("vllm", "no-layer-id-minus-1", "vllm/model_executor/models/interfaces.py "
+         "(_maybe_add_hidden_state); vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py",
          _no_embedding_tap("vllm")),
     Rule("vllm", "gemma4-k-eq-v", "vllm/model_executor/models/gemma4_dspark.py",
          _gemma4_k_eq_v, families=("gemma4",)),
@@ -216,7 +228,8 @@ RULES: tuple[Rule, ...] = (
          "speculative/dspark_components/dspark_config.py (resolve_runtime_config)",
          _markov_rank_positive("sglang", "the DFlash twin is not a DSPARK checkpoint")),
     # dflash_utils.DFlashDraftConfig.resolve_target_layer_ids rejects ids < 0; models/qwen3.py
-    # set_dflash_layers_to_capture captures at id+1 (SERVING.md).
+    # set_dflash_layers_to_capture captures at id+1 and its forward appends
+    # hidden_states + residual (None before layer 0).
     Rule("sglang", "no-layer-id-minus-1", "python/sglang/srt/speculative/dflash_utils.py "
          "(resolve_target_layer_ids)", _no_embedding_tap("sglang")),
     Rule("sglang", "capture-in-range", "python/sglang/srt/models/qwen3.py "
@@ -234,9 +247,15 @@ RULES: tuple[Rule, ...] = (
          _markov_rank_positive("sglang-jax", "its DSpark worker runs the vanilla Markov head")),
     Rule("sglang-jax", "vanilla-markov", "python/sgl_jax/srt/models/dspark.py (SERVING.md: "
          "vanilla Markov head only)", _vanilla_only("sglang-jax")),
-    # Ported from SGLang's DFlash capture (id+1); unverified in our snapshot.
-    Rule("sglang-jax", "no-layer-id-minus-1", "python/sgl_jax/srt/speculative/dspark_worker.py "
-         "(SERVING.md; SGLang capture convention)", _no_embedding_tap("sglang-jax")),
+    # python/sgl_jax/srt/models/qwen3.py: set_dflash_layers_to_capture captures at id+1 and
+    # handles a None residual (so -1, the embedding output, works); a capture point >= N is
+    # never reached (features silently missing), so ids must be <= N-2.
+    Rule("sglang-jax", "capture-in-range", "python/sgl_jax/srt/models/qwen3.py "
+         "(set_dflash_layers_to_capture, forward)", _capture_in_range_or_embedding("sglang-jax")),
+    # python/sgl_jax/srt/speculative/dflash_util.py parse_dflash_draft_config: block_size > 1.
+    Rule("sglang-jax", "block_size>1", "python/sgl_jax/srt/speculative/dflash_util.py "
+         "(parse_dflash_draft_config)", lambda f: None if f.block_size > 1 else
+         f"sglang-jax needs block_size > 1, got {f.block_size}"),
     Rule("sglang-jax", "confidence-ignored", "python/sgl_jax/srt/speculative/dspark_worker.py "
          "(SERVING.md)", _ignored_confidence("sglang-jax"), severity="warning"),
 )

@@ -448,6 +448,8 @@ def export_draft(src, dst, engine: str, *, force: bool = False, sps=None) -> dic
     hf = export_config(cfg.to_hf(), cfg, engine)
     dtype = next(iter({np.dtype(t.dtype).name for t in tensors.values()}))
     hf["dtype"] = hf["torch_dtype"] = dtype
+    if extras:  # as checkpoint.save_draft does: STS temperatures survive a re-export / inspect
+        hf["dspark_jax"] = {"extras": dict(extras)}
     sidecars = []
     with checkpoint.atomic_dir(dst, force=force) as tmp:
         safetensors_io.write_tensors(tmp, tensors)

@@ -237,14 +237,13 @@ def load_foreign(path, fmt: str | None = None, *, target=None, num_target_layers
 def convert_foreign(src, dst, fmt: str | None = None, *, target=None, num_target_layers=None,
                     to: str = "jax", force: bool = False, dtype=None) -> Path:
     """Import a foreign drafter and save it in our format (or the reference torch layout)."""
+    import jax
     import jax.numpy as jnp
 
     from dspark_jax.convert import checkpoint
 
     cfg, params, _ = load_foreign(src, fmt, target=target, num_target_layers=num_target_layers)
     if dtype is not None:
-        params = {**params}
-        import jax
         params = jax.tree.map(lambda a: np.asarray(jnp.asarray(a, dtype)), params)
     return checkpoint.save_draft(dst, cfg, params, format=to, force=force,
                                  extras={"imported_from": fmt or detect(src)})

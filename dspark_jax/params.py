@@ -82,6 +82,61 @@ class ParamSpec:
 Specs = Mapping[Path, ParamSpec]
 
 
+# --------------------------------------------------------------------------- model families
+
+KINDS = ("target", "draft")
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One model family: how a checkpoint's config.json maps to our config, params and code.
+
+    name:          registry key, e.g. ``"qwen3"`` (target) or ``"qwen3_dspark"`` (drafter).
+    kind:          ``"target"`` or ``"draft"``.
+    architectures: the HF ``architectures[0]`` values this family reads.
+    model_types:   the HF ``model_type`` values it reads when ``architectures`` is absent
+                   (``None`` in the tuple: also a config without ``model_type``).
+    config_cls:    the config class; ``config_cls.from_hf(dict)`` and ``config.to_hf()``.
+    declare:       ``config -> {path: ParamSpec}``, the one declaration of the params tree.
+    forward:       dotted name of the module holding the family's forward functions
+                   (``family.module()`` imports it).
+    tied_head:     ``config -> (head torch name, embedding torch name) | None``: when it
+                   returns names, the head is tied (not declared) and a checkpoint may still
+                   carry it, equal to the embedding; it is then checked and dropped on load.
+    ignored_tensors: torch-name prefixes a checkpoint may carry that this family does not read
+                   (e.g. the vision tower of a unified multimodal checkpoint).
+    pairs_with:    drafters: the name of the target family whose features they read.
+    """
+
+    name: str
+    kind: str
+    architectures: tuple[str, ...]
+    model_types: tuple[str | None, ...]
+    config_cls: type
+    declare: Any
+    forward: str
+    tied_head: Any = None
+    ignored_tensors: tuple[str, ...] = ()
+    pairs_with: str | None = None
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"family {self.name}: kind {self.kind!r} is not one of {KINDS}")
+        if self.kind == "draft" and not self.pairs_with:
+            raise ValueError(f"family {self.name}: a drafter family names the target family it pairs with")
+
+    def config_from_hf(self, hf: Mapping[str, Any]):
+        return self.config_cls.from_hf(hf)
+
+    def tied(self, config) -> tuple[str, str] | None:
+        """(head, embedding) torch names when ``config`` ties the LM head, else None."""
+        return self.tied_head(config) if self.tied_head is not None else None
+
+    def module(self):
+        import importlib
+        return importlib.import_module(self.forward)
+
+
 # --------------------------------------------------------------------------- building declarations
 
 def with_prefix(specs: Specs, path_prefix: Path = (), torch_prefix: str = "") -> dict[Path, ParamSpec]:

@@ -66,6 +66,11 @@ def param_axes(config: DraftConfig) -> dict:
     return params_lib.param_axes(declare(config))
 
 
+FAMILY = params_lib.Family(
+    name="qwen3_dspark", kind="draft", architectures=("Qwen3DSparkModel",), model_types=("qwen3", None),
+    config_cls=DraftConfig, declare=declare, forward=__name__, pairs_with="qwen3")
+
+
 def compute_logits(params: dict, hidden: jax.Array) -> jax.Array:
     """Base logits U = LMHead(h): [..., H] -> [..., V] float32."""
     return jnp.einsum("...h,hv->...v", hidden, params["lm_head"].astype(hidden.dtype),

@@ -117,6 +117,15 @@ def param_axes(config: TargetConfig) -> dict:
     return params_lib.param_axes(declare(config))
 
 
+def _tied_head(config: TargetConfig) -> tuple[str, str] | None:
+    return ("lm_head.weight", "model.embed_tokens.weight") if config.tie_word_embeddings else None
+
+
+FAMILY = params_lib.Family(
+    name="qwen3", kind="target", architectures=("Qwen3ForCausalLM",), model_types=("qwen3",),
+    config_cls=TargetConfig, declare=declare, forward=__name__, tied_head=_tied_head)
+
+
 def lm_head_kernel(params: dict) -> jax.Array:
     """[H, V] output projection (the embedding's transpose when tied)."""
     return params["lm_head"] if "lm_head" in params else params["embed_tokens"].T

@@ -1,7 +1,7 @@
 """Mesh construction and the logical-axis -> mesh-axis rules table.
 
-Params carry logical axis names (``param_axes`` of each model mirrors its
-params tree). One rules table maps them onto a Mesh with axes
+Params carry logical axis names (declared once per leaf, ``params.ParamSpec.axes``;
+``params.param_axes`` mirrors the params tree). One rules table maps them onto a Mesh with axes
 ``("data", "fsdp", "tensor")``: weights are sharded over ``fsdp`` (ZeRO-3
 style) and ``tensor`` (Megatron style); activations' batch over
 ``("data", "fsdp")``.

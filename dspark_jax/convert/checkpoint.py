@@ -3,8 +3,8 @@
 Two on-disk formats, detected by ``detect_format``:
 
 * ``"torch"``: a Hugging Face directory, ``config.json`` plus ``model.safetensors``
-  or a sharded ``model.safetensors.index.json`` (tensor names/layouts per SPEC
-  section 11 for drafters, ``Qwen3ForCausalLM`` for targets). Pickled
+  or a sharded ``model.safetensors.index.json``. Its ``architectures`` picks the model
+  family (``families.for_hf``), whose declaration gives the tensor names and layouts. Pickled
   ``*.bin``/``*.pt`` weights only with ``allow_pickle=True``.
 * ``"jax"``: a directory with ``dspark_jax.json`` ::
 
@@ -14,7 +14,7 @@ Two on-disk formats, detected by ``detect_format``:
   and the params pytree (our layout: kernels [in, out], stacked layers) saved
   with orbax under ``params/``. Restores are bit-exact (bfloat16 included).
 
-Every load validates names, shapes and dtypes against the config before any
+Every load validates names, shapes and dtypes against the config's declaration before any
 tensor data is read, and raises CheckpointError/ConfigError naming the
 offending tensor or field. Every save writes into a temporary directory next
 to the destination and renames it at the end; an existing destination is

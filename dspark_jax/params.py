@@ -177,9 +177,21 @@ def init_leaf(spec: ParamSpec, key: jax.Array, dtype) -> jax.Array:
     return (spec.init_std * jax.random.normal(key, spec.shape, jnp.float32)).astype(dtype)
 
 
-def init_params(specs: Specs, rng: jax.Array, dtype=jnp.float32) -> dict:
-    """Random params tree of ``specs`` (each leaf's key per ``ParamSpec.rng_path``)."""
-    return _unflatten({path: init_leaf(s, _leaf_key(rng, path, s), dtype) for path, s in specs.items()})
+def init_params(specs: Specs, rng: jax.Array, dtype=jnp.float32,
+                given: Mapping[Path, jax.Array] | None = None) -> dict:
+    """Random params tree of ``specs`` (each leaf's key per ``ParamSpec.rng_path``); leaves in
+    ``given`` (e.g. a drafter's embedding shared with its target) are taken, cast to ``dtype``,
+    instead of drawn."""
+    given = dict(given or {})
+    unknown = [p for p in given if p not in specs]
+    if unknown:
+        raise ValueError(f"given leaf {'/'.join(unknown[0])!r} is not declared")
+    for path, x in given.items():
+        if tuple(x.shape) != tuple(specs[path].shape):
+            raise ValueError(f"given leaf {'/'.join(path)!r} has shape {tuple(x.shape)}, "
+                             f"declared {tuple(specs[path].shape)}")
+    return _unflatten({path: given[path].astype(dtype) if path in given
+                       else init_leaf(s, _leaf_key(rng, path, s), dtype) for path, s in specs.items()})
 
 
 def param_axes(specs: Specs) -> dict:

@@ -202,3 +202,14 @@ def test_abstract_params_equal_the_planners():
         for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
             assert (a.shape, a.dtype, a.sharding) == (b.shape, b.dtype, b.sharding)
         assert jax.tree.leaves(ours_sh) == jax.tree.leaves(theirs_sh)
+
+
+def test_given_leaves_are_taken_not_drawn():
+    cfg = CONFIGS["vanilla"]
+    embed = jnp.full((TARGET.vocab_size, TARGET.hidden_size), 0.5, jnp.float32)
+    p = draft_model.init_params(cfg, jax.random.key(0), jnp.bfloat16, embed_tokens=embed)
+    ref = draft_model.init_params(cfg, jax.random.key(0), jnp.bfloat16)
+    assert p["embed_tokens"].dtype == jnp.bfloat16 and np.all(np.asarray(p["embed_tokens"], np.float32) == 0.5)
+    assert np.array_equal(np.asarray(p["fc"], np.float32), np.asarray(ref["fc"], np.float32))
+    with pytest.raises(ValueError, match="has shape"):
+        draft_model.init_params(cfg, jax.random.key(0), lm_head=embed)

@@ -53,12 +53,8 @@ def declare(config: DraftConfig) -> dict[tuple, ParamSpec]:
 def init_params(config: DraftConfig, rng: jax.Array, dtype=jnp.float32, *,
                 embed_tokens: jax.Array | None = None, lm_head: jax.Array | None = None) -> dict:
     """Random drafter params; pass the target's ``embed_tokens``/``lm_head`` [H, V] to share them."""
-    params = params_lib.init_params(declare(config), rng, dtype)
-    if embed_tokens is not None:
-        params["embed_tokens"] = embed_tokens.astype(dtype)
-    if lm_head is not None:
-        params["lm_head"] = lm_head.astype(dtype)
-    return params
+    given = {(k,): x for k, x in (("embed_tokens", embed_tokens), ("lm_head", lm_head)) if x is not None}
+    return params_lib.init_params(declare(config), rng, dtype, given)
 
 
 def param_axes(config: DraftConfig) -> dict:

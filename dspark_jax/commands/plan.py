@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -75,18 +76,16 @@ def run(args) -> int:
         pass
     import jax.numpy as jnp
 
-    from dspark_jax import plan as plan_lib
     from dspark_jax import presets
+    from dspark_jax.pipelines import plan as plan_lib
+    from dspark_jax.train.config import MemoryConfig, TrainConfig, load_config
 
     if args.config:
-        from dspark_jax.train.config import load_config
         tcfg = load_config(args.config)
         target_cfg = presets.resolve_target(tcfg.target)
         draft_cfg = tcfg.draft_config(target_cfg)
         mesh_spec = args.mesh or tcfg.mesh
         seq_len = args.seq_len or tcfg.max_length
-        loss_cfg = tcfg.loss_config()
-        memory = dict(remat=tcfg.remat, loss_chunk=tcfg.loss_chunk, shard_activations=tcfg.shard_activations)
     else:
         target_cfg = presets.resolve_target(args.target)
         name = args.target if args.target in presets.TARGETS else None
@@ -95,9 +94,8 @@ def run(args) -> int:
         draft_cfg = presets.released_drafter(name, kind=args.kind)
         mesh_spec = args.mesh
         seq_len = args.seq_len or 4096
-        from dspark_jax.config import LossConfig
-        loss_cfg = LossConfig()
-        memory = dict(remat="none", loss_chunk=0, shard_activations=False)
+        tcfg = TrainConfig(target=args.target, data="<plan>")
+    memory = dataclasses.asdict(tcfg.memory)
     for key in memory:
         if getattr(args, key) is not None:
             memory[key] = getattr(args, key)
@@ -137,13 +135,14 @@ def run(args) -> int:
           f"shard_activations {memory['shard_activations']}")
     print(f"target params {target_params:,}; drafter params {n_params:,} "
           f"(trainable {n_params - frozen:,}; frozen embed+head {frozen:,}); "
-          f"from SPEC-11 tensor shapes {report['draft_params_from_reference_shapes']:,}")
+          f"from the reference tensor shapes {report['draft_params_from_reference_shapes']:,}")
     for mode in modes:
         print(f"compiling {mode} ...", file=sys.stderr, flush=True)
         if mode in ("online", "cache"):
-            plan, sizes = plan_lib.plan_train_step(draft_cfg, target_cfg, mesh, mode=mode, seq_len=seq_len,
-                                                   micro_batch=micro, compute_dtype=dtype, loss_cfg=loss_cfg,
-                                                   **memory)
+            run_cfg = tcfg.replace(features=mode, cache_dir=tcfg.cache_dir or "<plan>", data=tcfg.data or "<plan>",
+                                   max_length=seq_len, batch_size=micro, grad_accum=1, compute_dtype=args.dtype,
+                                   memory=MemoryConfig(**memory))
+            plan, sizes = plan_lib.plan_train_step(draft_cfg, target_cfg, run_cfg, mesh)
         else:
             plan, sizes = plan_lib.plan_decode_round(draft_cfg, target_cfg, mesh, batch=args.decode_batch,
                                                      max_len=args.decode_len, dtype=dtype)

@@ -15,9 +15,10 @@ denominator: the loss and gradient do not depend on A or on the mesh.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable
 
+import chex
+import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
@@ -25,17 +26,16 @@ from jax.sharding import Mesh, NamedSharding
 
 from dspark_jax import sharding as shard_lib
 from dspark_jax.config import DraftConfig, LossConfig, TargetConfig
-from dspark_jax.data.online import target_features
 from dspark_jax.draft import model as draft_model
 from dspark_jax.draft.backbone import REMAT_MODES
 from dspark_jax.errors import ConfigError
+from dspark_jax.target.features import target_features
 from dspark_jax.train import batch as batch_lib
 from dspark_jax.train import loss as loss_lib
 from dspark_jax.train.optim import merge_params
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@flax.struct.dataclass
 class TrainState:
     """step int32 []; params: trainable fp32 master weights; opt_state: optax state; rng uint32 [2]."""
 
@@ -67,6 +67,20 @@ def batch_shardings(mesh: Mesh, batch_shapes: dict) -> dict:
         spec = shard_lib.logical_to_spec((None, "batch") + (None,) * (len(x.shape) - 2))
         return NamedSharding(mesh, spec)
     return jax.tree.map(one, batch_shapes)
+
+
+def check_batch(batch: dict, draft_cfg: DraftConfig, *, online: bool) -> None:
+    """chex shape checks of a train batch (trace time): input_ids/loss_mask [A, Bm, S]; in cache
+    mode also features [A, Bm, S, n*H] and last_hidden [A, Bm, S, H]."""
+    ids = batch["input_ids"]
+    chex.assert_rank(ids, 3)
+    chex.assert_type(ids, jnp.int32)
+    chex.assert_equal_shape([ids, batch["loss_mask"]])
+    if not online:
+        a, bm, s = ids.shape
+        h = draft_cfg.hidden_size
+        chex.assert_shape(batch["features"], (a, bm, s, draft_cfg.num_context_features * h))
+        chex.assert_shape(batch["last_hidden"], (a, bm, s, h))
 
 
 def make_loss_terms(cfg: LossConfig):
@@ -121,6 +135,7 @@ def build_train_step(draft_cfg: DraftConfig, loss_cfg: LossConfig, optimizer: op
     plain = remat in (False, None, "none") and loss_chunk == 0 and pin is None
 
     def step(state: TrainState, frozen: dict, target_params, batch: dict):
+        check_batch(batch, draft_cfg, online=target_cfg is not None)
         ids = batch["input_ids"]
         a, bm, s = ids.shape
         rng, k_anchor = jax.random.split(state.rng)
@@ -136,8 +151,9 @@ def build_train_step(draft_cfg: DraftConfig, loss_cfg: LossConfig, optimizer: op
         def one(mb, anc, kp):
             """(grads, sums) of one micro-batch; grads already divided by the global denominator."""
             if target_cfg is not None:
-                feats, last = target_features(target_params, target_cfg, draft_cfg.target_layer_ids,
-                                              mb["input_ids"], compute_dtype)
+                feats, last, _ = jax.lax.stop_gradient(target_features(
+                    target_params, target_cfg, draft_cfg.target_layer_ids, mb["input_ids"],
+                    compute_dtype=compute_dtype))
                 if pin is not None:
                     feats, last = pin(feats), pin(last)
             else:
@@ -186,15 +202,3 @@ def build_train_step(draft_cfg: DraftConfig, loss_cfg: LossConfig, optimizer: op
         return new_state, metrics
 
     return step
-
-
-FAST_COMPILE_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
-def jit_train_step(step: Callable, mesh: Mesh, state_sh: TrainState, frozen_sh, target_sh, batch_sh,
-                   fast_compile: bool = False):
-    """jax.jit with explicit in/out shardings; the state (arg 0) is donated."""
-    metrics_sh = shard_lib.replicated(mesh)
-    return jax.jit(step, in_shardings=(state_sh, frozen_sh, target_sh, batch_sh),
-                   out_shardings=(state_sh, metrics_sh), donate_argnums=(0,),
-                   compiler_options=FAST_COMPILE_OPTIONS if fast_compile else None)

@@ -51,11 +51,17 @@ def test_collectives_parser():
     assert got["collective-permute"] == {"count": 1, "bytes": 40}
 
 
-def test_plan_train_step_mid_size():
+def mid_size() -> tuple[TargetConfig, DraftConfig]:
+    """A 4-layer target (hidden 256, vocab 4096) and a one-layer drafter of block 4."""
     target = TargetConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     draft = DraftConfig.for_target(target, num_hidden_layers=1, target_layer_ids=(0, 2), mask_token_id=4095,
                                    num_anchors=16, markov_rank=32, block_size=4)
+    return target, draft
+
+
+def test_plan_train_step_mid_size():
+    target, draft = mid_size()
     mesh = sharding.make_mesh("data=2,fsdp=2,tensor=2", jax.devices()[:8])
     p_online, s_online = plan.plan_train_step(draft, target, plan_config("online", 128, 4), mesh)
     p_cache, s_cache = plan.plan_train_step(draft, target, plan_config("cache", 128, 4), mesh)
@@ -72,10 +78,7 @@ def test_plan_train_step_mid_size():
 
 
 def test_plan_decode_round_mid_size():
-    target = TargetConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=64)
-    draft = DraftConfig.for_target(target, num_hidden_layers=1, target_layer_ids=(0, 2), mask_token_id=4095,
-                                   num_anchors=16, markov_rank=32, block_size=4)
+    target, draft = mid_size()
     mesh = sharding.make_mesh("data=4,tensor=2", jax.devices()[:8])
     p, sizes = plan.plan_decode_round(draft, target, mesh, batch=8, max_len=256, dtype=jnp.float32)
     # KV cache: 4 layers x 8 rows x 256 slots x 2 heads x 64 x f32 x (k, v); rows split 4 ways

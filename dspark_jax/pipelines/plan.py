@@ -65,6 +65,18 @@ def reference_param_count(cfg: DraftConfig) -> int:
     return int(sum(math.prod(s) for s in mapping.draft_tensor_shapes(cfg).values()))
 
 
+def param_report(draft_cfg: DraftConfig, target_cfg: TargetConfig) -> dict:
+    """Parameter counts of the target and the drafter (all, trainable, and from the reference's
+    tensor shapes) and the drafter's HF config."""
+    full = jax.eval_shape(lambda: draft_model.init_params(draft_cfg, jax.random.PRNGKey(0)))
+    n = count_params(full)
+    frozen = count_params({k: full[k] for k in draft_model.FROZEN_KEYS})
+    target = count_params(jax.eval_shape(lambda: qwen3.init_params(target_cfg, jax.random.PRNGKey(0))))
+    return {"draft": draft_cfg.to_hf(), "target_params": target, "draft_params": n,
+            "draft_trainable_params": n - frozen,
+            "draft_params_from_reference_shapes": reference_param_count(draft_cfg)}
+
+
 def tree_bytes_per_device(tree) -> int:
     """Bytes a single device holds for a ShapeDtypeStruct tree with shardings."""
     total = 0

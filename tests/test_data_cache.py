@@ -2,7 +2,6 @@
 
 import json
 import shutil
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -11,9 +10,9 @@ import pytest
 from dspark_jax.cli import main as cli_main
 from dspark_jax.config import DraftConfig
 from dspark_jax.convert.checkpoint import load_target
+from dspark_jax.convert.identity import target_identity
 from dspark_jax.data import cache as cache_lib
 from dspark_jax.data import pipeline, sources
-from dspark_jax.convert.identity import target_identity
 from dspark_jax.data.sample import sample_sequences, write_jsonl
 from dspark_jax.errors import ConfigError, InputError
 from dspark_jax.target.features import target_features

@@ -134,3 +134,27 @@ def test_memory_option_validation(fixture):
         step_lib.build_train_step(fixture[0], LOSS, None, None, loss_chunk=-2)
     with pytest.raises(ConfigError, match="remat"):
         step_lib.build_train_step(fixture[0], LOSS, None, None, remat="some")
+
+
+def test_program_abstract_arguments_and_batch_checks(fixture):
+    """build_program's abstract batch follows the config; the step's chex checks reject a batch of
+    the wrong shape; a micro-batch that does not divide over the mesh is a ConfigError."""
+    cfg = fixture[0]
+    tcfg = TrainConfig(target="x", cache_dir="x", features="cache", batch_size=4, grad_accum=2, max_length=16,
+                       compute_dtype="float32")
+    mesh = sharding.make_mesh("data=2", jax.devices()[:2])
+    prog = build_program(cfg, None, tcfg, mesh, total_steps=10)
+    state, frozen, target, batch = prog.abstract_args
+    assert target is None and not prog.online
+    assert batch["input_ids"].shape == (2, 2, 16) and batch["input_ids"].dtype == jnp.int32
+    assert batch["features"].shape == (2, 2, 16, cfg.num_context_features * cfg.hidden_size)
+    assert batch["input_ids"].sharding.shard_shape((2, 2, 16)) == (2, 1, 16)  # rows split over data
+    assert jax.tree.structure(state.params) == jax.tree.structure(optim.split_params(fixture[1])[0])
+    out_state, metrics = jax.eval_shape(prog.step, state, frozen, None, batch)
+    assert out_state.step.shape == () and metrics["loss"].shape == ()
+    bad = dict(batch, last_hidden=jax.ShapeDtypeStruct((2, 2, 16, 7), jnp.float32,
+                                                       sharding=batch["last_hidden"].sharding))
+    with pytest.raises(AssertionError):
+        jax.eval_shape(prog.step, state, frozen, None, bad)
+    with pytest.raises(ConfigError, match="does not divide"):
+        build_program(cfg, None, tcfg.replace(batch_size=6), mesh, total_steps=10)

@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dspark_jax.config import DraftConfig, TargetConfig  # noqa: E402
 from dspark_jax.convert.checkpoint import load_target  # noqa: E402
-from dspark_jax.data.online import target_features  # noqa: E402
 from dspark_jax.draft import model as draft_model  # noqa: E402
 from dspark_jax.target import qwen3  # noqa: E402
+from dspark_jax.target.features import target_features  # noqa: E402
 from dspark_jax.train import optim, step as step_lib  # noqa: E402
 from dspark_jax.train.config import TrainConfig  # noqa: E402
 
@@ -58,16 +58,16 @@ def bench(size: str, mode: str, steps: int, dtype: str) -> dict:
     compute = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
     params = draft_model.init_params(dcfg, jax.random.PRNGKey(1), embed_tokens=tparams["embed_tokens"],
                                      lm_head=qwen3.lm_head_kernel(tparams))
-    opt, sched = optim.make_optimizer(cfg, cfg.steps)
+    opt, sched = optim.make_optimizer(cfg.optimizer, cfg.steps)
     trainable, frozen = optim.split_params(params)
     state = step_lib.init_state(trainable, opt, 0)
     rng = np.random.default_rng(0)
     ids = jnp.asarray(rng.integers(0, tcfg.vocab_size - 1, (1, b, s)), jnp.int32)
     batch = {"input_ids": ids, "loss_mask": jnp.ones((1, b, s), jnp.float32)}
     if mode == "cache":
-        feats, last = jax.jit(lambda p, t: target_features(p, tcfg, dcfg.target_layer_ids, t))(tparams, ids[0])
+        feats, last = jax.jit(lambda p, t: target_features(p, tcfg, dcfg.target_layer_ids, t)[:2])(tparams, ids[0])
         batch["features"], batch["last_hidden"] = feats[None], last[None]
-    fn = step_lib.build_train_step(dcfg, cfg.loss_config(), opt, sched,
+    fn = step_lib.build_train_step(dcfg, cfg.loss, opt, sched,
                                    target_cfg=tcfg if mode == "online" else None, compute_dtype=compute)
     jstep = jax.jit(fn, donate_argnums=(0,))
     tp = tparams if mode == "online" else None

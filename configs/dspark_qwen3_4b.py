@@ -1,6 +1,6 @@
 """DSpark drafter for Qwen3-4B: block 7, 5 layers.
 
-Released-drafter shape (SPEC section 1; DeepSpec config/dspark/dspark_qwen3_4b_online.py). Training recipe of the
+Released-drafter shape (DeepSpec config/dspark/dspark_qwen3_4b_online.py). Training recipe of the
 paper: AdamW lr 6e-4, 4% warm-up then cosine, clip 1.0, global batch 512
 sequences of up to 4096 tokens, 10 epochs, bf16 compute over fp32 masters.
 

@@ -1,6 +1,6 @@
 """Production-style DSpark for Qwen3-8B (paper section 5.2 setting): block 5, 3 draft layers.
 
-Released-drafter shape (SPEC section 1; DeepSpec paper section 5.2). Training recipe of the
+Released-drafter shape (DeepSpec paper section 5.2). Training recipe of the
 paper: AdamW lr 6e-4, 4% warm-up then cosine, clip 1.0, global batch 512
 sequences of up to 4096 tokens, 10 epochs, bf16 compute over fp32 masters.
 

@@ -17,11 +17,9 @@ CONFIG = dict(
     batch_size=16,
     grad_accum=1,
     steps=300,
-    learning_rate=3e-3,
-    warmup_ratio=0.04,
+    optimizer=dict(learning_rate=3e-3, warmup_ratio=0.04),
     compute_dtype="float32",
     mesh="data=-1",
-    checkpoint_every=100,
-    keep_checkpoints=2,
+    checkpoint=dict(every=100, keep=2),
     seed=0,
 )

@@ -169,7 +169,9 @@ def prepare_out(cfg: DemoConfig, *, force: bool = False, stage: str = "all") -> 
     different recipe unless ``force``, which (for ``stage='all'``) clears the old demo first."""
     p = paths(cfg)
     out = p["out"]
-    identity = target_identity(target_dir(cfg))
+    from dspark_jax.convert.checkpoint import load_target
+    from dspark_jax.convert.identity import target_identity
+    identity = target_identity(*load_target(target_dir(cfg)))
     if p["config"].is_file():
         old = json.loads(p["config"].read_text())
         same = old.get("recipe") == cfg.recipe()
@@ -192,18 +194,6 @@ def prepare_out(cfg: DemoConfig, *, force: bool = False, stage: str = "all") -> 
         from dspark_jax.evaluate import write_json_atomic
         write_json_atomic(p["config"], {"recipe": cfg.recipe(), "out": str(out), "target_sha256": identity})
     return out
-
-
-def target_identity(directory: Path) -> str:
-    """SHA-256 of the target's weight files (resumed stages must use the same target)."""
-    import hashlib
-    h = hashlib.sha256()
-    for f in sorted(Path(directory).glob("*.safetensors")):
-        h.update(f.name.encode())
-        with f.open("rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-    return h.hexdigest()
 
 
 def _require(cfg: DemoConfig, stage: str, needs: str) -> None:
@@ -339,19 +329,15 @@ def train_config(cfg: DemoConfig, name: str, *, progress: bool = True):
         target=str(tdir.absolute()), data=str(p["train_data"].absolute()),
         output_dir=str(p[f"run_{name}"].absolute()), draft=drafter_overrides(cfg, name, tcfg),
         features="online", max_length=cfg.max_length, batch_size=cfg.batch_size, steps=cfg.steps,
-        learning_rate=cfg.learning_rate, warmup_ratio=cfg.warmup_ratio, compute_dtype="float32",
-        mesh="data=1", num_devices=1, seed=cfg.seed, checkpoint_every=max(cfg.steps // 2, 1),
-        keep_checkpoints=1, progress=progress, fast_compile=cfg.fast_compile)
+        optimizer=dict(learning_rate=cfg.learning_rate, warmup_ratio=cfg.warmup_ratio), compute_dtype="float32",
+        mesh="data=1", num_devices=1, seed=cfg.seed, checkpoint=dict(every=max(cfg.steps // 2, 1), keep=1),
+        progress=progress)
 
 
 def write_train_config_file(cfg: DemoConfig, name: str) -> Path:
     """``train/<name>_config.py``: the same run for ``dspark-jax train --config FILE``."""
-    from dspark_jax.train.config import TrainConfig
-
     tc = train_config(cfg, name, progress=True)
-    fields = {f.name: getattr(tc, f.name) for f in dataclasses.fields(TrainConfig)
-              if getattr(tc, f.name) != f.default and f.name not in ("progress",)}
-    fields["draft"] = dict(tc.draft)
+    fields = {k: v for k, v in tc.to_dict(changed_only=True).items() if k != "progress"}
     body = ",\n".join(f"    {k}={v!r}" for k, v in fields.items())
     path = paths(cfg)[f"train_config_{name}"]
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -379,7 +365,7 @@ def stage_train(cfg: DemoConfig, *, names=DRAFTERS, progress: bool = True,
             out[name] = json.loads(summary_file.read_text())
             continue
         log(f"train {name}: {cfg.steps} steps (same as `dspark-jax train --config {cfg_file}`)")
-        summary = train(train_config(cfg, name, progress=progress))
+        summary = train(train_config(cfg, name, progress=progress), fast_compile=cfg.fast_compile)
         out[name] = {k: v for k, v in summary.items() if k not in ("history", "params")}
         fin = out[name].get("final") or {}
         log(f"train {name}: loss {fin.get('loss', float('nan')):.4f}, expected accept length "

@@ -9,6 +9,17 @@ are all derived from that table.
 from __future__ import annotations
 
 import dataclasses
+import zlib
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+
+from dspark_jax.errors import CheckpointError
+
+Path = tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +36,10 @@ class ParamSpec:
     init:      ``"normal"`` (std ``init_std``), ``"zeros"`` or ``"ones"``.
     layer_ids: the torch layer indices the leading axis stacks, in order (``None``: not stacked).
     frozen:    never trained (embedding and LM head shared with the target).
+    rng_path:  how ``init_params`` derives this leaf's key from the model key: each ``(n, i)``
+               is ``key = jax.random.split(key, n)[i]``, outermost first. ``None`` (the
+               default for new families): ``jax.random.fold_in(key, crc32("a/b/c"))`` of the
+               leaf's path. Set by the Qwen3 declarations to keep their historic init values.
     """
 
     shape: tuple[int, ...]
@@ -35,6 +50,7 @@ class ParamSpec:
     init_std: float = 0.02
     layer_ids: tuple[int, ...] | None = None
     frozen: bool = False
+    rng_path: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self):
         if len(self.shape) != len(self.axes):
@@ -45,3 +61,229 @@ class ParamSpec:
             raise ValueError(f"{self.torch}: '{{i}}' in the torch name iff layer_ids is given")
         if self.layer_ids is not None and self.shape[0] != len(self.layer_ids):
             raise ValueError(f"{self.torch}: leading dim {self.shape[0]} != {len(self.layer_ids)} layers")
+
+    @property
+    def stacked(self) -> bool:
+        return self.layer_ids is not None
+
+    @property
+    def torch_shape(self) -> tuple[int, ...]:
+        """Shape of one PyTorch tensor (one layer's, for a stacked leaf)."""
+        shape = self.shape[1:] if self.stacked else self.shape
+        return tuple(reversed(shape)) if self.transpose else tuple(shape)
+
+    def torch_names(self) -> list[str]:
+        """The PyTorch tensor names this leaf holds, in leading-axis order."""
+        if not self.stacked:
+            return [self.torch]
+        return [self.torch.format(i=i) for i in self.layer_ids]
+
+
+Specs = Mapping[Path, ParamSpec]
+
+
+# --------------------------------------------------------------------------- model families
+
+KINDS = ("target", "draft")
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One model family: how a checkpoint's config.json maps to our config, params and code.
+
+    name:          registry key, e.g. ``"qwen3"`` (target) or ``"qwen3_dspark"`` (drafter).
+    kind:          ``"target"`` or ``"draft"``.
+    architectures: the HF ``architectures[0]`` values this family reads.
+    model_types:   the HF ``model_type`` values it reads when ``architectures`` is absent
+                   (``None`` in the tuple: also a config without ``model_type``).
+    config_cls:    the config class; ``config_cls.from_hf(dict)`` and ``config.to_hf()``.
+    declare:       ``config -> {path: ParamSpec}``, the one declaration of the params tree.
+    forward:       dotted name of the module holding the family's forward functions
+                   (``family.module()`` imports it).
+    tied_head:     ``config -> (head torch name, embedding torch name) | None``: when it
+                   returns names, the head is tied (not declared) and a checkpoint may still
+                   carry it, equal to the embedding; it is then checked and dropped on load.
+    ignored_tensors: torch-name prefixes a checkpoint may carry that this family does not read
+                   (e.g. the vision tower of a unified multimodal checkpoint).
+    pairs_with:    drafters: the name of the target family whose features they read.
+    """
+
+    name: str
+    kind: str
+    architectures: tuple[str, ...]
+    model_types: tuple[str | None, ...]
+    config_cls: type
+    declare: Any
+    forward: str
+    tied_head: Any = None
+    ignored_tensors: tuple[str, ...] = ()
+    pairs_with: str | None = None
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"family {self.name}: kind {self.kind!r} is not one of {KINDS}")
+        if self.kind == "draft" and not self.pairs_with:
+            raise ValueError(f"family {self.name}: a drafter family names the target family it pairs with")
+
+    def config_from_hf(self, hf: Mapping[str, Any]):
+        return self.config_cls.from_hf(hf)
+
+    def tied(self, config) -> tuple[str, str] | None:
+        """(head, embedding) torch names when ``config`` ties the LM head, else None."""
+        return self.tied_head(config) if self.tied_head is not None else None
+
+    def module(self):
+        import importlib
+        return importlib.import_module(self.forward)
+
+
+# --------------------------------------------------------------------------- building declarations
+
+def with_prefix(specs: Specs, path_prefix: Path = (), torch_prefix: str = "") -> dict[Path, ParamSpec]:
+    """``specs`` nested under ``path_prefix`` with ``torch_prefix`` prepended to every torch name."""
+    return {tuple(path_prefix) + path: dataclasses.replace(s, torch=torch_prefix + s.torch)
+            for path, s in specs.items()}
+
+
+def rename_torch(specs: Specs, old_prefix: str, new_prefix: str) -> dict[Path, ParamSpec]:
+    """Torch names starting with ``old_prefix`` get ``new_prefix`` instead (checkpoint layout
+    variants, e.g. a unified checkpoint holding the text model under ``model.language_model.``)."""
+    def fix(name: str) -> str:
+        return new_prefix + name[len(old_prefix):] if name.startswith(old_prefix) else name
+    return {path: dataclasses.replace(s, torch=fix(s.torch)) for path, s in specs.items()}
+
+
+# --------------------------------------------------------------------------- derived trees
+
+def _unflatten(flat: Mapping[Path, Any]) -> dict:
+    return traverse_util.unflatten_dict(dict(flat))
+
+
+def _leaf_key(rng: jax.Array, path: Path, spec: ParamSpec) -> jax.Array:
+    if spec.rng_path is None:
+        return jax.random.fold_in(rng, zlib.crc32("/".join(path).encode()) & 0x7FFFFFFF)
+    key = rng
+    for n, i in spec.rng_path:
+        key = jax.random.split(key, n)[i]
+    return key
+
+
+def init_leaf(spec: ParamSpec, key: jax.Array, dtype) -> jax.Array:
+    """One leaf: ``init_std * N(0, 1)`` drawn in float32 then cast, or zeros/ones."""
+    if spec.init == "zeros":
+        return jnp.zeros(spec.shape, dtype)
+    if spec.init == "ones":
+        return jnp.ones(spec.shape, dtype)
+    return (spec.init_std * jax.random.normal(key, spec.shape, jnp.float32)).astype(dtype)
+
+
+def init_params(specs: Specs, rng: jax.Array, dtype=jnp.float32,
+                given: Mapping[Path, jax.Array] | None = None) -> dict:
+    """Random params tree of ``specs`` (each leaf's key per ``ParamSpec.rng_path``); leaves in
+    ``given`` (e.g. a drafter's embedding shared with its target) are taken, cast to ``dtype``,
+    instead of drawn."""
+    given = dict(given or {})
+    unknown = [p for p in given if p not in specs]
+    if unknown:
+        raise ValueError(f"given leaf {'/'.join(unknown[0])!r} is not declared")
+    for path, x in given.items():
+        if tuple(x.shape) != tuple(specs[path].shape):
+            raise ValueError(f"given leaf {'/'.join(path)!r} has shape {tuple(x.shape)}, "
+                             f"declared {tuple(specs[path].shape)}")
+    return _unflatten({path: given[path].astype(dtype) if path in given
+                       else init_leaf(s, _leaf_key(rng, path, s), dtype) for path, s in specs.items()})
+
+
+def param_axes(specs: Specs) -> dict:
+    """Tree of logical-axis tuples, same structure as ``init_params``."""
+    return _unflatten({path: tuple(s.axes) for path, s in specs.items()})
+
+
+def shapes(specs: Specs) -> dict:
+    """Tree of our-layout shapes (tuples)."""
+    return _unflatten({path: tuple(s.shape) for path, s in specs.items()})
+
+
+def abstract_params(specs: Specs, dtype=jnp.float32, shardings=None) -> dict:
+    """ShapeDtypeStruct tree (no allocation); ``shardings`` (a tree of the same structure)
+    is attached leaf by leaf when given."""
+    flat_sh = traverse_util.flatten_dict(shardings) if shardings is not None else {}
+    return _unflatten({path: jax.ShapeDtypeStruct(tuple(s.shape), dtype, sharding=flat_sh.get(path))
+                       for path, s in specs.items()})
+
+
+def shardings(specs: Specs, mesh, rules=None) -> dict:
+    """NamedSharding tree: logical axes through ``rules``; indivisible dims stay replicated."""
+    from jax.sharding import NamedSharding
+
+    from dspark_jax import sharding as sharding_lib
+    rules = sharding_lib.DEFAULT_RULES if rules is None else rules
+    return _unflatten({path: NamedSharding(mesh, sharding_lib.logical_to_spec(s.axes, rules, s.shape, mesh))
+                       for path, s in specs.items()})
+
+
+def planned(specs: Specs, mesh, dtype, rules=None) -> tuple[dict, dict]:
+    """(abstract params with shardings, shardings): what ``plan.abstract_params`` returns."""
+    sh = shardings(specs, mesh, rules)
+    return abstract_params(specs, dtype, sh), sh
+
+
+# --------------------------------------------------------------------------- frozen / trainable
+
+def frozen_paths(specs: Specs) -> tuple[Path, ...]:
+    return tuple(path for path, s in specs.items() if s.frozen)
+
+
+def split_frozen(specs: Specs, tree: Mapping) -> tuple[dict, dict]:
+    """(trainable, frozen) subtrees of a params-shaped ``tree`` (params, axes, shapes...)."""
+    flat = traverse_util.flatten_dict(dict(tree), is_leaf=lambda _, x: not isinstance(x, Mapping))
+    frozen = set(frozen_paths(specs))
+    return (_unflatten({p: v for p, v in flat.items() if p not in frozen}),
+            _unflatten({p: v for p, v in flat.items() if p in frozen}))
+
+
+# --------------------------------------------------------------------------- PyTorch state dicts
+
+def torch_shapes(specs: Specs) -> dict[str, tuple[int, ...]]:
+    """Every PyTorch tensor name -> its torch-layout shape (for ``mapping.check_tensors``)."""
+    return {name: s.torch_shape for s in specs.values() for name in s.torch_names()}
+
+
+def torch_sources(specs: Specs) -> dict[Path, tuple[str, bool]]:
+    """our path -> (torch name with ``{i}`` for stacked leaves, transpose?)."""
+    return {path: (s.torch, s.transpose) for path, s in specs.items()}
+
+
+def _fix(a: np.ndarray, transpose: bool) -> np.ndarray:
+    return a.T if transpose else a
+
+
+def from_torch(specs: Specs, tensors: Mapping[str, np.ndarray]) -> dict:
+    """Torch-named numpy tensors -> our params tree (numpy leaves, same dtypes, same bits)."""
+    flat = {}
+    for path, s in specs.items():
+        if s.stacked:
+            flat[path] = np.stack([_fix(np.asarray(tensors[n]), s.transpose) for n in s.torch_names()])
+        else:
+            flat[path] = np.ascontiguousarray(_fix(np.asarray(tensors[s.torch]), s.transpose))
+    return _unflatten(flat)
+
+
+def iter_torch(specs: Specs, params: Mapping, to_host=np.asarray):
+    """Yield (torch name, numpy tensor in torch layout) in declaration order; ``to_host`` turns
+    one leaf into a numpy array (streaming export gathers sharded leaves with it)."""
+    flat = traverse_util.flatten_dict(dict(params), is_leaf=lambda _, x: not isinstance(x, Mapping))
+    for path, s in specs.items():
+        if path not in flat:
+            raise CheckpointError(f"params: missing param {'/'.join(path)!r}")
+        leaf = to_host(flat[path])
+        if s.stacked:
+            for k, name in enumerate(s.torch_names()):
+                yield name, np.ascontiguousarray(_fix(leaf[k], s.transpose))
+        else:
+            yield s.torch, np.ascontiguousarray(_fix(leaf, s.transpose))
+
+
+def to_torch(specs: Specs, params: Mapping) -> dict[str, np.ndarray]:
+    """Our params tree -> torch-named numpy tensors in torch layout (same dtypes, same bits)."""
+    return dict(iter_torch(specs, params))

@@ -81,7 +81,8 @@ def released_train_config(target: str, *, kind: str = "dspark", block_size: int 
     AdamW lr 6e-4, 4% warm-up then cosine, clip 1.0, global batch 512 sequences of up to 4096
     tokens (one per device per micro-step: grad_accum 64 on 8 devices), 10 epochs, bf16 compute
     over fp32 masters; DFlash trains with CE only. The memory options (remat, chunked loss,
-    activation sharding) change no numerics. ``overrides`` replace any field.
+    activation sharding) change no numerics. ``overrides`` replace any top-level field (a
+    section such as ``optimizer`` as a whole dict).
     """
     draft = released_drafter(target, kind=kind, block_size=block_size, num_layers=num_layers)
     fields = ("num_hidden_layers", "block_size", "target_layer_ids", "mask_token_id", "num_anchors",
@@ -93,13 +94,13 @@ def released_train_config(target: str, *, kind: str = "dspark", block_size: int 
     cfg = dict(
         target=target, data="train.jsonl", data_format="chat", tokenizer=target,
         output_dir=f"runs/{kind}_{short}", features="online", draft=draft_fields,
-        max_length=4096, batch_size=512, grad_accum=64, epochs=10, learning_rate=6e-4,
-        warmup_ratio=0.04, grad_clip=1.0, compute_dtype="bfloat16",
-        remat="dots", loss_chunk=64, shard_activations=True,
+        max_length=4096, batch_size=512, grad_accum=64, epochs=10, compute_dtype="bfloat16",
+        optimizer=dict(learning_rate=6e-4, warmup_ratio=0.04, grad_clip=1.0),
+        memory=dict(remat="dots", loss_chunk=64, shard_activations=True),
         mesh=MESH_PLANS[target]["8xH100/H200 (one node)"],
-        checkpoint_every=3000, keep_checkpoints=3, seed=42,
+        checkpoint=dict(every=3000, keep=3), seed=42,
     )
     if kind == "dflash":
-        cfg.update(ce_weight=1.0, l1_weight=0.0, confidence_weight=0.0)
+        cfg["loss"] = dict(ce_weight=1.0, l1_weight=0.0, confidence_weight=0.0)
     cfg.update(overrides)
     return cfg

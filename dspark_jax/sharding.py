@@ -1,7 +1,7 @@
 """Mesh construction and the logical-axis -> mesh-axis rules table.
 
-Params carry logical axis names (``param_axes`` of each model mirrors its
-params tree). One rules table maps them onto a Mesh with axes
+Params carry logical axis names (declared once per leaf, ``params.ParamSpec.axes``;
+``params.param_axes`` mirrors the params tree). One rules table maps them onto a Mesh with axes
 ``("data", "fsdp", "tensor")``: weights are sharded over ``fsdp`` (ZeRO-3
 style) and ``tensor`` (Megatron style); activations' batch over
 ``("data", "fsdp")``.
@@ -82,19 +82,30 @@ def make_mesh(spec: str | Mapping[str, int] | None = None, devices: Sequence | N
 
 def logical_to_spec(axes: Sequence[str | None], rules: Mapping[str, object] = DEFAULT_RULES,
                     shape: Sequence[int] | None = None, mesh: Mesh | None = None) -> P:
-    """PartitionSpec for logical ``axes``; a mesh axis is used at most once, and an
-    axis is left replicated where its size does not divide (when shape/mesh given)."""
-    used: set[str] = set()
+    """PartitionSpec for logical ``axes``; an axis is left replicated where its size does
+    not divide (when shape/mesh given).
+
+    A mesh axis that two logical axes of ``axes`` map to is a ConfigError naming them (a
+    PartitionSpec may use each mesh axis once; silently replicating one would hide a bad
+    rules table or declaration).
+    """
+    owner: dict[str, str] = {}
+    for name in axes:
+        target = rules.get(name) if name is not None else None
+        for mesh_axis in (target,) if isinstance(target, str) else tuple(target or ()):
+            if mesh_axis in owner:
+                raise ConfigError(f"logical axes {owner[mesh_axis]!r} and {name!r} of {tuple(axes)} "
+                                  f"both map to mesh axis {mesh_axis!r}; a mesh axis may shard one "
+                                  "dimension only (fix the rules or the declared axes)")
+            owner[mesh_axis] = name
     spec = []
     for i, name in enumerate(axes):
         target = rules.get(name) if name is not None else None
         names = (target,) if isinstance(target, str) else tuple(target or ())
-        names = tuple(n for n in names if n not in used)
         if names and shape is not None and mesh is not None:
             size = math.prod(mesh.shape[n] for n in names)
             if shape[i] % size:
                 names = ()
-        used.update(names)
         spec.append(None if not names else names[0] if len(names) == 1 else names)
     return P(*spec)
 

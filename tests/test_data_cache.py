@@ -2,7 +2,6 @@
 
 import json
 import shutil
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -11,18 +10,17 @@ import pytest
 from dspark_jax.cli import main as cli_main
 from dspark_jax.config import DraftConfig
 from dspark_jax.convert.checkpoint import load_target
+from dspark_jax.convert.identity import target_identity
 from dspark_jax.data import cache as cache_lib
 from dspark_jax.data import pipeline, sources
-from dspark_jax.data.online import target_features
 from dspark_jax.data.sample import sample_sequences, write_jsonl
 from dspark_jax.errors import ConfigError, InputError
+from dspark_jax.target.features import target_features
 from dspark_jax.train.config import TrainConfig
-from dspark_jax.train.loop import load_source, train
-
-REPO = Path(__file__).resolve().parents[1]
-TARGET = REPO / "tests/fixtures/dspark_qwen3_tiny/target"
-DRAFT = dict(num_hidden_layers=1, target_layer_ids=(0, 2, 4), mask_token_id=511, num_anchors=4,
-             markov_rank=16)
+from dspark_jax.train.loop import load_source
+from dspark_jax.train.loop import train as _train
+from train_tiny import DRAFT, TARGET
+from train_tiny import tiny_config as _tiny
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +47,11 @@ def cache_dir(tmp_path_factory, data_file):
 
 
 def tiny_config(tmp, **kw) -> TrainConfig:
-    base = dict(target=str(TARGET), output_dir=str(tmp / "run"), draft=DRAFT, max_length=32, batch_size=8,
-                steps=3, learning_rate=3e-3, warmup_ratio=0.0, compute_dtype="float32", checkpoint_every=0,
-                export_format="none", progress=False, num_devices=1, mesh="data=1", fast_compile=True)
-    base.update(kw)
-    return TrainConfig(**base)
+    return _tiny(tmp / "run", **kw)
+
+
+def train(cfg):
+    return _train(cfg, fast_compile=True)
 
 
 def test_cache_holds_target_features(cache_dir, data_file, target):
@@ -61,13 +59,13 @@ def test_cache_holds_target_features(cache_dir, data_file, target):
     cache = cache_lib.FeatureCache(cache_dir)
     m = cache.manifest
     assert m["layer_ids"] == [0, 2, 4] and m["num_records"] == 16 and m["feature_dim"] == 192
-    assert m["target"]["sha256"] == cache_lib.target_identity(tcfg, tparams)
+    assert m["target"]["sha256"] == target_identity(tcfg, tparams)
     src = sources.read_token_jsonl(data_file, 32)
     for i in (0, 7):
         rec = cache[i]
         n = len(src.raw(i)[0])
         np.testing.assert_array_equal(rec["input_ids"], src[i]["input_ids"])
-        feats, last = target_features(tparams, tcfg, (0, 2, 4), rec["input_ids"][None, :n])
+        feats, last, _ = target_features(tparams, tcfg, (0, 2, 4), rec["input_ids"][None, :n])
         np.testing.assert_allclose(rec["features"][:n], np.asarray(feats[0]), atol=1e-5)
         np.testing.assert_allclose(rec["last_hidden"][:n], np.asarray(last[0]), atol=1e-5)
         assert not rec["features"][n:].any()
@@ -115,7 +113,7 @@ def test_cache_for_other_layers_hidden_size_or_target_is_rejected(cache_dir, tar
     # other target weights: the identity hash differs; checked by the training entry before compiling
     other = jax.tree.map(lambda a: a * 1.001, tparams)
     with pytest.raises(ConfigError, match="target identity"):
-        cache.validate(DraftConfig.for_target(tcfg, **DRAFT), tcfg, cache_lib.target_identity(tcfg, other))
+        cache.validate(DraftConfig.for_target(tcfg, **DRAFT), tcfg, target_identity(tcfg, other))
     cfg = tiny_config(tmp_path, features="cache", cache_dir=str(cache_dir), draft=dict(DRAFT, target_layer_ids=(1, 3)))
     with pytest.raises(ConfigError, match="does not fit this run"):
         load_source(cfg, tcfg, cfg.draft_config(tcfg), tparams)

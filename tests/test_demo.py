@@ -59,7 +59,7 @@ def test_quick_demo_outputs(quick_demo):
     # the same budget for both drafters; DFlash has no Markov head
     runs = {m: json.loads((out / "train" / m / "run.json").read_text()) for m in DRAFTERS}
     assert runs["dflash"]["draft"]["markov_rank"] == 0 and runs["dspark"]["draft"]["markov_rank"] == cfg.markov_rank
-    same = ("steps", "batch_size", "learning_rate", "seed", "data", "max_length")
+    same = ("steps", "batch_size", "optimizer", "seed", "data", "max_length")
     assert all(runs["dspark"]["train"][k] == runs["dflash"]["train"][k] for k in same)
     assert "dspark-jax train --config" in report["commands"]["train_dspark"]
     assert "dspark-jax eval" in report["commands"]["eval_dspark"]

@@ -4,11 +4,19 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from dspark_jax import plan, presets, sharding
+from dspark_jax import presets, sharding
 from dspark_jax.config import DraftConfig, TargetConfig
 from dspark_jax.draft import model as draft_model
+from dspark_jax.pipelines import plan
+from dspark_jax.train.config import TrainConfig
 
-# Parameter counts from the reference's tensor shapes (SPEC section 11), all tensors incl. the
+
+def plan_config(mode: str, seq_len: int, micro_batch: int, **kw) -> TrainConfig:
+    """A float32 train config of one micro-batch of ``micro_batch`` sequences (global)."""
+    return TrainConfig(target="<plan>", data="<plan>", cache_dir="<plan>", features=mode, max_length=seq_len,
+                       batch_size=micro_batch, compute_dtype="float32", **kw)
+
+# Parameter counts from the reference's tensor shapes, all tensors incl. the
 # frozen embedding and LM head copies. DSpark: vanilla Markov rank 256 + confidence head.
 RELEASED = {
     ("Qwen/Qwen3-4B", "dspark"): 1_393_133_569,
@@ -43,16 +51,20 @@ def test_collectives_parser():
     assert got["collective-permute"] == {"count": 1, "bytes": 40}
 
 
-def test_plan_train_step_mid_size():
+def mid_size() -> tuple[TargetConfig, DraftConfig]:
+    """A 4-layer target (hidden 256, vocab 4096) and a one-layer drafter of block 4."""
     target = TargetConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     draft = DraftConfig.for_target(target, num_hidden_layers=1, target_layer_ids=(0, 2), mask_token_id=4095,
                                    num_anchors=16, markov_rank=32, block_size=4)
+    return target, draft
+
+
+def test_plan_train_step_mid_size():
+    target, draft = mid_size()
     mesh = sharding.make_mesh("data=2,fsdp=2,tensor=2", jax.devices()[:8])
-    p_online, s_online = plan.plan_train_step(draft, target, mesh, mode="online", seq_len=128, micro_batch=4,
-                                              compute_dtype=jnp.float32)
-    p_cache, s_cache = plan.plan_train_step(draft, target, mesh, mode="cache", seq_len=128, micro_batch=4,
-                                            compute_dtype=jnp.float32)
+    p_online, s_online = plan.plan_train_step(draft, target, plan_config("online", 128, 4), mesh)
+    p_cache, s_cache = plan.plan_train_step(draft, target, plan_config("cache", 128, 4), mesh)
     full = jax.eval_shape(lambda: draft_model.init_params(draft, jax.random.PRNGKey(0)))
     trainable = plan.count_params({k: v for k, v in full.items() if k not in draft_model.FROZEN_KEYS})
     # fsdp=2 x tensor=2 shard most weights 4 ways: well under the replicated fp32 size.
@@ -66,10 +78,7 @@ def test_plan_train_step_mid_size():
 
 
 def test_plan_decode_round_mid_size():
-    target = TargetConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=64)
-    draft = DraftConfig.for_target(target, num_hidden_layers=1, target_layer_ids=(0, 2), mask_token_id=4095,
-                                   num_anchors=16, markov_rank=32, block_size=4)
+    target, draft = mid_size()
     mesh = sharding.make_mesh("data=4,tensor=2", jax.devices()[:8])
     p, sizes = plan.plan_decode_round(draft, target, mesh, batch=8, max_len=256, dtype=jnp.float32)
     # KV cache: 4 layers x 8 rows x 256 slots x 2 heads x 64 x f32 x (k, v); rows split 4 ways
@@ -114,7 +123,8 @@ def test_full_size_configs_load(name):
     else:
         kind = name.split("_")[0]
         assert draft == presets.released_drafter(cfg.target, kind=kind)
-        assert (cfg.ce_weight, cfg.l1_weight) == ((0.1, 0.9) if kind == "dspark" else (1.0, 0.0))
+        assert (cfg.loss.ce_weight, cfg.loss.l1_weight) == ((0.1, 0.9) if kind == "dspark" else (1.0, 0.0))
+    assert cfg.memory.remat == "dots" and cfg.optimizer.learning_rate == 6e-4
 
 
 def test_plan_memory_options_shrink_train_step():
@@ -125,9 +135,9 @@ def test_plan_memory_options_shrink_train_step():
     draft = DraftConfig.for_target(target, num_hidden_layers=2, target_layer_ids=(0, 1), mask_token_id=16383,
                                    num_anchors=32, markov_rank=16, block_size=4)
     mesh = sharding.make_mesh("fsdp=4", jax.devices()[:4])
-    kw = dict(mode="online", seq_len=128, micro_batch=4, compute_dtype=jnp.float32)
-    base, _ = plan.plan_train_step(draft, target, mesh, **kw)
-    opt, _ = plan.plan_train_step(draft, target, mesh, remat="dots", loss_chunk=8, shard_activations=True, **kw)
+    base, _ = plan.plan_train_step(draft, target, plan_config("online", 128, 4), mesh)
+    opt, _ = plan.plan_train_step(draft, target, plan_config("online", 128, 4, memory=dict(
+        remat="dots", loss_chunk=8, shard_activations=True)), mesh)
     logits_all_rows = 4 * 32 * 4 * 16384 * 4  # one f32 [B, N, G, V] for the whole micro-batch
     assert base.temp_bytes > logits_all_rows  # before: whole-batch logits live on each device
     assert opt.temp_bytes < base.temp_bytes / 2
@@ -141,7 +151,7 @@ def test_plan_cli_memory_options(tmp_path, tiny_dir):
     config = tmp_path / "tiny_mem.py"
     config.write_text(
         f"CONFIG = dict(target={str(tiny_dir / 'target')!r}, data='x.jsonl', max_length=64, mesh='fsdp=2',\n"
-        "              remat='dots', loss_chunk=2, shard_activations=True,\n"
+        "              memory=dict(remat='dots', loss_chunk=2, shard_activations=True),\n"
         "              draft=dict(num_hidden_layers=1, block_size=4, target_layer_ids=(0, 2), mask_token_id=511,\n"
         "                         num_anchors=4, markov_rank=8))\n")
     out = tmp_path / "plan.json"

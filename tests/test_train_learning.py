@@ -21,10 +21,11 @@ def test_short_run_learns_and_exports(tmp_path):
     cfg = TrainConfig(target=str(TARGET), data=str(data), output_dir=str(tmp_path / "run"),
                       draft=dict(num_hidden_layers=1, target_layer_ids=(0, 2, 4), mask_token_id=511,
                                  num_anchors=8, markov_rank=64),
-                      max_length=32, batch_size=16, steps=40, learning_rate=1e-2, warmup_ratio=0.05,
-                      compute_dtype="float32", checkpoint_every=0, progress=False, num_devices=1, mesh="data=1",
-                      fast_compile=True)
-    summary = train(cfg)
+                      max_length=32, batch_size=16, steps=40,
+                      optimizer=dict(learning_rate=1e-2, warmup_ratio=0.05),
+                      compute_dtype="float32", checkpoint=dict(every=0), progress=False, num_devices=1,
+                      mesh="data=1")
+    summary = train(cfg, fast_compile=True)
     hist = summary["history"]
     loss = np.array([r["loss"] for r in hist])
     tau = np.array([r["expected_accept_length"] for r in hist])

@@ -20,6 +20,7 @@ from dspark_jax.train import loss as loss_lib
 from dspark_jax.train import optim
 from dspark_jax.train import step as step_lib
 from dspark_jax.train.config import TrainConfig
+from dspark_jax.train.program import FAST_COMPILE_OPTIONS, build_program
 
 LOSS = LossConfig()
 
@@ -54,7 +55,7 @@ def sums_and_grads(fn, params):
     """(sums, d objective / d trainable params) of ``fn(params) -> sums``, jitted."""
     trainable, frozen = optim.split_params(params)
 
-    @functools.partial(jax.jit, compiler_options=step_lib.FAST_COMPILE_OPTIONS)
+    @functools.partial(jax.jit, compiler_options=FAST_COMPILE_OPTIONS)
     def run(tp):
         def obj(tp):
             sums = fn(optim.merge_params(tp, frozen))
@@ -103,22 +104,18 @@ def test_train_step_options_keep_the_step(fixture):
     ids, feats, lm, _, _, last = args
     b, s = ids.shape
     batch = {"input_ids": ids[None], "loss_mask": lm[None], "features": feats[None], "last_hidden": last[None]}
-    tcfg = TrainConfig(target="x", data="x", steps=10, warmup_ratio=0.0)
-    optimizer, schedule = optim.make_optimizer(tcfg, 10)
+    tcfg = TrainConfig(target="x", cache_dir="x", features="cache", steps=10, batch_size=b, max_length=s,
+                       compute_dtype="float32", optimizer=dict(warmup_ratio=0.0))
     trainable, frozen = optim.split_params(params)
     mesh = sharding.make_mesh("fsdp=2", jax.devices()[:2])  # weights ZeRO-sharded, one row per device
-    axes_t, axes_f = optim.split_params(model.param_axes(cfg))
-    state = step_lib.init_state(trainable, optimizer, 0)
-    state_sh = step_lib.state_shardings(jax.eval_shape(lambda: state), axes_t, mesh, optimizer)
-    frozen_sh = sharding.param_shardings(axes_f, mesh, frozen)
-    batch_sh = step_lib.batch_shardings(mesh, batch)
     outs = []
-    for kw in ({}, dict(remat="dots", loss_chunk=3, mesh=mesh)):
-        fn = step_lib.build_train_step(cfg, LOSS, optimizer, schedule, compute_dtype=jnp.float32, **kw)
-        jstep = step_lib.jit_train_step(fn, mesh, state_sh, frozen_sh, None, batch_sh, fast_compile=True)
+    for mem in ({}, dict(remat="dots", loss_chunk=3, shard_activations=True)):
+        prog = build_program(cfg, None, tcfg.replace(memory=mem), mesh, total_steps=10, fast_compile=True)
+        assert jax.tree.structure(prog.batch) == jax.tree.structure(batch)
         fresh = jax.tree.map(lambda x: jnp.array(x, copy=True), trainable)  # the step donates its state
-        st = jax.device_put(step_lib.init_state(fresh, optimizer, 0), state_sh)
-        outs.append(jstep(st, jax.device_put(frozen, frozen_sh), None, jax.device_put(batch, batch_sh)))
+        st = prog.init_state(jax.device_put(fresh, prog.state_sharding.params))
+        outs.append(prog.step(st, jax.device_put(frozen, prog.frozen_sharding), None,
+                              jax.device_put(batch, prog.batch_sharding)))
     (ref_state, ref_m), (got_state, got_m) = outs
     assert float(ref_m["loss"]) > 0 and bool(ref_m["finite"])
     for key in ("loss", "ce_loss", "l1_loss", "confidence_loss", "expected_accept_length", "grad_norm"):
@@ -127,13 +124,37 @@ def test_train_step_options_keep_the_step(fixture):
 
 
 def test_memory_option_validation(fixture):
-    assert TrainConfig(target="x", data="x").remat == "none"
-    assert TrainConfig(target="x", data="x").loss_chunk == 0
+    assert TrainConfig(target="x", data="x").memory.remat == "none"
+    assert TrainConfig(target="x", data="x").memory.loss_chunk == 0
     with pytest.raises(ConfigError, match="remat"):
-        TrainConfig(target="x", data="x", remat="everything")
+        TrainConfig(target="x", data="x", memory=dict(remat="everything"))
     with pytest.raises(ConfigError, match="loss_chunk"):
-        TrainConfig(target="x", data="x", loss_chunk=-1)
+        TrainConfig(target="x", data="x", memory=dict(loss_chunk=-1))
     with pytest.raises(ConfigError, match="loss_chunk"):
         step_lib.build_train_step(fixture[0], LOSS, None, None, loss_chunk=-2)
     with pytest.raises(ConfigError, match="remat"):
         step_lib.build_train_step(fixture[0], LOSS, None, None, remat="some")
+
+
+def test_program_abstract_arguments_and_batch_checks(fixture):
+    """build_program's abstract batch follows the config; the step's chex checks reject a batch of
+    the wrong shape; a micro-batch that does not divide over the mesh is a ConfigError."""
+    cfg = fixture[0]
+    tcfg = TrainConfig(target="x", cache_dir="x", features="cache", batch_size=4, grad_accum=2, max_length=16,
+                       compute_dtype="float32")
+    mesh = sharding.make_mesh("data=2", jax.devices()[:2])
+    prog = build_program(cfg, None, tcfg, mesh, total_steps=10)
+    state, frozen, target, batch = prog.abstract_args
+    assert target is None and not prog.online
+    assert batch["input_ids"].shape == (2, 2, 16) and batch["input_ids"].dtype == jnp.int32
+    assert batch["features"].shape == (2, 2, 16, cfg.num_context_features * cfg.hidden_size)
+    assert batch["input_ids"].sharding.shard_shape((2, 2, 16)) == (2, 1, 16)  # rows split over data
+    assert jax.tree.structure(state.params) == jax.tree.structure(optim.split_params(fixture[1])[0])
+    out_state, metrics = jax.eval_shape(prog.step, state, frozen, None, batch)
+    assert out_state.step.shape == () and metrics["loss"].shape == ()
+    bad = dict(batch, last_hidden=jax.ShapeDtypeStruct((2, 2, 16, 7), jnp.float32,
+                                                       sharding=batch["last_hidden"].sharding))
+    with pytest.raises(AssertionError):
+        jax.eval_shape(prog.step, state, frozen, None, bad)
+    with pytest.raises(ConfigError, match="does not divide"):
+        build_program(cfg, None, tcfg.replace(batch_size=6), mesh, total_steps=10)

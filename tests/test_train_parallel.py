@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,21 +12,13 @@ import pytest
 from dspark_jax.convert.checkpoint import load_draft, load_target
 from dspark_jax.data.sample import sample_sequences, write_jsonl
 from dspark_jax.train.config import TrainConfig
-from dspark_jax.train.loop import train
-
-REPO = Path(__file__).resolve().parents[1]
-TARGET = REPO / "tests/fixtures/dspark_qwen3_tiny/target"
-DRAFT = dict(num_hidden_layers=1, target_layer_ids=(0, 2, 4), mask_token_id=511, num_anchors=4,
-             markov_rank=16)
+from dspark_jax.train.loop import FAST_COMPILE_ENV, train
+from train_tiny import REPO, TARGET
+from train_tiny import tiny_config as _tiny
 
 
 def tiny_config(tmp, data, **kw) -> TrainConfig:
-    base = dict(target=str(TARGET), data=str(data), output_dir=str(tmp / "run"), draft=DRAFT,
-                max_length=32, batch_size=8, steps=3, learning_rate=3e-3, warmup_ratio=0.0,
-                compute_dtype="float32", checkpoint_every=0, export_format="none", progress=False,
-                fast_compile=True, num_devices=1, mesh="data=1")
-    base.update(kw)
-    return TrainConfig(**base)
+    return _tiny(tmp / "run", data=str(data), **kw)
 
 
 @pytest.fixture(scope="module")
@@ -44,17 +35,18 @@ def losses(summary):
 
 @pytest.fixture(scope="module")
 def single(data_file, tmp_path_factory):
-    return train(tiny_config(tmp_path_factory.mktemp("one"), data_file))
+    return train(tiny_config(tmp_path_factory.mktemp("one"), data_file), fast_compile=True)
 
 
 def test_data_parallel_and_fsdp_match_single_device(single, data_file, tmp_path):
     ref = losses(single)
     assert len(ref) == 3 and np.all(np.isfinite(ref))
     assert ref[-1] < ref[0]  # it trains
-    dp = train(tiny_config(tmp_path / "dp", data_file, num_devices=4, mesh="data=4"))
+    dp = train(tiny_config(tmp_path / "dp", data_file, num_devices=4, mesh="data=4"), fast_compile=True)
     np.testing.assert_allclose(losses(dp), ref, atol=1e-5, rtol=0)
     assert [r["data"] for r in dp["history"]] == [r["data"] for r in single["history"]]
-    fsdp = train(tiny_config(tmp_path / "fsdp", data_file, num_devices=4, mesh="data=2,fsdp=2", grad_accum=2))
+    fsdp = train(tiny_config(tmp_path / "fsdp", data_file, num_devices=4, mesh="data=2,fsdp=2", grad_accum=2),
+                 fast_compile=True)
     np.testing.assert_allclose(losses(fsdp), ref, atol=1e-5, rtol=0)
     for name in ("ce_loss", "l1_loss", "confidence_loss", "expected_accept_length"):
         np.testing.assert_allclose([r[name] for r in fsdp["history"]],
@@ -63,11 +55,11 @@ def test_data_parallel_and_fsdp_match_single_device(single, data_file, tmp_path)
 
 def test_two_processes_over_gloo_match_single_device(single, data_file, tmp_path):
     cfg = tiny_config(tmp_path, data_file, num_devices=0, mesh="data=2,fsdp=2", grad_accum=2,
-                      checkpoint_every=2, export_format="torch")
+                      checkpoint=dict(every=2), export_format="torch")
     cfg_file = tmp_path / "cfg.py"
     d = cfg.to_dict()
     cfg_file.write_text(f"CONFIG = {d!r}\n")
-    env = dict(os.environ)
+    env = dict(os.environ, **{FAST_COMPILE_ENV: "1"})
     env.pop("XLA_FLAGS", None)
     cmd = [sys.executable, str(REPO / "launch/local.py"), "-n", "2", "-m", "2", "--log-dir", str(tmp_path / "logs"),
            "--", sys.executable, "-m", "dspark_jax.cli", "train", "--config", str(cfg_file),

@@ -14,21 +14,17 @@ import pytest
 from dspark_jax.convert.checkpoint import load_draft, load_target
 from dspark_jax.data.sample import sample_sequences, write_jsonl
 from dspark_jax.train.config import TrainConfig
-from dspark_jax.train.loop import NonFiniteLossError, train
-
-REPO = Path(__file__).resolve().parents[1]
-TARGET = REPO / "tests/fixtures/dspark_qwen3_tiny/target"
-DRAFT = dict(num_hidden_layers=1, target_layer_ids=(0, 2, 4), mask_token_id=511, num_anchors=4,
-             markov_rank=16)
+from dspark_jax.train.loop import FAST_COMPILE_ENV, KILL_AT_STEP_ENV, NonFiniteLossError, train
+from train_tiny import TARGET
+from train_tiny import tiny_config as _tiny
 
 
 def tiny_config(tmp, data, **kw) -> TrainConfig:
-    base = dict(target=str(TARGET), data=str(data), output_dir=str(tmp / "run"), draft=DRAFT,
-                max_length=32, batch_size=8, steps=6, epochs=1, learning_rate=3e-3, warmup_ratio=0.0,
-                compute_dtype="float32", checkpoint_every=2, keep_checkpoints=2, export_format="jax",
-                progress=False, num_devices=1, mesh="data=1", async_checkpoint=True, fast_compile=True)
-    base.update(kw)
-    return TrainConfig(**base)
+    base = dict(data=str(data), steps=6, epochs=1, checkpoint=dict(every=2, keep=2, async_save=True),
+                export_format="jax")
+    for k, v in kw.items():
+        base[k] = dict(base.get(k, {}), **v) if isinstance(v, dict) else v
+    return _tiny(tmp / "run", **base)
 
 
 @pytest.fixture(scope="module")
@@ -39,19 +35,20 @@ def data_file(tmp_path_factory):
     return path
 
 
-def _run_cli(cfg: TrainConfig, tmp: Path, **overrides):
+def _run_cli(cfg: TrainConfig, tmp: Path, kill_at_step: int = 0):
     cfg_file = tmp / "cfg.py"
     cfg_file.write_text(f"CONFIG = {cfg.to_dict()!r}\n")
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
                JAX_COMPILATION_CACHE_DIR=str(tmp / "jax_cache"),  # the resumed run reuses the compile
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", **{FAST_COMPILE_ENV: "1"})
+    env[KILL_AT_STEP_ENV] = str(kill_at_step)
     cmd = [sys.executable, "-m", "dspark_jax.cli", "train", "--config", str(cfg_file),
-           "--matmul-precision", "highest"] + [f"{k}={v}" for k, v in overrides.items()]
+           "--matmul-precision", "highest"]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_resume_after_sigkill_matches_uninterrupted(data_file, tmp_path):
-    ref = train(tiny_config(tmp_path / "ref", data_file))
+    ref = train(tiny_config(tmp_path / "ref", data_file), fast_compile=True)
     cfg = tiny_config(tmp_path / "killed", data_file)
     first = _run_cli(cfg, tmp_path, kill_at_step=4)
     assert first.returncode == -signal.SIGKILL, first.stderr[-2000:]
@@ -88,9 +85,10 @@ def _flatten(tree, prefix=""):
 
 
 def test_nan_loss_stops_with_clear_message_and_keeps_last_checkpoint(data_file, tmp_path):
-    cfg = tiny_config(tmp_path, data_file, learning_rate=1e30, checkpoint_every=1, async_checkpoint=False)
+    cfg = tiny_config(tmp_path, data_file, optimizer=dict(learning_rate=1e30),
+                      checkpoint=dict(every=1, async_save=False))
     with pytest.raises(NonFiniteLossError, match=r"non-finite loss.*step 2.*Last good checkpoint: 1"):
-        train(cfg)
+        train(cfg, fast_compile=True)
     ckpt_dir = Path(cfg.output_dir) / "checkpoints"
     steps = sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit())
     assert steps == [1]

@@ -38,6 +38,14 @@ def register(subparsers) -> None:
     p.add_argument("--max-shard-size", default=None, metavar="SIZE",
                    help="torch output only: split model.safetensors into shards of at most SIZE "
                         "(e.g. 2GB, 500MB) with a model.safetensors.index.json")
+    p.add_argument("--from", dest="from_format", choices=("specforge", "speculators"), default=None,
+                   help="SRC is a SpecForge DSparkDraftModel or a speculators-format DSpark drafter "
+                        "(imported through the reference layout; see dspark_jax/convert/foreign.py)")
+    p.add_argument("--target", default=None, metavar="DIR",
+                   help="with --from: the Qwen3 target (HF format) supplying embed_tokens/lm_head and "
+                        "its layer count")
+    p.add_argument("--num-target-layers", type=int, default=None,
+                   help="with --from speculators and no --target: the target's layer count")
     p.set_defaults(func=run)
 
 
@@ -46,6 +54,17 @@ def run(args) -> int:
 
     if args.max_shard_size is not None:
         safetensors_io.parse_size(args.max_shard_size)  # fail fast on a bad size
+    if args.from_format:
+        from dspark_jax.convert import foreign
+        to = args.to or "jax"
+        foreign.convert_foreign(args.src, args.dst, args.from_format, target=args.target,
+                                num_target_layers=args.num_target_layers, to=to, force=args.force,
+                                dtype=args.dtype)
+        info = checkpoint.describe(args.dst)
+        print(json.dumps({"event": "convert", "src": str(args.src), "src_format": args.from_format,
+                          "dst": info["path"], "format": to, "kind": info["kind"],
+                          "files": info["files"], "bytes": info["bytes"]}))
+        return 0
     src_format = checkpoint.detect_format(args.src)
     to = checkpoint.convert(args.src, args.dst, to=args.to, force=args.force,
                             allow_pickle=args.allow_pickle, dtype=args.dtype,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -57,12 +58,12 @@ def _mib(n: int) -> str:
     return f"{n / 2**30:8.2f} GiB" if n >= 2**30 else f"{n / 2**20:8.1f} MiB"
 
 
-def run(args) -> int:
+def _use_devices(args) -> None:
+    """Simulate ``args.devices`` CPU devices (default: the --mesh's size, else 8)."""
     import jax
 
-    from dspark_jax.errors import InputError
-
     from dspark_jax import sharding
+    from dspark_jax.errors import InputError
 
     if args.devices is None:
         sizes = sharding.parse_mesh_spec(args.mesh) if args.mesh else {}
@@ -73,36 +74,42 @@ def run(args) -> int:
         jax.config.update("jax_num_cpu_devices", args.devices)
     except Exception:  # backend already initialised (e.g. inside tests): use what is there
         pass
-    import jax.numpy as jnp
 
-    from dspark_jax import plan as plan_lib
+
+def _configs(args):
+    """(train config, target config, drafter config, mesh spec) from --config or --target/--kind;
+    the train config carries --seq-len and the memory flags."""
     from dspark_jax import presets
+    from dspark_jax.errors import InputError
+    from dspark_jax.train.config import MemoryConfig, TrainConfig, load_config
 
     if args.config:
-        from dspark_jax.train.config import load_config
         tcfg = load_config(args.config)
         target_cfg = presets.resolve_target(tcfg.target)
         draft_cfg = tcfg.draft_config(target_cfg)
         mesh_spec = args.mesh or tcfg.mesh
-        seq_len = args.seq_len or tcfg.max_length
-        loss_cfg = tcfg.loss_config()
-        memory = dict(remat=tcfg.remat, loss_chunk=tcfg.loss_chunk, shard_activations=tcfg.shard_activations)
     else:
-        target_cfg = presets.resolve_target(args.target)
-        name = args.target if args.target in presets.TARGETS else None
-        if name is None:
+        if args.target not in presets.TARGETS:
             raise InputError("--target must be a preset name with --kind (or use --config)")
-        draft_cfg = presets.released_drafter(name, kind=args.kind)
+        target_cfg = presets.resolve_target(args.target)
+        draft_cfg = presets.released_drafter(args.target, kind=args.kind)
         mesh_spec = args.mesh
-        seq_len = args.seq_len or 4096
-        from dspark_jax.config import LossConfig
-        loss_cfg = LossConfig()
-        memory = dict(remat="none", loss_chunk=0, shard_activations=False)
-    for key in memory:
-        if getattr(args, key) is not None:
-            memory[key] = getattr(args, key)
+        tcfg = TrainConfig(target=args.target, data="<plan>", max_length=4096)
+    memory = dataclasses.asdict(tcfg.memory)
+    memory.update({k: getattr(args, k) for k in memory if getattr(args, k) is not None})
     if memory["loss_chunk"] < 0:
         raise InputError("--loss-chunk must be >= 0")
+    tcfg = tcfg.replace(max_length=args.seq_len or tcfg.max_length, compute_dtype=args.dtype,
+                        memory=MemoryConfig(**memory))
+    return tcfg, target_cfg, draft_cfg, mesh_spec
+
+
+def _mesh(args, mesh_spec):
+    import jax
+
+    from dspark_jax import sharding
+    from dspark_jax.errors import InputError
+
     if not args.mesh and mesh_spec:  # the config's mesh decides the device count
         sizes = sharding.parse_mesh_spec(mesh_spec)
         if -1 not in sizes.values():
@@ -111,52 +118,55 @@ def run(args) -> int:
         raise InputError(f"{args.devices} devices requested but only {len(jax.devices())} exist "
                          "(the backend was initialised before --devices could apply)")
     devices = jax.devices()[: args.devices]
-    mesh = sharding.make_mesh(mesh_spec or f"fsdp={len(devices)}", devices)
-    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+    return sharding.make_mesh(mesh_spec or f"fsdp={len(devices)}", devices)
+
+
+def _print_program(plan, sizes: dict) -> None:
+    print(f"\n[{plan.name}] compiled in {plan.compile_seconds:.1f}s; per device:")
+    for key, value in sizes.items():
+        print(f"  {key:<22}{_mib(value)}")
+    print(f"  {'arguments':<22}{_mib(plan.argument_bytes)}\n  {'outputs':<22}{_mib(plan.output_bytes)}")
+    print(f"  {'temporaries':<22}{_mib(plan.temp_bytes)}  (activations, workspace)")
+    print(f"  {'donated (aliased)':<22}{_mib(plan.alias_bytes)}\n  {'peak estimate':<22}{_mib(plan.peak_bytes)}")
+    coll = ", ".join(f"{op} x{c['count']} ({_mib(c['bytes']).strip()})" for op, c in plan.collectives.items())
+    print(f"  collectives: {coll or 'none'}")
+
+
+def run(args) -> int:
+    from dspark_jax.errors import InputError
+
+    _use_devices(args)
+    from dspark_jax.pipelines import plan as plan_lib
+
+    tcfg, target_cfg, draft_cfg, mesh_spec = _configs(args)
+    mesh = _mesh(args, mesh_spec)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = set(modes) - {"online", "cache", "decode"}
     if unknown:
         raise InputError(f"--modes: unknown programs {sorted(unknown)}")
-    batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    micro = args.micro_batch or batch_shards
-
-    full = jax.eval_shape(lambda: plan_lib.draft_model.init_params(draft_cfg, jax.random.PRNGKey(0)))
-    n_params = plan_lib.count_params(full)
-    frozen = sum(math.prod(full[k].shape) for k in ("embed_tokens", "lm_head"))
-    target_params = plan_lib.count_params(jax.eval_shape(
-        lambda: plan_lib.qwen3.init_params(target_cfg, jax.random.PRNGKey(0))))
-    report = {
-        "mesh": dict(mesh.shape), "devices": len(devices), "seq_len": seq_len, "micro_batch": micro,
-        "draft": draft_cfg.to_hf(), "target_params": target_params, "memory_options": memory,
-        "draft_params": n_params, "draft_trainable_params": n_params - frozen,
-        "draft_params_from_reference_shapes": plan_lib.reference_param_count(draft_cfg),
-        "programs": {},
-    }
-    print(f"mesh {dict(mesh.shape)} on {len(devices)} simulated devices; compute {args.dtype}; "
-          f"remat {memory['remat']}, loss_chunk {memory['loss_chunk']}, "
-          f"shard_activations {memory['shard_activations']}")
-    print(f"target params {target_params:,}; drafter params {n_params:,} "
-          f"(trainable {n_params - frozen:,}; frozen embed+head {frozen:,}); "
-          f"from SPEC-11 tensor shapes {report['draft_params_from_reference_shapes']:,}")
+    micro = args.micro_batch or mesh.shape["data"] * mesh.shape["fsdp"]
+    report = plan_lib.param_report(draft_cfg, target_cfg)
+    report = {"mesh": dict(mesh.shape), "devices": mesh.size, "seq_len": tcfg.max_length, "micro_batch": micro,
+              "memory_options": dataclasses.asdict(tcfg.memory), **report, "programs": {}}
+    mem = report["memory_options"]
+    print(f"mesh {dict(mesh.shape)} on {mesh.size} simulated devices; compute {args.dtype}; "
+          f"remat {mem['remat']}, loss_chunk {mem['loss_chunk']}, shard_activations {mem['shard_activations']}")
+    print(f"target params {report['target_params']:,}; drafter params {report['draft_params']:,} "
+          f"(trainable {report['draft_trainable_params']:,}; frozen embed+head "
+          f"{report['draft_params'] - report['draft_trainable_params']:,}); "
+          f"from the reference tensor shapes {report['draft_params_from_reference_shapes']:,}")
     for mode in modes:
         print(f"compiling {mode} ...", file=sys.stderr, flush=True)
-        if mode in ("online", "cache"):
-            plan, sizes = plan_lib.plan_train_step(draft_cfg, target_cfg, mesh, mode=mode, seq_len=seq_len,
-                                                   micro_batch=micro, compute_dtype=dtype, loss_cfg=loss_cfg,
-                                                   **memory)
-        else:
+        if mode == "decode":
             plan, sizes = plan_lib.plan_decode_round(draft_cfg, target_cfg, mesh, batch=args.decode_batch,
-                                                     max_len=args.decode_len, dtype=dtype)
-        entry = dict(plan.to_json(), **sizes)
-        report["programs"][mode] = entry
-        print(f"\n[{plan.name}] compiled in {plan.compile_seconds:.1f}s; per device:")
-        for key, value in sizes.items():
-            print(f"  {key:<22}{_mib(value)}")
-        print(f"  {'arguments':<22}{_mib(plan.argument_bytes)}\n  {'outputs':<22}{_mib(plan.output_bytes)}")
-        print(f"  {'temporaries':<22}{_mib(plan.temp_bytes)}  (activations, workspace)")
-        print(f"  {'donated (aliased)':<22}{_mib(plan.alias_bytes)}\n  {'peak estimate':<22}{_mib(plan.peak_bytes)}")
-        coll = ", ".join(f"{op} x{c['count']} ({_mib(c['bytes']).strip()})" for op, c in plan.collectives.items())
-        print(f"  collectives: {coll or 'none'}")
+                                                     max_len=args.decode_len,
+                                                     dtype=plan_lib.compute_dtype(tcfg))
+        else:
+            step_cfg = tcfg.replace(features=mode, cache_dir=tcfg.cache_dir or "<plan>",
+                                    data=tcfg.data or "<plan>", batch_size=micro, grad_accum=1)
+            plan, sizes = plan_lib.plan_train_step(draft_cfg, target_cfg, step_cfg, mesh)
+        report["programs"][mode] = dict(plan.to_json(), **sizes)
+        _print_program(plan, sizes)
     if args.json_out:
         from pathlib import Path
         Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")

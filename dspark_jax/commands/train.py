@@ -45,13 +45,15 @@ def register(subparsers) -> None:
         "train", help="train a DSpark drafter (sharded, resumable, multi-host)",
         description="Train a DSpark drafter against a frozen target. The config file defines "
                     "CONFIG = dict(...) of TrainConfig fields (see dspark_jax/train/config.py); "
-                    "key=value arguments override them (draft.<field>=... for drafter fields). "
+                    "key=value arguments override them, with dotted paths for nested fields (draft.<field>, "
+                    "optimizer.<field>, loss.<field>, checkpoint.<field>, memory.<field>). "
                     "Target features come from a cache (features=cache cache_dir=...) written by "
                     "`dspark-jax cache`, or are computed online by the frozen target inside the step. "
                     "Runs resume from the newest checkpoint in output_dir. Multi-process: see launch/.")
     p.add_argument("--config", required=True, help="python config file, e.g. configs/tiny.py")
     p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="overrides, e.g. steps=100 mesh=data=2,fsdp=2 draft.markov_rank=0")
+                   help="overrides, e.g. steps=100 mesh=data=2,fsdp=2 draft.markov_rank=0 "
+                        "optimizer.learning_rate=1e-3")
     p.add_argument("--matmul-precision", default=None, choices=["default", "high", "highest"],
                    help="jax_default_matmul_precision for the run")
     p.set_defaults(func=run)

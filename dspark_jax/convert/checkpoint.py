@@ -3,8 +3,8 @@
 Two on-disk formats, detected by ``detect_format``:
 
 * ``"torch"``: a Hugging Face directory, ``config.json`` plus ``model.safetensors``
-  or a sharded ``model.safetensors.index.json`` (tensor names/layouts per SPEC
-  section 11 for drafters, ``Qwen3ForCausalLM`` for targets). Pickled
+  or a sharded ``model.safetensors.index.json``. Its ``architectures`` picks the model
+  family (``families.for_hf``), whose declaration gives the tensor names and layouts. Pickled
   ``*.bin``/``*.pt`` weights only with ``allow_pickle=True``.
 * ``"jax"``: a directory with ``dspark_jax.json`` ::
 
@@ -14,7 +14,7 @@ Two on-disk formats, detected by ``detect_format``:
   and the params pytree (our layout: kernels [in, out], stacked layers) saved
   with orbax under ``params/``. Restores are bit-exact (bfloat16 included).
 
-Every load validates names, shapes and dtypes against the config before any
+Every load validates names, shapes and dtypes against the config's declaration before any
 tensor data is read, and raises CheckpointError/ConfigError naming the
 offending tensor or field. Every save writes into a temporary directory next
 to the destination and renames it at the end; an existing destination is
@@ -36,9 +36,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from dspark_jax import families
+from dspark_jax import params as params_lib
 from dspark_jax.config import DraftConfig, TargetConfig
 from dspark_jax.convert import mapping, safetensors_io
 from dspark_jax.errors import CheckpointError, ConfigError, InputError
+from dspark_jax.params import Family
 
 META_NAME = "dspark_jax.json"
 PARAMS_DIR = "params"
@@ -47,8 +50,6 @@ FORMAT_VERSION = 1
 SIDECAR_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
                  "tokenizer.model", "chat_template.jinja", "chat_template.json")
-DRAFT_ARCHITECTURES = ("Qwen3DSparkModel",)
-TARGET_ARCHITECTURES = ("Qwen3ForCausalLM",)
 _DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
            "float16": np.dtype(np.float16)}
 
@@ -91,21 +92,8 @@ def _cast_tree(tree, dtype: np.dtype | None):
     return jax.tree.map(leaf, tree)
 
 
-def _kind_of_hf(hf: Mapping[str, Any], where: str) -> str:
-    arch = hf.get("architectures") or []
-    if not isinstance(arch, list):
-        raise ConfigError(f"{where}: field 'architectures' must be a list, got {arch!r}")
-    name = arch[0] if arch else None
-    if name in DRAFT_ARCHITECTURES:
-        return "draft"
-    if name in TARGET_ARCHITECTURES or (name is None and hf.get("model_type") == "qwen3"
-                                        and "target_layer_ids" not in hf):
-        return "target"
-    if name is None and "target_layer_ids" in hf:
-        return "draft"
-    raise ConfigError(f"{where}: unknown architecture {name or hf.get('model_type')!r} in field "
-                      f"'architectures'; supported: drafters {list(DRAFT_ARCHITECTURES)}, "
-                      f"targets {list(TARGET_ARCHITECTURES)}")
+def _family_of_hf(hf: Mapping[str, Any], where: str) -> Family:
+    return families.for_hf(hf, where)
 
 
 def detect_format(path) -> str:
@@ -121,13 +109,20 @@ def detect_format(path) -> str:
                           "(PyTorch / Hugging Face format) found")
 
 
+def detect_family(path) -> Family:
+    """The model family of a checkpoint directory, from its stored config's architectures."""
+    p = Path(path)
+    if detect_format(p) == "jax":
+        return _family_of_hf(_read_meta(p)["config"], f"{p / META_NAME} 'config'")
+    return _family_of_hf(_read_json(p / "config.json", "config.json"), str(p / "config.json"))
+
+
 def detect_kind(path) -> str:
     """'draft' or 'target', from the stored config's architectures."""
     p = Path(path)
     if detect_format(p) == "jax":
-        meta = _read_meta(p)
-        return meta["kind"]
-    return _kind_of_hf(_read_json(p / "config.json", "config.json"), str(p / "config.json"))
+        return _read_meta(p)["kind"]
+    return detect_family(p).kind
 
 
 def _read_meta(p: Path) -> dict:
@@ -180,13 +175,9 @@ def atomic_dir(dst, *, force: bool = False) -> Iterator[Path]:
 
 # --------------------------------------------------------------------------- validation
 
-def _expected_tree(kind: str, config) -> dict:
-    """ShapeDtypeStruct tree of our params for ``config`` (no allocation)."""
-    if kind == "draft":
-        from dspark_jax.draft import model
-        return jax.eval_shape(lambda: model.init_params(config, jax.random.key(0)))
-    from dspark_jax.target import qwen3
-    return jax.eval_shape(lambda: qwen3.init_params(config, jax.random.key(0)))
+def _expected_tree(config) -> dict:
+    """ShapeDtypeStruct tree of our params for ``config`` (from its declaration)."""
+    return params_lib.abstract_params(families.declare(config))
 
 
 def _flat(tree) -> dict[str, Any]:
@@ -196,9 +187,9 @@ def _flat(tree) -> dict[str, Any]:
     return out
 
 
-def check_params(kind: str, config, params, what: str) -> None:
+def check_params(config, params, what: str) -> None:
     """Raise CheckpointError unless ``params`` (ours, any leaf type with shape/dtype) fit ``config``."""
-    want = _flat(_expected_tree(kind, config))
+    want = _flat(_expected_tree(config))
     have = _flat(params)
     for k in want:
         if k not in have:
@@ -222,11 +213,11 @@ def check_params(kind: str, config, params, what: str) -> None:
 # --------------------------------------------------------------------------- torch format
 
 def _config_from_hf(kind: str, hf: Mapping[str, Any], where: str):
-    found = _kind_of_hf(hf, where)
-    if found != kind:
-        raise ConfigError(f"{where}: architectures {hf.get('architectures')!r} is a {found}, "
+    family = _family_of_hf(hf, where)
+    if family.kind != kind:
+        raise ConfigError(f"{where}: architectures {hf.get('architectures')!r} is a {family.kind}, "
                           f"not a {kind} checkpoint")
-    return DraftConfig.from_hf(hf) if kind == "draft" else TargetConfig.from_hf(hf)
+    return family.config_from_hf(hf)
 
 
 def _load_torch(kind: str, p: Path, *, allow_pickle: bool):
@@ -234,20 +225,17 @@ def _load_torch(kind: str, p: Path, *, allow_pickle: bool):
     cfg = _config_from_hf(kind, hf, str(p / "config.json"))
     reader = safetensors_io.TensorReader(p, allow_pickle=allow_pickle)
     what = f"{p}"
-    infos = dict(reader.infos)
-    expected = mapping.draft_tensor_shapes(cfg) if kind == "draft" else mapping.target_tensor_shapes(cfg)
-    if kind == "target" and cfg.tie_word_embeddings:
-        infos.pop("lm_head.weight", None)  # checked for equality in mapping.target_from_torch
-    mapping.check_tensors(infos, expected, what)  # headers only: no data read yet
+    specs = families.declare(cfg)
+    infos = mapping.checkpoint_tensors(cfg, reader.infos, what)  # tied head: compared on the data below
+    mapping.check_tensors(infos, params_lib.torch_shapes(specs), what)  # headers only: no data read yet
     tensors = reader.read_all()
-    convert = mapping.draft_from_torch if kind == "draft" else mapping.target_from_torch
-    return cfg, hf, convert(cfg, tensors)
+    return cfg, hf, mapping.from_torch(cfg, tensors)
 
 
 def _write_torch(tmp: Path, kind: str, config, params, *, hf_base, extras, max_shard_size) -> None:
     host = jax.tree.map(np.asarray, params)
-    check_params(kind, config, host, f"{kind} params")
-    tensors = (mapping.draft_to_torch if kind == "draft" else mapping.target_to_torch)(config, host)
+    check_params(config, host, f"{kind} params")
+    tensors = mapping.to_torch(config, host)
     hf = {k: v for k, v in (hf_base or {}).items() if k != "dspark_jax"}
     hf.update(config.to_hf())
     dtype = _tree_dtype(host).name
@@ -277,7 +265,7 @@ def _load_jax(kind: str, p: Path):
             stored = ckptr.metadata(params_dir).item_metadata.tree
         except Exception as e:
             raise CheckpointError(f"{params_dir}: cannot read orbax metadata ({e})") from e
-        check_params(kind, cfg, stored, str(params_dir))
+        check_params(cfg, stored, str(params_dir))
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=sharding),
                                 stored)
@@ -292,7 +280,7 @@ def _write_jax(tmp: Path, kind: str, config, params, *, hf_base, extras) -> None
     import orbax.checkpoint as ocp
 
     params = jax.tree.map(jnp.asarray, params)
-    check_params(kind, config, params, f"{kind} params")
+    check_params(config, params, f"{kind} params")
     hf = {k: v for k, v in (hf_base or {}).items() if k != "dspark_jax"}
     hf.update(config.to_hf())
     hf["dtype"] = _tree_dtype(params).name
@@ -372,6 +360,10 @@ def _save(kind, path, config, params, *, format, force, extras, max_shard_size, 
           copy_from=None) -> Path:
     if format not in ("torch", "jax"):
         raise InputError(f"format={format!r} is unknown; expected 'torch' or 'jax'")
+    family = families.for_config(config)
+    if family.kind != kind:
+        raise ConfigError(f"{type(config).__name__} is a {family.kind} config ({family.name}), "
+                          f"not a {kind} config")
     with atomic_dir(path, force=force) as tmp:
         if format == "torch":
             _write_torch(tmp, kind, config, params, hf_base=hf_base, extras=extras,
@@ -413,7 +405,7 @@ def convert(src, dst, *, to: str | None = None, force: bool = False, allow_pickl
         raise InputError(f"--to {to!r} is unknown; expected 'torch' or 'jax'")
     if src_p.absolute().resolve() == dst_p.absolute().resolve():
         raise InputError(f"{dst_p}: destination is the source directory")
-    kind = detect_kind(src_p)
+    kind = detect_family(src_p).kind
     if src_fmt == "jax":
         cfg, hf, params, extras = _load_jax(kind, src_p)
     else:

@@ -1,97 +1,36 @@
-"""Name/layout tables between PyTorch (Hugging Face) state dicts and our params pytrees.
+"""PyTorch (Hugging Face) state dicts <-> our params pytrees, for any registered family.
 
-PyTorch ``nn.Linear.weight`` is [out, in]; our kernels are [in, out]. Per-layer
-tensors ``layers.{i}.*`` are stacked along a leading layer axis. Everything here
-works on numpy arrays and never changes values or dtypes (round trips are
-bit-exact).
+Names, shapes and layouts all come from the family's declaration (``params.ParamSpec``):
+PyTorch ``nn.Linear.weight`` is [out, in], our kernels [in, out]; per-layer tensors
+``layers.{i}.*`` stack along a leading layer axis. Everything here works on numpy arrays
+and never changes values or dtypes (round trips are bit-exact).
 """
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
+from dspark_jax import families
+from dspark_jax import params as params_lib
 from dspark_jax.config import DraftConfig, TargetConfig
+from dspark_jax.errors import CheckpointError  # noqa: F401  (re-exported)
 
 
-from dspark_jax.errors import CheckpointError  # noqa: E402  (re-exported)
-
-
-# (our key inside a stacked layer, torch suffix inside layer i, transpose?)
-LAYER_TABLE = (
-    ("q_proj", "self_attn.q_proj.weight", True),
-    ("k_proj", "self_attn.k_proj.weight", True),
-    ("v_proj", "self_attn.v_proj.weight", True),
-    ("o_proj", "self_attn.o_proj.weight", True),
-    ("q_norm", "self_attn.q_norm.weight", False),
-    ("k_norm", "self_attn.k_norm.weight", False),
-    ("gate_proj", "mlp.gate_proj.weight", True),
-    ("up_proj", "mlp.up_proj.weight", True),
-    ("down_proj", "mlp.down_proj.weight", True),
-    ("input_layernorm", "input_layernorm.weight", False),
-    ("post_attention_layernorm", "post_attention_layernorm.weight", False),
-)
-
-
-def _layer_shapes(hidden, inter, heads, kv_heads, head_dim) -> dict[str, tuple[int, ...]]:
-    """Torch-layout shapes of one decoder layer's tensors."""
-    return {
-        "self_attn.q_proj.weight": (heads * head_dim, hidden),
-        "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
-        "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
-        "self_attn.o_proj.weight": (hidden, heads * head_dim),
-        "self_attn.q_norm.weight": (head_dim,),
-        "self_attn.k_norm.weight": (head_dim,),
-        "mlp.gate_proj.weight": (inter, hidden),
-        "mlp.up_proj.weight": (inter, hidden),
-        "mlp.down_proj.weight": (hidden, inter),
-        "input_layernorm.weight": (hidden,),
-        "post_attention_layernorm.weight": (hidden,),
-    }
+def tensor_shapes(config) -> dict[str, tuple[int, ...]]:
+    """Every tensor of ``config``'s PyTorch checkpoint with its torch shape (from the declaration)."""
+    return params_lib.torch_shapes(families.declare(config))
 
 
 def draft_tensor_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of a ``Qwen3DSparkModel`` checkpoint with its torch shape (SPEC section 11)."""
-    h, v, r = cfg.hidden_size, cfg.vocab_size, cfg.markov_rank
-    shapes = {
-        "embed_tokens.weight": (v, h),
-        "lm_head.weight": (v, h),
-        "fc.weight": (h, cfg.num_context_features * h),
-        "hidden_norm.weight": (h,),
-        "norm.weight": (h,),
-    }
-    layer = _layer_shapes(h, cfg.intermediate_size, cfg.num_attention_heads,
-                          cfg.num_key_value_heads, cfg.head_dim)
-    for i in range(cfg.num_hidden_layers):
-        shapes.update({f"layers.{i}.{k}": s for k, s in layer.items()})
-    if cfg.has_markov:
-        shapes["markov_head.markov_w1.weight"] = (v, r)
-        shapes["markov_head.markov_w2.weight"] = (v, r)
-        if cfg.markov_head_type == "gated":
-            shapes["markov_head.gate_proj.weight"] = (r, h + r)
-            shapes["markov_head.gate_proj.bias"] = (r,)
-        elif cfg.markov_head_type == "rnn":
-            shapes["markov_head.joint_proj.weight"] = (3 * r, 2 * r + h)
-            shapes["markov_head.joint_proj.bias"] = (3 * r,)
-    if cfg.enable_confidence_head:
-        d = h + (r if cfg.confidence_uses_markov else 0)
-        shapes["confidence_head.proj.weight"] = (1, d)
-        shapes["confidence_head.proj.bias"] = (1,)
-    return shapes
+    return tensor_shapes(cfg)
 
 
 def target_tensor_shapes(cfg: TargetConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of a ``Qwen3ForCausalLM`` checkpoint with its torch shape."""
-    h, v = cfg.hidden_size, cfg.vocab_size
-    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (v, h)
-    layer = _layer_shapes(h, cfg.intermediate_size, cfg.num_attention_heads,
-                          cfg.num_key_value_heads, cfg.head_dim)
-    for i in range(cfg.num_hidden_layers):
-        shapes.update({f"model.layers.{i}.{k}": s for k, s in layer.items()})
-    return shapes
+    return tensor_shapes(cfg)
 
 
 def check_tensors(tensors: Mapping[str, np.ndarray], expected: Mapping[str, tuple[int, ...]],
@@ -122,97 +61,69 @@ def check_tensors(tensors: Mapping[str, np.ndarray], expected: Mapping[str, tupl
             raise CheckpointError(f"{what}: tensor {k!r} has dtype {t.dtype}, expected a float dtype")
 
 
-def param_sources(config: DraftConfig | TargetConfig) -> dict[tuple[str, ...], tuple[str, bool]]:
+def param_sources(config) -> dict[tuple[str, ...], tuple[str, bool]]:
     """Where every leaf of our params tree lives in the PyTorch state dict.
 
     our path -> (torch name, transpose?). A name containing ``{i}`` marks a
     stacked leaf [L, ...] holding one torch tensor per layer.
     """
-    if isinstance(config, TargetConfig):
-        prefix = "model."
-        table = {("embed_tokens",): ("model.embed_tokens.weight", False),
-                 ("norm",): ("model.norm.weight", False)}
-        if not config.tie_word_embeddings:
-            table[("lm_head",)] = ("lm_head.weight", True)
-    else:
-        prefix = ""
-        table = {("embed_tokens",): ("embed_tokens.weight", False), ("lm_head",): ("lm_head.weight", True),
-                 ("fc",): ("fc.weight", True), ("hidden_norm",): ("hidden_norm.weight", False),
-                 ("norm",): ("norm.weight", False)}
-        if config.has_markov:
-            table[("markov_head", "markov_w1")] = ("markov_head.markov_w1.weight", False)
-            table[("markov_head", "markov_w2")] = ("markov_head.markov_w2.weight", True)
-            extra = {"gated": "gate_proj", "rnn": "joint_proj"}.get(config.markov_head_type)
-            if extra:
-                table[("markov_head", extra, "kernel")] = (f"markov_head.{extra}.weight", True)
-                table[("markov_head", extra, "bias")] = (f"markov_head.{extra}.bias", False)
-        if config.enable_confidence_head:
-            table[("confidence_head", "kernel")] = ("confidence_head.proj.weight", True)
-            table[("confidence_head", "bias")] = ("confidence_head.proj.bias", False)
-    for ours, suffix, transpose in LAYER_TABLE:
-        table[("layers", ours)] = (f"{prefix}layers.{{i}}.{suffix}", transpose)
-    return table
+    return params_lib.torch_sources(families.declare(config))
 
 
-def _from_torch(config, tensors: Mapping[str, np.ndarray]) -> dict:
-    params: dict = {}
-    for path, (name, transpose) in param_sources(config).items():
-        fix = (lambda a: a.T) if transpose else (lambda a: a)
-        if "{i}" in name:
-            leaf = np.stack([fix(tensors[name.format(i=i)]) for i in range(config.num_hidden_layers)])
-        else:
-            leaf = np.ascontiguousarray(fix(tensors[name]))
-        node = params
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = leaf
-    return params
+def _what(config, suffix: str) -> str:
+    return f"{'drafter' if families.for_config(config).kind == 'draft' else 'target'} {suffix}"
 
 
-def _to_torch(config, params: Mapping) -> dict[str, np.ndarray]:
-    out = {}
-    for path, (name, transpose) in param_sources(config).items():
-        leaf = params
-        for key in path:
-            leaf = leaf[key]
-        leaf = np.asarray(leaf)
-        fix = (lambda a: a.T) if transpose else (lambda a: a)
-        if "{i}" in name:
-            for i in range(leaf.shape[0]):
-                out[name.format(i=i)] = np.ascontiguousarray(fix(leaf[i]))
-        else:
-            out[name] = np.ascontiguousarray(fix(leaf))
+def checkpoint_tensors(config, tensors: Mapping[str, Any], what: str) -> dict[str, Any]:
+    """``tensors`` (arrays, or anything with shape/dtype for header-only checks) as the
+    declaration expects them: the family's ignored tensors and an explicitly written tied
+    head dropped (the head checked equal to the embedding when it holds data)."""
+    family = families.for_config(config)
+    tensors = {k: v for k, v in tensors.items()
+               if not (family.ignored_tensors and k.startswith(family.ignored_tensors))}
+    tied = family.tied(config)
+    if tied is not None and tied[0] in tensors:
+        head, embed = tied
+        # Some exports write the tied head explicitly; it must equal the embedding.
+        if (isinstance(tensors[head], np.ndarray) and embed in tensors
+                and not np.array_equal(tensors[head], tensors[embed])):
+            raise CheckpointError(f"{what}: tie_word_embeddings=true but {head!r} differs from {embed!r}")
+        del tensors[head]
+    return tensors
+
+
+def from_torch(config, tensors: Mapping[str, np.ndarray], what: str | None = None) -> dict:
+    """Torch-named tensors of ``config``'s checkpoint -> our params tree (numpy leaves)."""
+    what = what or _what(config, "checkpoint")
+    specs = families.declare(config)
+    tensors = checkpoint_tensors(config, tensors, what)
+    check_tensors(tensors, params_lib.torch_shapes(specs), what)
+    return params_lib.from_torch(specs, tensors)
+
+
+def to_torch(config, params: Mapping, what: str | None = None) -> dict[str, np.ndarray]:
+    """Our params tree -> torch-named tensors (numpy, torch layout)."""
+    specs = families.declare(config)
+    out = params_lib.to_torch(specs, params)
+    check_tensors(out, params_lib.torch_shapes(specs), what or _what(config, "params"))
     return out
 
 
 def draft_from_torch(cfg: DraftConfig, tensors: Mapping[str, np.ndarray]) -> dict:
     """Torch-named tensors of a DSpark checkpoint -> our params tree (numpy leaves)."""
-    check_tensors(tensors, draft_tensor_shapes(cfg), "drafter checkpoint")
-    return _from_torch(cfg, tensors)
+    return from_torch(cfg, tensors)
 
 
 def draft_to_torch(cfg: DraftConfig, params: Mapping) -> dict[str, np.ndarray]:
     """Our params tree -> torch-named tensors (numpy, torch layout)."""
-    out = _to_torch(cfg, params)
-    check_tensors(out, draft_tensor_shapes(cfg), "drafter params")
-    return out
+    return to_torch(cfg, params)
 
 
 def target_from_torch(cfg: TargetConfig, tensors: Mapping[str, np.ndarray]) -> dict:
     """Torch-named tensors of a Qwen3ForCausalLM checkpoint -> our params tree."""
-    tensors = dict(tensors)
-    if cfg.tie_word_embeddings and "lm_head.weight" in tensors:
-        # Some exports write the tied head explicitly; it must equal the embedding.
-        if not np.array_equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]):
-            raise CheckpointError("target checkpoint: tie_word_embeddings=true but 'lm_head.weight' "
-                                  "differs from 'model.embed_tokens.weight'")
-        del tensors["lm_head.weight"]
-    check_tensors(tensors, target_tensor_shapes(cfg), "target checkpoint")
-    return _from_torch(cfg, tensors)
+    return from_torch(cfg, tensors)
 
 
 def target_to_torch(cfg: TargetConfig, params: Mapping) -> dict[str, np.ndarray]:
     """Our params tree -> torch-named tensors of a Qwen3ForCausalLM checkpoint."""
-    out = _to_torch(cfg, params)
-    check_tensors(out, target_tensor_shapes(cfg), "target params")
-    return out
+    return to_torch(cfg, params)

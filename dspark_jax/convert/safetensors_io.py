@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 from pathlib import Path
 from typing import Iterator, Mapping
@@ -255,6 +256,7 @@ def write_tensors(directory, tensors: Mapping[str, np.ndarray], *, max_shard_siz
     limit = parse_size(max_shard_size) if max_shard_size is not None else None
     if limit is None or total <= limit:
         save_file(arrays, str(d / WEIGHTS_NAME), metadata=meta)
+        os.chmod(d / WEIGHTS_NAME, 0o644)  # save_file leaves 0600: unreadable by a server user
         return [WEIGHTS_NAME]
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
@@ -269,6 +271,7 @@ def write_tensors(directory, tensors: Mapping[str, np.ndarray], *, max_shard_siz
     for i, shard in enumerate(shards, 1):
         name = f"model-{i:05d}-of-{n:05d}.safetensors"
         save_file(shard, str(d / name), metadata=meta)
+        os.chmod(d / name, 0o644)
         names.append(name)
         weight_map.update({k: name for k in shard})
     index = {"metadata": {"total_size": int(total)}, "weight_map": weight_map}

@@ -17,34 +17,15 @@ from typing import Callable, Mapping
 
 import jax
 import numpy as np
+from flax import traverse_util
 from jax.sharding import Mesh, NamedSharding
 
+from dspark_jax import families
+from dspark_jax import params as params_lib
 from dspark_jax import sharding as sharding_lib
-from dspark_jax.config import DraftConfig, TargetConfig
 from dspark_jax.convert import mapping
 from dspark_jax.convert.safetensors_io import TensorReader
-
-def _our_shape(torch_shape, transpose: bool, num_layers: int | None):
-    shape = tuple(reversed(torch_shape)) if transpose else tuple(torch_shape)
-    return shape if num_layers is None else (num_layers, *shape)
-
-
-def _param_axes(config):
-    from dspark_jax.draft import model as draft_model
-    from dspark_jax.target import qwen3
-    return qwen3.param_axes(config) if isinstance(config, TargetConfig) else draft_model.param_axes(config)
-
-
-def _get_path(tree, path):
-    for p in path:
-        tree = tree[p]
-    return tree
-
-
-def _set_path(tree: dict, path, value):
-    for p in path[:-1]:
-        tree = tree.setdefault(p, {})
-    tree[path[-1]] = value
+from dspark_jax.params import ParamSpec
 
 
 class _SliceReader:
@@ -70,41 +51,32 @@ class _SliceReader:
         return block.T if transpose else block
 
 
-def stream_load(directory, config: DraftConfig | TargetConfig, mesh: Mesh, *, dtype=None,
+def stream_load(directory, config, mesh: Mesh, *, dtype=None,
                 rules: Mapping[str, object] = sharding_lib.DEFAULT_RULES, stats: dict | None = None):
     """Params of a HF safetensors checkpoint (single file or sharded index), placed on ``mesh``.
 
+    Names, shapes, layouts and logical axes come from the config's family declaration.
     Shapes are validated from headers before any data is read. Every array is
     built with ``jax.make_array_from_callback``: only the slices of this
     process's devices are read. ``stats`` (optional dict) receives bytes_read.
     """
     reader = TensorReader(directory)
-    sources = mapping.param_sources(config)
-    expected = (mapping.target_tensor_shapes(config) if isinstance(config, TargetConfig)
-                else mapping.draft_tensor_shapes(config))
-    infos = dict(reader.infos)
-    if isinstance(config, TargetConfig) and config.tie_word_embeddings:
-        infos.pop("lm_head.weight", None)
-    mapping.check_tensors({k: _ShapeOnly(v.shape, v.dtype) for k, v in infos.items()}, expected,
-                          f"checkpoint {directory}")
-    axes = _param_axes(config)
-    num_layers = config.num_hidden_layers
-    params: dict = {}
+    specs = families.declare(config)
+    infos = mapping.checkpoint_tensors(config, reader.infos, f"checkpoint {directory}")
+    mapping.check_tensors({k: _ShapeOnly(v.shape, v.dtype) for k, v in infos.items()},
+                          params_lib.torch_shapes(specs), f"checkpoint {directory}")
+    flat: dict = {}
     with contextlib.ExitStack() as stack:
         slices = _SliceReader(reader, stack)
-        for path, (name, transpose) in sources.items():
-            stacked = "{i}" in name
-            first = name.format(i=0) if stacked else name
-            shape = _our_shape(expected[first], transpose, num_layers if stacked else None)
-            src_dtype = reader.infos[first].dtype
+        for path, spec in specs.items():
+            src_dtype = reader.infos[spec.torch_names()[0]].dtype
             out_dtype = np.dtype(dtype) if dtype is not None else src_dtype
-            spec = sharding_lib.logical_to_spec(_get_path(axes, path), rules, shape, mesh)
-            callback = _make_callback(slices, name, transpose, stacked, out_dtype)
-            arr = jax.make_array_from_callback(shape, NamedSharding(mesh, spec), callback)
-            _set_path(params, path, arr)
+            pspec = sharding_lib.logical_to_spec(spec.axes, rules, spec.shape, mesh)
+            flat[path] = jax.make_array_from_callback(spec.shape, NamedSharding(mesh, pspec),
+                                                      _make_callback(slices, spec, out_dtype))
         if stats is not None:
             stats["bytes_read"] = slices.bytes_read
-    return params
+    return traverse_util.unflatten_dict(flat)
 
 
 class _ShapeOnly:
@@ -112,25 +84,18 @@ class _ShapeOnly:
         self.shape, self.dtype = tuple(shape), dtype
 
 
-def _make_callback(slices: _SliceReader, name: str, transpose: bool, stacked: bool,
-                   out_dtype: np.dtype) -> Callable:
+def _make_callback(slices: _SliceReader, spec: ParamSpec, out_dtype: np.dtype) -> Callable:
     def callback(index):
-        if not stacked:
-            return slices.read(name, index, transpose).astype(out_dtype, copy=False)
-        layers = range(*index[0].indices(_num_layers(slices, name)))
-        blocks = [slices.read(name.format(i=i), index[1:], transpose) for i in layers]
+        if not spec.stacked:
+            return slices.read(spec.torch, index, spec.transpose).astype(out_dtype, copy=False)
+        names = spec.torch_names()
+        rows = range(*index[0].indices(len(names)))
+        blocks = [slices.read(names[k], index[1:], spec.transpose) for k in rows]
         return np.stack(blocks).astype(out_dtype, copy=False)
     return callback
 
 
-def _num_layers(slices: _SliceReader, template: str) -> int:
-    n = 0
-    while template.format(i=n) in slices._reader.infos:
-        n += 1
-    return n
-
-
-def stream_export(directory, config: DraftConfig | TargetConfig, params, *, force: bool = False,
+def stream_export(directory, config, params, *, force: bool = False,
                   max_shard_size="2GB") -> Path:
     """Write (possibly sharded) params as a HF checkpoint, one tensor at a time.
 
@@ -140,18 +105,10 @@ def stream_export(directory, config: DraftConfig | TargetConfig, params, *, forc
     """
     from dspark_jax.convert import checkpoint as ckpt
 
-    sources = mapping.param_sources(config)
+    specs = families.declare(config)
 
     def tensors():
-        for path, (name, transpose) in sources.items():
-            leaf = _get_path(params, path)
-            host = _to_host(leaf)
-            if "{i}" in name:
-                for i in range(host.shape[0]):
-                    t = host[i]
-                    yield name.format(i=i), np.ascontiguousarray(t.T if transpose else t)
-            else:
-                yield name, np.ascontiguousarray(host.T if transpose else host)
+        return params_lib.iter_torch(specs, params, to_host=_to_host)
 
     if jax.process_index() != 0:
         for _ in tensors():  # participate in the collectives, write nothing

@@ -17,7 +17,6 @@ Writing goes to a temporary sibling directory renamed into place at the end
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -30,35 +29,20 @@ import numpy as np
 from tqdm import tqdm
 
 from dspark_jax.config import DraftConfig, TargetConfig
+from dspark_jax.convert.identity import target_identity
 from dspark_jax.data.sources import TokenSequences, pad_record
 from dspark_jax.errors import CheckpointError, ConfigError, InputError
+from dspark_jax.target.features import target_features
 
 FORMAT = "dspark-feature-cache"
 VERSION = 1
 ARRAYS = ("tokens", "loss_mask", "features", "last_hidden")
 
 
-def target_identity(config: TargetConfig, params) -> str:
-    """sha256 over the target's config and every weight (sorted by path): its identity."""
-    h = hashlib.sha256(json.dumps(config.to_hf(), sort_keys=True).encode())
-    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    for path, leaf in sorted(leaves, key=lambda kv: jax.tree_util.keystr(kv[0])):
-        arr = np.asarray(jax.device_get(leaf))
-        h.update(jax.tree_util.keystr(path).encode())
-        h.update(str(arr.dtype).encode() + str(arr.shape).encode())
-        h.update(np.ascontiguousarray(arr).tobytes())
-    return h.hexdigest()
-
-
 def _feature_fn(config: TargetConfig, layer_ids, compute_dtype):
-    from dspark_jax.target import qwen3
-
-    @jax.jit
-    def run(params, tokens):
-        hidden, taps, _ = qwen3.forward(params, config, tokens, tap_layer_ids=tuple(layer_ids),
-                                        compute_dtype=compute_dtype)
-        return taps, hidden
-    return run
+    """jit(params, tokens [B, S]) -> (features [B, S, n*H], last_hidden [B, S, H])."""
+    return jax.jit(lambda params, tokens: target_features(params, config, layer_ids, tokens,
+                                                          compute_dtype=compute_dtype)[:2])
 
 
 def write_cache(out_dir, target_config: TargetConfig, target_params, layer_ids, data: TokenSequences,

@@ -9,7 +9,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dspark_jax import params as params_lib
 from dspark_jax.config import DraftConfig
+from dspark_jax.params import ParamSpec
 from dspark_jax.draft import markov
 
 
@@ -17,13 +19,19 @@ def input_dim(config: DraftConfig) -> int:
     return config.hidden_size + (config.markov_rank if config.confidence_uses_markov else 0)
 
 
+def declare(config: DraftConfig, std: float = 0.02, rng_path: tuple = ()) -> dict[tuple, ParamSpec]:
+    """The confidence head's leaves (paths and torch names relative to ``confidence_head``)."""
+    return {("kernel",): ParamSpec((input_dim(config), 1), (None, None), "proj.weight", transpose=True,
+                                   init_std=std, rng_path=tuple(rng_path)),
+            ("bias",): ParamSpec((1,), (None,), "proj.bias", init="zeros")}
+
+
 def init_params(config: DraftConfig, rng: jax.Array, dtype=jnp.float32, std: float = 0.02) -> dict:
-    return {"kernel": (std * jax.random.normal(rng, (input_dim(config), 1))).astype(dtype),
-            "bias": jnp.zeros((1,), dtype)}
+    return params_lib.init_params(declare(config, std), rng, dtype)
 
 
 def param_axes(config: DraftConfig) -> dict:
-    return {"kernel": (None, None), "bias": (None,)}
+    return params_lib.param_axes(declare(config))
 
 
 def logits(params: dict, config: DraftConfig, hidden: jax.Array, prev_tokens: jax.Array) -> jax.Array:

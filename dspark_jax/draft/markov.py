@@ -15,32 +15,38 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dspark_jax import params as params_lib
 from dspark_jax.config import DraftConfig
+from dspark_jax.params import ParamSpec
+
+
+def declare(config: DraftConfig, std: float = 0.02, rng_path: tuple = ()) -> dict[tuple, ParamSpec]:
+    """The Markov head's leaves (paths and torch names relative to ``markov_head``).
+
+    ``rng_path`` is the key path of the whole head; leaf j takes ``split(key, 3)[j]``.
+    """
+    r, v, h = config.markov_rank, config.vocab_size, config.hidden_size
+    specs = {
+        ("markov_w1",): ParamSpec((v, r), ("vocab", "rank"), "markov_w1.weight", init_std=std,
+                                  rng_path=(*rng_path, (3, 0))),
+        ("markov_w2",): ParamSpec((r, v), ("rank", "vocab"), "markov_w2.weight", transpose=True,
+                                  init_std=std, rng_path=(*rng_path, (3, 1))),
+    }
+    extra = {"gated": ("gate_proj", h + r, r, "rank"), "rnn": ("joint_proj", 2 * r + h, 3 * r, None)}
+    if config.markov_head_type in extra:
+        name, d_in, d_out, axis = extra[config.markov_head_type]
+        specs[(name, "kernel")] = ParamSpec((d_in, d_out), (None, axis), f"{name}.weight", transpose=True,
+                                            init_std=std, rng_path=(*rng_path, (3, 2)))
+        specs[(name, "bias")] = ParamSpec((d_out,), (axis,), f"{name}.bias", init="zeros")
+    return specs
 
 
 def init_params(config: DraftConfig, rng: jax.Array, dtype=jnp.float32, std: float = 0.02) -> dict:
-    r, v, h = config.markov_rank, config.vocab_size, config.hidden_size
-    k1, k2, k3 = jax.random.split(rng, 3)
-    p = {
-        "markov_w1": (std * jax.random.normal(k1, (v, r))).astype(dtype),
-        "markov_w2": (std * jax.random.normal(k2, (r, v))).astype(dtype),
-    }
-    if config.markov_head_type == "gated":
-        p["gate_proj"] = {"kernel": (std * jax.random.normal(k3, (h + r, r))).astype(dtype),
-                          "bias": jnp.zeros((r,), dtype)}
-    elif config.markov_head_type == "rnn":
-        p["joint_proj"] = {"kernel": (std * jax.random.normal(k3, (2 * r + h, 3 * r))).astype(dtype),
-                           "bias": jnp.zeros((3 * r,), dtype)}
-    return p
+    return params_lib.init_params(declare(config, std), rng, dtype)
 
 
 def param_axes(config: DraftConfig) -> dict:
-    axes = {"markov_w1": ("vocab", "rank"), "markov_w2": ("rank", "vocab")}
-    if config.markov_head_type == "gated":
-        axes["gate_proj"] = {"kernel": (None, "rank"), "bias": ("rank",)}
-    elif config.markov_head_type == "rnn":
-        axes["joint_proj"] = {"kernel": (None, None), "bias": (None,)}
-    return axes
+    return params_lib.param_axes(declare(config))
 
 
 def prev_embeddings(p: dict, tokens: jax.Array) -> jax.Array:

@@ -16,53 +16,56 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dspark_jax import nn
+from dspark_jax import params as params_lib
 from dspark_jax.config import DraftConfig
+from dspark_jax.params import ParamSpec
 from dspark_jax.draft import backbone, confidence, markov
+from dspark_jax.target import qwen3
 from dspark_jax.train import batch as batch_lib
 
-FROZEN_KEYS = ("embed_tokens", "lm_head")
+FROZEN_KEYS = ("embed_tokens", "lm_head")  # == params.frozen_paths(declare(cfg)) (tested)
+
+
+def declare(config: DraftConfig) -> dict[tuple, ParamSpec]:
+    """Every leaf of a ``Qwen3DSparkModel`` params tree, in checkpoint order (SPEC section 11).
+
+    Initial keys follow ``split(rng, 6)``: embed, lm_head, fc, layers, markov, confidence.
+    """
+    h, v, n = config.hidden_size, config.vocab_size, config.num_context_features
+    specs = {
+        ("embed_tokens",): ParamSpec((v, h), ("vocab", "embed"), "embed_tokens.weight",
+                                     frozen=True, rng_path=((6, 0),)),
+        ("lm_head",): ParamSpec((h, v), ("embed", "vocab"), "lm_head.weight", transpose=True,
+                                frozen=True, rng_path=((6, 1),)),
+        ("fc",): ParamSpec((n * h, h), (None, "embed"), "fc.weight", transpose=True, rng_path=((6, 2),)),
+        ("hidden_norm",): ParamSpec((h,), (None,), "hidden_norm.weight", init="ones"),
+        ("norm",): ParamSpec((h,), (None,), "norm.weight", init="ones"),
+    }
+    if config.has_markov:
+        specs.update(params_lib.with_prefix(markov.declare(config, rng_path=((6, 4),)),
+                                            ("markov_head",), "markov_head."))
+    if config.enable_confidence_head:
+        specs.update(params_lib.with_prefix(confidence.declare(config, rng_path=((6, 5),)),
+                                            ("confidence_head",), "confidence_head."))
+    specs.update(qwen3.declare_layers(config, "", ((6, 3),)))
+    return specs
 
 
 def init_params(config: DraftConfig, rng: jax.Array, dtype=jnp.float32, *,
                 embed_tokens: jax.Array | None = None, lm_head: jax.Array | None = None) -> dict:
     """Random drafter params; pass the target's ``embed_tokens``/``lm_head`` [H, V] to share them."""
-    keys = jax.random.split(rng, 6)
-    h, v, n = config.hidden_size, config.vocab_size, config.num_context_features
-    params = {
-        "embed_tokens": (embed_tokens if embed_tokens is not None
-                         else 0.02 * jax.random.normal(keys[0], (v, h))).astype(dtype),
-        "lm_head": (lm_head if lm_head is not None
-                    else 0.02 * jax.random.normal(keys[1], (h, v))).astype(dtype),
-        "fc": (0.02 * jax.random.normal(keys[2], (n * h, h))).astype(dtype),
-        "hidden_norm": jnp.ones((h,), dtype),
-        "norm": jnp.ones((h,), dtype),
-        "layers": nn.init_decoder_layers(keys[3], config.num_hidden_layers, h, config.intermediate_size,
-                                         config.num_attention_heads, config.num_key_value_heads,
-                                         config.head_dim, dtype),
-    }
-    if config.has_markov:
-        params["markov_head"] = markov.init_params(config, keys[4], dtype)
-    if config.enable_confidence_head:
-        params["confidence_head"] = confidence.init_params(config, keys[5], dtype)
-    return params
+    given = {(k,): x for k, x in (("embed_tokens", embed_tokens), ("lm_head", lm_head)) if x is not None}
+    return params_lib.init_params(declare(config), rng, dtype, given)
 
 
 def param_axes(config: DraftConfig) -> dict:
     """Logical axis names, same tree structure as ``init_params``."""
-    axes = {
-        "embed_tokens": ("vocab", "embed"),
-        "lm_head": ("embed", "vocab"),
-        "fc": (None, "embed"),
-        "hidden_norm": (None,),
-        "norm": (None,),
-        "layers": dict(nn.DECODER_LAYER_AXES),
-    }
-    if config.has_markov:
-        axes["markov_head"] = markov.param_axes(config)
-    if config.enable_confidence_head:
-        axes["confidence_head"] = confidence.param_axes(config)
-    return axes
+    return params_lib.param_axes(declare(config))
+
+
+FAMILY = params_lib.Family(
+    name="qwen3_dspark", kind="draft", architectures=("Qwen3DSparkModel",), model_types=("qwen3", None),
+    config_cls=DraftConfig, declare=declare, forward=__name__, pairs_with="qwen3")
 
 
 def compute_logits(params: dict, hidden: jax.Array) -> jax.Array:

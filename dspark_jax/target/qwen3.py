@@ -20,7 +20,9 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax import nn
+from dspark_jax import params as params_lib
 from dspark_jax.config import TargetConfig
+from dspark_jax.params import ParamSpec
 
 
 @jax.tree_util.register_dataclass
@@ -45,27 +47,83 @@ def init_cache(config: TargetConfig, batch: int, max_len: int, dtype=jnp.float32
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
 
 
+# Our key in a stacked decoder layer -> (torch suffix inside layer i, kernel?). Kernels are
+# nn.Linear weights (stored transposed), initialised N(0, 0.02) in this order; norms are ones.
+_LAYER = {
+    "q_proj": ("self_attn.q_proj.weight", True),
+    "k_proj": ("self_attn.k_proj.weight", True),
+    "v_proj": ("self_attn.v_proj.weight", True),
+    "o_proj": ("self_attn.o_proj.weight", True),
+    "q_norm": ("self_attn.q_norm.weight", False),
+    "k_norm": ("self_attn.k_norm.weight", False),
+    "gate_proj": ("mlp.gate_proj.weight", True),
+    "up_proj": ("mlp.up_proj.weight", True),
+    "down_proj": ("mlp.down_proj.weight", True),
+    "input_layernorm": ("input_layernorm.weight", False),
+    "post_attention_layernorm": ("post_attention_layernorm.weight", False),
+}
+_KERNEL_ORDER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def declare_layers(config, torch_prefix: str, rng_path: tuple = ()) -> dict[tuple, ParamSpec]:
+    """Stacked Qwen3 decoder layers ``("layers", key)`` of a target or drafter ``config``.
+
+    Shapes are [L, in, out] for kernels and [L, size] for norms; torch names
+    ``{torch_prefix}layers.{i}.<suffix>``. ``rng_path`` is the key path of the whole stack
+    (kernel j then takes ``split(key, 7)[j]``).
+    """
+    h, m, d = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+    dims = {"q_proj": ((h, q), ("embed", "heads")), "k_proj": ((h, kv), ("embed", "kv_heads")),
+            "v_proj": ((h, kv), ("embed", "kv_heads")), "o_proj": ((q, h), ("heads", "embed")),
+            "q_norm": ((d,), (None,)), "k_norm": ((d,), (None,)),
+            "gate_proj": ((h, m), ("embed", "mlp")), "up_proj": ((h, m), ("embed", "mlp")),
+            "down_proj": ((m, h), ("mlp", "embed")),
+            "input_layernorm": ((h,), (None,)), "post_attention_layernorm": ((h,), (None,))}
+    ids = tuple(range(config.num_hidden_layers))
+    specs = {}
+    for key, (suffix, kernel) in _LAYER.items():
+        shape, axes = dims[key]
+        specs[("layers", key)] = ParamSpec(
+            (len(ids), *shape), ("layers", *axes), f"{torch_prefix}layers.{{i}}.{suffix}",
+            transpose=kernel, init="normal" if kernel else "ones", layer_ids=ids,
+            rng_path=(*rng_path, (len(_KERNEL_ORDER), _KERNEL_ORDER.index(key))) if kernel else None)
+    return specs
+
+
+def declare(config: TargetConfig) -> dict[tuple, ParamSpec]:
+    """Every leaf of a ``Qwen3ForCausalLM`` params tree, in checkpoint order (SPEC section 11).
+
+    {"embed_tokens": [V, H], "norm": [H], "lm_head": [H, V] (absent when tied), "layers": {...}}.
+    """
+    h, v = config.hidden_size, config.vocab_size
+    specs = {("embed_tokens",): ParamSpec((v, h), ("vocab", "embed"), "model.embed_tokens.weight",
+                                          rng_path=((3, 0),)),
+             ("norm",): ParamSpec((h,), (None,), "model.norm.weight", init="ones")}
+    if not config.tie_word_embeddings:
+        specs[("lm_head",)] = ParamSpec((h, v), ("embed", "vocab"), "lm_head.weight", transpose=True,
+                                        rng_path=((3, 2),))
+    specs.update(declare_layers(config, "model.", ((3, 1),)))
+    return specs
+
+
 def init_params(config: TargetConfig, rng: jax.Array, dtype=jnp.float32) -> dict:
     """Random params (std 0.02), for tests and from-scratch experiments."""
-    k_embed, k_layers, k_head = jax.random.split(rng, 3)
-    params = {
-        "embed_tokens": (0.02 * jax.random.normal(k_embed, (config.vocab_size, config.hidden_size))).astype(dtype),
-        "layers": nn.init_decoder_layers(
-            k_layers, config.num_hidden_layers, config.hidden_size, config.intermediate_size,
-            config.num_attention_heads, config.num_key_value_heads, config.head_dim, dtype),
-        "norm": jnp.ones((config.hidden_size,), dtype),
-    }
-    if not config.tie_word_embeddings:
-        params["lm_head"] = (0.02 * jax.random.normal(k_head, (config.hidden_size, config.vocab_size))).astype(dtype)
-    return params
+    return params_lib.init_params(declare(config), rng, dtype)
 
 
 def param_axes(config: TargetConfig) -> dict:
     """Logical axis names, same tree structure as ``init_params``."""
-    axes = {"embed_tokens": ("vocab", "embed"), "layers": dict(nn.DECODER_LAYER_AXES), "norm": (None,)}
-    if not config.tie_word_embeddings:
-        axes["lm_head"] = ("embed", "vocab")
-    return axes
+    return params_lib.param_axes(declare(config))
+
+
+def _tied_head(config: TargetConfig) -> tuple[str, str] | None:
+    return ("lm_head.weight", "model.embed_tokens.weight") if config.tie_word_embeddings else None
+
+
+FAMILY = params_lib.Family(
+    name="qwen3", kind="target", architectures=("Qwen3ForCausalLM",), model_types=("qwen3",),
+    config_cls=TargetConfig, declare=declare, forward=__name__, tied_head=_tied_head)
 
 
 def lm_head_kernel(params: dict) -> jax.Array:

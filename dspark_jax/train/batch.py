@@ -1,4 +1,5 @@
-"""Training-batch construction (SPEC section 6): anchors, keep mask, labels, eval mask.
+"""Training batch (anchor-bounded packing): up to N anchors drawn per sequence where the loss mask
+holds at a and a+1, each starting a block of G positions; keep mask, labels, eval mask.
 
 Shapes: B sequences of length S, N anchors per sequence, G = block_size.
 """

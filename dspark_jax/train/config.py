@@ -1,9 +1,11 @@
 """TrainConfig: every knob of a DSpark training run, frozen and validated on construction.
 
-Config files (``configs/<name>.py``) define ``CONFIG = dict(...)`` with these
-fields; ``dspark-jax train --config FILE key=value ...`` overrides them
-(values parsed as Python literals when possible, else kept as strings).
-Relative paths in a config file are resolved against the file's directory.
+Config files (``configs/<name>.py``) define ``CONFIG = dict(...)`` with these fields; the
+sections ``optimizer``, ``loss``, ``checkpoint`` and ``memory`` are nested dicts (or the
+config dataclasses below). ``dspark-jax train --config FILE key=value ...`` overrides them,
+with dotted paths for nested fields (``optimizer.learning_rate=1e-3``,
+``draft.markov_rank=0``); values are parsed as Python literals when possible, else kept as
+strings. Relative paths in a config file are resolved against the file's directory.
 """
 
 from __future__ import annotations
@@ -25,9 +27,76 @@ COMPUTE_DTYPES = ("float32", "bfloat16")
 PATH_FIELDS = ("target", "draft_init", "data", "cache_dir", "tokenizer", "output_dir")
 
 
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def _is_int(v, minimum: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= minimum
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with linear warm-up then cosine decay to 0 and global-norm clipping (paper defaults:
+    lr 6e-4, 4% warm-up, clip 1.0; ``grad_clip`` 0 disables clipping)."""
+
+    learning_rate: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    adam_b1: float = 0.9
+    adam_b2: float = 0.999
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+
+    def __post_init__(self):
+        _require(self.learning_rate >= 0, "TrainConfig.optimizer.learning_rate must be >= 0")
+        _require(0 <= self.warmup_ratio < 1, "TrainConfig.optimizer.warmup_ratio must be in [0, 1)")
+        _require(self.grad_clip >= 0, "TrainConfig.optimizer.grad_clip must be >= 0 (0 disables clipping)")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints: every ``every`` steps (0: none) and at the end, the newest ``keep``
+    kept (0: all), written asynchronously if ``async_save``; ``resume`` continues a run."""
+
+    every: int = 1000
+    keep: int = 3
+    async_save: bool = True
+    resume: bool = True
+
+    def __post_init__(self):
+        for name in ("every", "keep"):
+            v = getattr(self, name)
+            _require(_is_int(v, 0), f"TrainConfig.checkpoint.{name} must be an int >= 0, got {v!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryConfig:
+    """Memory options of the train step; numerics unchanged (see ``train/step.py``).
+
+    remat: "none" | "dots" | "full": rematerialise draft layers in the backward pass.
+    loss_chunk: > 0: heads + loss this many anchors at a time (no full [B, N, G, V] logits).
+    shard_activations: pin activations batch-sharded (stops whole-batch all-reduces).
+    """
+
+    remat: str = "none"
+    loss_chunk: int = 0
+    shard_activations: bool = False
+
+    def __post_init__(self):
+        _require(self.remat in REMAT_MODES, f"TrainConfig.memory.remat={self.remat!r} must be one of {REMAT_MODES}")
+        _require(_is_int(self.loss_chunk, 0),
+                 f"TrainConfig.memory.loss_chunk must be an int >= 0, got {self.loss_chunk!r}")
+
+
+SECTIONS = {"optimizer": OptimizerConfig, "loss": LossConfig, "checkpoint": CheckpointConfig,
+            "memory": MemoryConfig}
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """A training run. Defaults follow SPEC section 1 (lr 6e-4, 4% warm-up, cosine, clip 1.0).
+    """A training run.
 
     target: HF/ours target checkpoint dir. draft: DraftConfig overrides (a dict) applied to
     ``DraftConfig.for_target`` unless ``draft_init`` (a drafter dir to start from) is given.
@@ -37,6 +106,7 @@ class TrainConfig:
     ``max_length``; longer ones are cut to max_length ("truncate") or rejected with the
     offending line ("refuse"). batch_size is the GLOBAL number of sequences per optimizer
     step, split into ``grad_accum`` micro-batches (the loss is identical for any split).
+    ``num_devices`` 0 uses all devices, else the first N (single process only).
     """
 
     target: str = ""
@@ -54,41 +124,28 @@ class TrainConfig:
     grad_accum: int = 1
     steps: int = 0
     epochs: int = 10
-    learning_rate: float = 6e-4
-    warmup_ratio: float = 0.04
-    weight_decay: float = 0.0
-    adam_b1: float = 0.9
-    adam_b2: float = 0.999
-    adam_eps: float = 1e-8
-    grad_clip: float = 1.0
     compute_dtype: str = "bfloat16"
-    ce_weight: float = 0.1
-    l1_weight: float = 0.9
-    confidence_weight: float = 1.0
-    loss_decay_gamma: float = 4.0
     mesh: str = "data=-1"
-    num_devices: int = 0  # 0: all devices; else the first N (single process only)
+    num_devices: int = 0
     seed: int = 0
-    checkpoint_every: int = 1000
-    keep_checkpoints: int = 3
-    async_checkpoint: bool = True
     log_every: int = 1
     export_format: str = "torch"
     export_dir: str = ""
     progress: bool = True
-    fast_compile: bool = False  # lower XLA backend optimisation: quicker compiles, slower steps (CPU smoke runs)
-    # Memory options of the train step (numerics unchanged; see train/step.py build_train_step):
-    remat: str = "none"  # "none" | "dots" | "full": rematerialise draft layers in the backward pass
-    loss_chunk: int = 0  # > 0: heads + loss this many anchors at a time (no full [B, N, G, V] logits)
-    shard_activations: bool = False  # pin activations batch-sharded (stops whole-batch all-reduces)
-    resume: bool = True
-    kill_at_step: int = 0  # testing only: SIGKILL this process after that step's checkpoint is saved
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
 
     def __post_init__(self):
-        def req(cond, msg):
-            if not cond:
-                raise ConfigError(f"TrainConfig.{msg}")
         object.__setattr__(self, "draft", dict(self.draft or {}))
+        for name, cls in SECTIONS.items():
+            object.__setattr__(self, name, _section(name, cls, getattr(self, name)))
+        self._validate()
+
+    def _validate(self) -> None:
+        def req(cond, msg):
+            _require(cond, f"TrainConfig.{msg}")
         req(self.features in FEATURE_MODES, f"features={self.features!r} must be one of {FEATURE_MODES}")
         req(self.data_format in DATA_FORMATS, f"data_format={self.data_format!r} must be one of {DATA_FORMATS}")
         req(self.overlong in OVERLONG, f"overlong={self.overlong!r} must be one of {OVERLONG}")
@@ -98,16 +155,12 @@ class TrainConfig:
             f"export_format={self.export_format!r} must be 'torch', 'jax' or 'none'")
         for name in ("max_length", "batch_size", "grad_accum", "epochs", "log_every"):
             v = getattr(self, name)
-            req(isinstance(v, int) and not isinstance(v, bool) and v > 0, f"{name} must be a positive int, got {v!r}")
-        req(self.remat in REMAT_MODES, f"remat={self.remat!r} must be one of {REMAT_MODES}")
-        for name in ("steps", "checkpoint_every", "keep_checkpoints", "kill_at_step", "num_devices", "loss_chunk"):
+            req(_is_int(v, 1), f"{name} must be a positive int, got {v!r}")
+        for name in ("steps", "num_devices"):
             v = getattr(self, name)
-            req(isinstance(v, int) and v >= 0, f"{name} must be an int >= 0, got {v!r}")
+            req(_is_int(v, 0), f"{name} must be an int >= 0, got {v!r}")
         req(self.batch_size % self.grad_accum == 0,
             f"batch_size={self.batch_size} is not divisible by grad_accum={self.grad_accum}")
-        req(self.learning_rate >= 0, "learning_rate must be >= 0")
-        req(0 <= self.warmup_ratio < 1, "warmup_ratio must be in [0, 1)")
-        req(self.grad_clip >= 0, "grad_clip must be >= 0 (0 disables clipping)")
         req(self.target != "", "target (a target checkpoint directory) is required")
         if self.features == "cache":
             req(self.cache_dir != "", "cache_dir is required when features='cache'")
@@ -115,14 +168,10 @@ class TrainConfig:
             req(self.data != "", "data (a JSONL file) is required when features='online'")
         if self.data_format == "chat" and self.features == "online":
             req(self.tokenizer != "", "tokenizer is required for data_format='chat'")
-        LossConfig(self.ce_weight, self.l1_weight, self.confidence_weight, self.loss_decay_gamma)
 
     @property
     def micro_batch_size(self) -> int:
         return self.batch_size // self.grad_accum
-
-    def loss_config(self) -> LossConfig:
-        return LossConfig(self.ce_weight, self.l1_weight, self.confidence_weight, self.loss_decay_gamma)
 
     def draft_config(self, target: TargetConfig) -> DraftConfig:
         """The drafter for ``target`` from the ``draft`` overrides (not used with draft_init)."""
@@ -136,14 +185,39 @@ class TrainConfig:
     def replace(self, **changes) -> "TrainConfig":
         return dataclasses.replace(self, **changes)
 
-    def to_dict(self) -> dict:
+    def to_dict(self, *, changed_only: bool = False) -> dict:
+        """Nested plain dict (sections as dicts) that ``TrainConfig(**d)`` and config files accept;
+        ``changed_only`` keeps only the fields that differ from the defaults."""
         d = dataclasses.asdict(self)
         d["draft"] = dict(self.draft)
-        return d
+        if not changed_only:
+            return d
+        default = dataclasses.asdict(TrainConfig(target="x", data="x"))
+        out = {}
+        for k, v in d.items():
+            if k in SECTIONS:
+                v = {f: x for f, x in v.items() if x != default[k][f]}
+                if v:
+                    out[k] = v
+            elif k in ("target", "data") or v != default[k]:
+                out[k] = v
+        return out
+
+
+def _section(name: str, cls, value):
+    """A config section from its dataclass or a dict of its fields (ConfigError otherwise)."""
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, Mapping):
+        try:
+            return cls(**value)
+        except TypeError as e:
+            raise ConfigError(f"TrainConfig.{name}: {e}") from None
+    raise ConfigError(f"TrainConfig.{name} must be a dict of {cls.__name__} fields, got {value!r}")
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """``key=value`` -> (key, python value); ``draft.markov_rank=0`` sets a draft override."""
+    """``key=value`` -> (key, python value); ``optimizer.learning_rate=1e-3`` sets a nested field."""
     if "=" not in text:
         raise ConfigError(f"override {text!r} is not of the form key=value")
     key, raw = text.split("=", 1)
@@ -154,25 +228,46 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-_DEFAULTS = {f.name: (f.default if f.default is not dataclasses.MISSING else {})
-             for f in dataclasses.fields(TrainConfig)}
+def _fields(cls) -> dict[str, Any]:
+    """name -> default value of a config dataclass (``{}`` for dict-valued fields)."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        else:
+            out[f.name] = f.default_factory()
+    return out
+
+
+def _coerce(default, value):
+    """Override value with the type of the field's default (1 -> 1.0 for floats, any -> str)."""
+    if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(default, str) and not isinstance(value, str):
+        return str(value)
+    return value
 
 
 def apply_overrides(base: Mapping[str, Any], overrides) -> dict:
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    """``base`` (a CONFIG dict) with ``key=value`` overrides (strings or (key, value) pairs)."""
+    top = _fields(TrainConfig)
     out = dict(base)
     out["draft"] = dict(out.get("draft", {}))
+    for name, cls in SECTIONS.items():
+        section = out.get(name, {})
+        out[name] = dataclasses.asdict(section) if dataclasses.is_dataclass(section) else dict(section)
     for item in overrides:
         key, value = parse_override(item) if isinstance(item, str) else item
-        if key.startswith("draft."):
-            out["draft"][key[len("draft."):]] = value
-        elif key in fields:
-            ftype = type(_DEFAULTS[key])
-            if ftype is float and isinstance(value, int):
-                value = float(value)
-            if ftype is str and not isinstance(value, str):
-                value = str(value)
-            out[key] = value
+        head, _, field = key.partition(".")
+        if head == "draft" and field:
+            out["draft"][field] = value
+        elif head in SECTIONS and field:
+            defaults = _fields(SECTIONS[head])
+            if field not in defaults:
+                raise ConfigError(f"unknown TrainConfig field {key!r} in override {key}=...")
+            out[head][field] = _coerce(defaults[field], value)
+        elif key in top and key not in SECTIONS and key != "draft":
+            out[key] = _coerce(top[key], value)
         else:
             raise ConfigError(f"unknown TrainConfig field {key!r} in override {key}=...")
     return out

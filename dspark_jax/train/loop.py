@@ -9,43 +9,72 @@
       tb/                  TensorBoard events (process 0)
       export/              the drafter in the PyTorch (HF) format at the end
       summary.json         the final summary (also returned)
+
+It is four steps: ``setup`` (target, drafter, data, mesh, the train program of
+``train/program.py``, run directory), ``restore_or_init`` (newest checkpoint or fresh
+state), ``iterate`` (the steps, metrics and checkpoints) and ``export``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import grain
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from dspark_jax import sharding as shard_lib
+from dspark_jax.config import DraftConfig, TargetConfig
 from dspark_jax.convert import checkpoint as ckpt_io
+from dspark_jax.convert.identity import target_identity
 from dspark_jax.data import cache as cache_lib
 from dspark_jax.data import pipeline, sources
 from dspark_jax.draft import model as draft_model
 from dspark_jax.errors import CheckpointError, ConfigError, DSparkError, InputError
 from dspark_jax.target import qwen3
 from dspark_jax.tokenizer import load_tokenizer
-from dspark_jax.train import optim, step as step_lib
+from dspark_jax.train import optim
 from dspark_jax.train.config import TrainConfig
+from dspark_jax.train.program import Program, build_program, make_train_mesh
+
+# Testing hooks (environment, never the user's config): DSPARK_FAST_COMPILE=1 compiles the step
+# with FAST_COMPILE_OPTIONS; DSPARK_KILL_AT_STEP=N SIGKILLs the process once step N's checkpoint
+# is saved (the resume test).
+FAST_COMPILE_ENV = "DSPARK_FAST_COMPILE"
+KILL_AT_STEP_ENV = "DSPARK_KILL_AT_STEP"
 
 
 class NonFiniteLossError(DSparkError):
     """The loss or gradient became NaN/inf; training stopped, the last checkpoint is kept."""
 
 
-def _global_array(local: np.ndarray, sharding, global_shape):
-    return jax.make_array_from_process_local_data(sharding, local, global_shape)
+@dataclasses.dataclass
+class Run:
+    """Everything ``setup`` prepares: configs, data, the program and the device-side frozen
+    weights. ``rows`` is (start, count) of the batch rows (dim 1) this process feeds."""
+
+    cfg: TrainConfig
+    out: Path
+    draft_cfg: DraftConfig
+    target_cfg: TargetConfig
+    source: Any
+    total_steps: int
+    epochs: int
+    program: Program
+    trainable: dict
+    frozen: Any
+    target: Any
+    rows: tuple[int, int]
+    is_main: bool = dataclasses.field(default_factory=lambda: jax.process_index() == 0)
 
 
 def _put(tree, shardings):
@@ -68,7 +97,7 @@ def load_source(cfg: TrainConfig, target_cfg, draft_cfg, target_params):
     """The dataset of this run (validated before anything compiles)."""
     if cfg.features == "cache":
         src = cache_lib.FeatureCache(cfg.cache_dir, cfg.max_length, cfg.overlong)
-        src.validate(draft_cfg, target_cfg, cache_lib.target_identity(target_cfg, target_params))
+        src.validate(draft_cfg, target_cfg, target_identity(target_cfg, target_params))
         return src
     if cfg.data_format == "chat":
         tok = load_tokenizer(cfg.tokenizer, required=True)
@@ -76,196 +105,186 @@ def load_source(cfg: TrainConfig, target_cfg, draft_cfg, target_params):
     return sources.read_token_jsonl(cfg.data, cfg.max_length, target_cfg.vocab_size, cfg.overlong)
 
 
-def _check_run_dir(out: Path, record: dict, resume: bool) -> None:
+def load_drafter(cfg: TrainConfig, target_cfg: TargetConfig, target_params) -> tuple[DraftConfig, dict]:
+    """(config, params) of the drafter to train: ``draft_init`` or a fresh one sharing the
+    target's embedding and LM head."""
+    if cfg.draft_init:
+        draft_cfg, params = ckpt_io.load_draft(cfg.draft_init)
+        draft_cfg.check_compatible(target_cfg)
+        return draft_cfg, params
+    draft_cfg = cfg.draft_config(target_cfg)
+    params = draft_model.init_params(draft_cfg, jax.random.PRNGKey(cfg.seed),
+                                     embed_tokens=target_params["embed_tokens"],
+                                     lm_head=qwen3.lm_head_kernel(target_params))
+    return draft_cfg, params
+
+
+def _step_counts(cfg: TrainConfig, num_sequences: int) -> tuple[int, int]:
+    """(total optimizer steps, epochs the data pipeline must cover)."""
+    spe = pipeline.steps_per_epoch(num_sequences, cfg.batch_size)
+    if spe == 0:
+        raise ConfigError(f"the dataset has {num_sequences} sequences, fewer than batch_size={cfg.batch_size}")
+    total = cfg.steps or cfg.epochs * spe
+    return total, math.ceil(total / spe)
+
+
+def _write_run_record(out: Path, record: dict, resume: bool, is_main: bool) -> None:
+    """``run.json`` (atomic); resuming a run of another drafter config is refused."""
     run_file = out / "run.json"
     if run_file.exists():
         old = json.loads(run_file.read_text())
         if resume and old.get("draft") != record["draft"]:
             raise ConfigError(f"{out} holds a run with a different drafter config; use another output_dir")
-
-
-def train(cfg: TrainConfig) -> dict:
-    """Run or resume training; returns the final summary dict."""
-    t_start = time.time()
-    is_main = jax.process_index() == 0
-    target_cfg, target_params = ckpt_io.load_target(cfg.target)
-    if cfg.draft_init:
-        draft_cfg, params = ckpt_io.load_draft(cfg.draft_init)
-        draft_cfg.check_compatible(target_cfg)
-    else:
-        draft_cfg = cfg.draft_config(target_cfg)
-        params = draft_model.init_params(draft_cfg, jax.random.PRNGKey(cfg.seed),
-                                         embed_tokens=target_params["embed_tokens"],
-                                         lm_head=qwen3.lm_head_kernel(target_params))
-    source = load_source(cfg, target_cfg, draft_cfg, target_params)
-
-    spe = pipeline.steps_per_epoch(len(source), cfg.batch_size)
-    if spe == 0:
-        raise ConfigError(f"the dataset has {len(source)} sequences, fewer than batch_size={cfg.batch_size}")
-    total_steps = cfg.steps or cfg.epochs * spe
-    epochs = math.ceil(total_steps / spe)
-
-    devices = jax.devices()
-    if cfg.num_devices:
-        if jax.process_count() > 1:
-            raise ConfigError("num_devices cannot be used with several processes (all devices take part)")
-        if cfg.num_devices > len(devices):
-            raise ConfigError(f"num_devices={cfg.num_devices} but only {len(devices)} devices exist")
-        devices = devices[:cfg.num_devices]
-    try:
-        mesh = shard_lib.make_mesh(cfg.mesh, devices)
-    except ValueError as e:
-        raise ConfigError(f"TrainConfig.mesh={cfg.mesh!r}: {e}") from None
-    n_batch_shards = math.prod(mesh.shape[a] for a in ("data", "fsdp"))
-    if cfg.micro_batch_size % n_batch_shards:
-        raise ConfigError(f"micro-batch of {cfg.micro_batch_size} rows (batch_size/grad_accum) does not "
-                          f"divide over {n_batch_shards} data-parallel devices of mesh {dict(mesh.shape)}")
-    compute_dtype = jnp.bfloat16 if cfg.compute_dtype == "bfloat16" else jnp.float32
-    optimizer, schedule = optim.make_optimizer(cfg, total_steps)
-    trainable, frozen = optim.split_params(params)
-    axes = draft_model.param_axes(draft_cfg)
-    train_axes, frozen_axes = optim.split_params(axes)
-
-    state_shapes = jax.eval_shape(lambda p: step_lib.init_state(p, optimizer, cfg.seed), trainable)
-    state_sh = step_lib.state_shardings(state_shapes, train_axes, mesh, optimizer)
-    frozen_sh = shard_lib.param_shardings(frozen_axes, mesh, frozen)
-    frozen = _put(frozen, frozen_sh)
-    online = cfg.features == "online"
-    if online:
-        t_sh = shard_lib.param_shardings(qwen3.param_axes(target_cfg), mesh, target_params)
-        target_dev = _put(target_params, t_sh)
-    else:
-        t_sh, target_dev = None, None
-    trainable_dev = _put(trainable, state_sh.params)
-    state = jax.jit(lambda p: step_lib.init_state(p, optimizer, cfg.seed),
-                    in_shardings=(state_sh.params,), out_shardings=state_sh)(trainable_dev)
-
-    a, bm = cfg.grad_accum, cfg.micro_batch_size
-    example = source[0]
-    fields = [k for k in ("input_ids", "loss_mask", "features", "last_hidden") if k in example]
-    global_shapes = {k: (a, bm) + example[k].shape for k in fields}
-    batch_sh = step_lib.batch_shardings(mesh, {k: jax.ShapeDtypeStruct(v, example[k].dtype)
-                                               for k, v in global_shapes.items()})
-    row_start, row_count = _local_rows(batch_sh["input_ids"], global_shapes["input_ids"])
-    dataset = pipeline.make_dataset(source, global_batch=cfg.batch_size, grad_accum=a, seed=cfg.seed,
-                                    epochs=epochs, row_start=row_start, row_count=row_count)
-    data_iter = iter(dataset)
-
-    step_fn = step_lib.build_train_step(draft_cfg, cfg.loss_config(), optimizer, schedule,
-                                        target_cfg=target_cfg if online else None, compute_dtype=compute_dtype,
-                                        remat=cfg.remat, loss_chunk=cfg.loss_chunk,
-                                        mesh=mesh if cfg.shard_activations else None)
-    jstep = step_lib.jit_train_step(step_fn, mesh, state_sh, frozen_sh, t_sh, batch_sh, cfg.fast_compile)
-
-    out = Path(cfg.output_dir).absolute()
-    record = {"train": cfg.to_dict(), "draft": draft_cfg.to_hf(), "total_steps": total_steps}
-    _check_run_dir(out, record, cfg.resume)
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
         tmp = out / f".run.json.tmp-{os.getpid()}"
         tmp.write_text(json.dumps(record, indent=1))
-        os.replace(tmp, out / "run.json")
-    mgr = ocp.CheckpointManager(
-        out / "checkpoints",
-        options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep_checkpoints or None,
-                                             enable_async_checkpointing=cfg.async_checkpoint, create=True))
-    start = 0
+        os.replace(tmp, run_file)
+
+
+def setup(cfg: TrainConfig, *, fast_compile: bool = False) -> Run:
+    """Load target, drafter and data, build the train program, place the frozen weights,
+    and write ``run.json``."""
+    target_cfg, target_params = ckpt_io.load_target(cfg.target)
+    draft_cfg, params = load_drafter(cfg, target_cfg, target_params)
+    source = load_source(cfg, target_cfg, draft_cfg, target_params)
+    total_steps, epochs = _step_counts(cfg, len(source))
+    mesh = make_train_mesh(cfg)
+    trainable, frozen = optim.split_params(params)
+    example = source[0]
+    program = build_program(draft_cfg, target_cfg, cfg, mesh, total_steps=total_steps,
+                            weights_dtype=target_params["embed_tokens"].dtype,
+                            feature_dtype=example["features"].dtype if "features" in example else np.float32,
+                            fast_compile=fast_compile)
+    target = _put(target_params, program.target_sharding) if program.online else None
+    ids = program.batch["input_ids"]
+    run = Run(cfg, Path(cfg.output_dir).absolute(), draft_cfg, target_cfg, source, total_steps, epochs,
+              program, trainable, _put(frozen, program.frozen_sharding), target,
+              _local_rows(ids.sharding, ids.shape))
+    record = {"train": cfg.to_dict(), "draft": draft_cfg.to_hf(), "total_steps": total_steps}
+    _write_run_record(run.out, record, cfg.checkpoint.resume, run.is_main)
+    return run
+
+
+def make_data_iterator(run: Run):
+    """grain iterator over this process's rows of each step's batch (checkpointable)."""
+    cfg = run.cfg
+    start, count = run.rows
+    dataset = pipeline.make_dataset(run.source, global_batch=cfg.batch_size, grad_accum=cfg.grad_accum,
+                                    seed=cfg.seed, epochs=run.epochs, row_start=start, row_count=count)
+    return iter(dataset)
+
+
+def checkpoint_manager(run: Run) -> ocp.CheckpointManager:
+    ck = run.cfg.checkpoint
+    return ocp.CheckpointManager(
+        run.out / "checkpoints",
+        options=ocp.CheckpointManagerOptions(max_to_keep=ck.keep or None, enable_async_checkpointing=ck.async_save,
+                                             create=True))
+
+
+def restore_or_init(run: Run, mgr: ocp.CheckpointManager, data_iter):
+    """(state, first step): the newest checkpoint (state + data position) or a fresh state."""
     latest = mgr.latest_step()
-    if latest is not None and not cfg.resume:
-        mgr.close()
-        raise InputError(f"{out / 'checkpoints'} already holds checkpoints (newest {latest}); "
-                         "set resume=True to continue that run or choose another output_dir")
-    if latest is not None:
-        abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                                state_shapes, state_sh)
-        try:
-            restored = mgr.restore(latest, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract), data=grain.checkpoint.CheckpointRestore(data_iter)))
-        except Exception as e:
-            raise CheckpointError(f"cannot restore checkpoint {out / 'checkpoints' / str(latest)}: {e}") from e
-        state = restored["state"]
-        start = int(jax.device_get(state.step))
-
-    writer = None
-    metrics_file = None
-    if is_main:
-        from tensorboardX import SummaryWriter
-        writer = SummaryWriter(str(out / "tb"))
-        metrics_file = (out / "metrics.jsonl").open("a")
-    bar = tqdm(total=total_steps, initial=start, desc="train", unit="step",
-               disable=not (cfg.progress and is_main))
-    history = []
-    tokens_seen = 0
-    t_loop = time.time()
+    if latest is None:
+        return run.program.init_state(_put(run.trainable, run.program.state_sharding.params)), 0
+    if not run.cfg.checkpoint.resume:
+        raise InputError(f"{run.out / 'checkpoints'} already holds checkpoints (newest {latest}); "
+                         "set checkpoint.resume=True to continue that run or choose another output_dir")
     try:
-        for it in range(start, total_steps):
-            host = next(data_iter)
-            indices = host.pop("index")
-            local_shape = lambda k: (a, row_count) + host[k].shape[1:]
-            batch = {k: _global_array(host[k].reshape(local_shape(k)), batch_sh[k], global_shapes[k])
-                     for k in fields}
-            t0 = time.time()
-            state, metrics = jstep(state, frozen, target_dev, batch)
-            metrics = {k: np.asarray(v).item() for k, v in jax.device_get(metrics).items()}
-            dt = time.time() - t0
-            finite = bool(metrics.pop("finite"))
-            tokens_seen += int(metrics["tokens"])
-            row = {"step": it + 1, **metrics, "step_time_s": dt,
-                   "data": [int(i) for i in np.asarray(indices).reshape(-1)][:64]}
-            if not finite:
-                mgr.wait_until_finished()
-                good = mgr.latest_step()
-                raise NonFiniteLossError(
-                    f"non-finite loss/gradient at step {it + 1} (loss={metrics['loss']}, grad_norm="
-                    f"{metrics['grad_norm']}); the update was not applied and training stopped. "
-                    f"Last good checkpoint: {good if good is not None else 'none'} in {out / 'checkpoints'}. "
-                    "Lower learning_rate or check the data.")
-            history.append(row)
-            if is_main:
-                metrics_file.write(json.dumps(row) + "\n")
-                metrics_file.flush()
-                if (it + 1) % cfg.log_every == 0:
-                    for k, v in metrics.items():
-                        writer.add_scalar(f"train/{k}", v, it + 1)
-                bar.set_postfix(loss=f"{metrics['loss']:.4f}",
-                                tau=f"{metrics.get('expected_accept_length', float('nan')):.3f}")
-            bar.update(1)
-            last = it + 1 == total_steps
-            if cfg.checkpoint_every and ((it + 1) % cfg.checkpoint_every == 0 or last):
-                mgr.save(it + 1, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                          data=grain.checkpoint.CheckpointSave(data_iter)))
-                if cfg.kill_at_step and it + 1 >= cfg.kill_at_step:
-                    mgr.wait_until_finished()
-                    os.kill(os.getpid(), signal.SIGKILL)
-        mgr.wait_until_finished()
-    finally:
-        bar.close()
-        if metrics_file:
-            metrics_file.close()
-        if writer:
-            writer.close()
-        mgr.close()
+        restored = mgr.restore(latest, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(run.program.state),
+            data=grain.checkpoint.CheckpointRestore(data_iter)))
+    except Exception as e:
+        raise CheckpointError(f"cannot restore checkpoint {run.out / 'checkpoints' / str(latest)}: {e}") from e
+    state = restored["state"]
+    return state, int(jax.device_get(state.step))
 
-    final = _gather(state.params)
-    final_params = optim.merge_params(final, _gather(frozen))
-    export_dir = None
-    if cfg.export_format != "none" and is_main:
-        export_dir = Path(cfg.export_dir) if cfg.export_dir else out / "export"
-        ckpt_io.save_draft(export_dir, draft_cfg, final_params, format=cfg.export_format, force=True)
-    elapsed = time.time() - t_loop
-    summary = {
-        "output_dir": str(out), "steps": total_steps, "resumed_from": start,
-        "final": history[-1] if history else None,
-        "first": history[0] if history else None,
-        "tokens_per_s": tokens_seen / elapsed if elapsed > 0 else None,
-        "wall_s": time.time() - t_start, "export": str(export_dir) if export_dir else None,
-        "num_processes": jax.process_count(), "num_devices": jax.device_count(), "mesh": dict(mesh.shape),
-    }
-    if is_main:
-        (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    summary["history"] = history
-    summary["params"] = final_params
-    return summary
+
+def _device_batch(run: Run, host: dict) -> dict:
+    """This process's rows of one step (numpy) -> global arrays with the program's batch shardings."""
+    count = run.rows[1]
+    out = {}
+    for k, spec in run.program.batch.items():
+        local = host[k].reshape((run.cfg.grad_accum, count) + host[k].shape[1:])
+        out[k] = jax.make_array_from_process_local_data(spec.sharding, local, spec.shape)
+    return out
+
+
+class _Log:
+    """metrics.jsonl, TensorBoard and the progress bar (process 0 writes; all processes keep history)."""
+
+    def __init__(self, run: Run, start: int):
+        self.run, self.history, self.tokens = run, [], 0
+        self.file = self.writer = None
+        if run.is_main:
+            from tensorboardX import SummaryWriter
+            self.writer = SummaryWriter(str(run.out / "tb"))
+            self.file = (run.out / "metrics.jsonl").open("a")
+        self.bar = tqdm(total=run.total_steps, initial=start, desc="train", unit="step",
+                        disable=not (run.cfg.progress and run.is_main))
+
+    def add(self, step: int, metrics: dict, row: dict) -> None:
+        self.history.append(row)
+        self.tokens += int(metrics["tokens"])
+        if self.run.is_main:
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+            if step % self.run.cfg.log_every == 0:
+                for k, v in metrics.items():
+                    self.writer.add_scalar(f"train/{k}", v, step)
+            self.bar.set_postfix(loss=f"{metrics['loss']:.4f}",
+                                 tau=f"{metrics.get('expected_accept_length', float('nan')):.3f}")
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+        for f in (self.file, self.writer):
+            if f:
+                f.close()
+
+
+def _non_finite(run: Run, mgr, step: int, metrics: dict) -> NonFiniteLossError:
+    mgr.wait_until_finished()
+    good = mgr.latest_step()
+    return NonFiniteLossError(
+        f"non-finite loss/gradient at step {step} (loss={metrics['loss']}, grad_norm="
+        f"{metrics['grad_norm']}); the update was not applied and training stopped. "
+        f"Last good checkpoint: {good if good is not None else 'none'} in {run.out / 'checkpoints'}. "
+        "Lower optimizer.learning_rate or check the data.")
+
+
+def _save(run: Run, mgr, step: int, state, data_iter) -> None:
+    """Checkpoint every ``checkpoint.every`` steps and at the last step."""
+    every = run.cfg.checkpoint.every
+    if not every or (step % every and step != run.total_steps):
+        return
+    mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                           data=grain.checkpoint.CheckpointSave(data_iter)))
+    kill_at = int(os.environ.get(KILL_AT_STEP_ENV, "0") or 0)
+    if kill_at and step >= kill_at:
+        mgr.wait_until_finished()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def iterate(run: Run, state, start: int, mgr, data_iter, log: _Log):
+    """Run steps ``start+1 .. total_steps``; returns the final state. Stops on a non-finite loss."""
+    for it in range(start, run.total_steps):
+        host = next(data_iter)
+        indices = host.pop("index")
+        t0 = time.time()
+        state, metrics = run.program.step(state, run.frozen, run.target, _device_batch(run, host))
+        metrics = {k: np.asarray(v).item() for k, v in jax.device_get(metrics).items()}
+        dt = time.time() - t0
+        finite = bool(metrics.pop("finite"))
+        row = {"step": it + 1, **metrics, "step_time_s": dt,
+               "data": [int(i) for i in np.asarray(indices).reshape(-1)][:64]}
+        if not finite:
+            raise _non_finite(run, mgr, it + 1, metrics)
+        log.add(it + 1, metrics, row)
+        _save(run, mgr, it + 1, state, data_iter)
+    mgr.wait_until_finished()
+    return state
 
 
 def _gather(tree):
@@ -273,3 +292,54 @@ def _gather(tree):
     if jax.process_count() > 1:
         return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
     return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), tree)
+
+
+def export(run: Run, state) -> tuple[dict, Path | None]:
+    """(full drafter params as host numpy, export dir or None): the drafter written in
+    ``export_format`` (process 0)."""
+    params = optim.merge_params(_gather(state.params), _gather(run.frozen))
+    cfg = run.cfg
+    if cfg.export_format == "none" or not run.is_main:
+        return params, None
+    export_dir = Path(cfg.export_dir) if cfg.export_dir else run.out / "export"
+    ckpt_io.save_draft(export_dir, run.draft_cfg, params, format=cfg.export_format, force=True)
+    return params, export_dir
+
+
+def train(cfg: TrainConfig, *, fast_compile: bool | None = None) -> dict:
+    """Run or resume training; returns the final summary dict (plus "history" and "params").
+
+    ``fast_compile`` (default: environment ``DSPARK_FAST_COMPILE=1``) trades step speed for
+    compile time (CPU smoke runs).
+    """
+    t_start = time.time()
+    if fast_compile is None:
+        fast_compile = os.environ.get(FAST_COMPILE_ENV) == "1"
+    run = setup(cfg, fast_compile=fast_compile)
+    data_iter = make_data_iterator(run)
+    mgr = checkpoint_manager(run)
+    log = None
+    try:
+        state, start = restore_or_init(run, mgr, data_iter)
+        log = _Log(run, start)
+        t_loop = time.time()
+        state = iterate(run, state, start, mgr, data_iter, log)
+    finally:
+        if log:
+            log.close()
+        mgr.close()
+    params, export_dir = export(run, state)
+    elapsed = time.time() - t_loop
+    history = log.history
+    summary = {
+        "output_dir": str(run.out), "steps": run.total_steps, "resumed_from": start,
+        "final": history[-1] if history else None,
+        "first": history[0] if history else None,
+        "tokens_per_s": log.tokens / elapsed if elapsed > 0 else None,
+        "wall_s": time.time() - t_start, "export": str(export_dir) if export_dir else None,
+        "num_processes": jax.process_count(), "num_devices": jax.device_count(),
+        "mesh": dict(run.program.mesh.shape),
+    }
+    if run.is_main:
+        (run.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return dict(summary, history=history, params=params)

@@ -1,4 +1,5 @@
-"""DSpark loss (SPEC section 7): decayed CE + TV (L1) distance + confidence BCE, and metrics.
+"""DSpark loss: CE + TV (L1) distance + confidence BCE, each weighted by exp(-k / gamma) at block
+position k over the eval mask and divided by the global sum of those weights; and metrics.
 
 Everything is expressed as sums (numerators and denominators) so a caller can
 add them over micro-batches or data-parallel shards before dividing: the

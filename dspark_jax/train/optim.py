@@ -10,6 +10,7 @@ from __future__ import annotations
 import optax
 
 from dspark_jax.draft.model import FROZEN_KEYS
+from dspark_jax.train.config import OptimizerConfig
 
 
 def split_params(params: dict) -> tuple[dict, dict]:
@@ -31,7 +32,7 @@ def learning_rate_schedule(peak: float, total_steps: int, warmup_ratio: float) -
                                               decay_steps=total, end_value=0.0)
 
 
-def make_optimizer(cfg, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """AdamW(b1, b2, eps, weight_decay) with the schedule, after clip_by_global_norm(grad_clip)."""
     schedule = learning_rate_schedule(cfg.learning_rate, total_steps, cfg.warmup_ratio)
     parts = []

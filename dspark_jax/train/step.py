@@ -15,9 +15,10 @@ denominator: the loss and gradient do not depend on A or on the mesh.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable
 
+import chex
+import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
@@ -25,17 +26,16 @@ from jax.sharding import Mesh, NamedSharding
 
 from dspark_jax import sharding as shard_lib
 from dspark_jax.config import DraftConfig, LossConfig, TargetConfig
-from dspark_jax.data.online import target_features
 from dspark_jax.draft import model as draft_model
 from dspark_jax.draft.backbone import REMAT_MODES
 from dspark_jax.errors import ConfigError
+from dspark_jax.target.features import target_features
 from dspark_jax.train import batch as batch_lib
 from dspark_jax.train import loss as loss_lib
 from dspark_jax.train.optim import merge_params
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@flax.struct.dataclass
 class TrainState:
     """step int32 []; params: trainable fp32 master weights; opt_state: optax state; rng uint32 [2]."""
 
@@ -69,6 +69,20 @@ def batch_shardings(mesh: Mesh, batch_shapes: dict) -> dict:
     return jax.tree.map(one, batch_shapes)
 
 
+def check_batch(batch: dict, draft_cfg: DraftConfig, *, online: bool) -> None:
+    """chex shape checks of a train batch (trace time): input_ids/loss_mask [A, Bm, S]; in cache
+    mode also features [A, Bm, S, n*H] and last_hidden [A, Bm, S, H]."""
+    ids = batch["input_ids"]
+    chex.assert_rank(ids, 3)
+    chex.assert_type(ids, jnp.int32)
+    chex.assert_equal_shape([ids, batch["loss_mask"]])
+    if not online:
+        a, bm, s = ids.shape
+        h = draft_cfg.hidden_size
+        chex.assert_shape(batch["features"], (a, bm, s, draft_cfg.num_context_features * h))
+        chex.assert_shape(batch["last_hidden"], (a, bm, s, h))
+
+
 def make_loss_terms(cfg: LossConfig):
     def objective(sums):
         obj = cfg.ce_weight * sums["ce"]
@@ -97,6 +111,88 @@ def activation_constraint(mesh: Mesh | None):
     return pin
 
 
+def _check_memory_options(remat, loss_chunk) -> None:
+    if not isinstance(loss_chunk, int) or isinstance(loss_chunk, bool) or loss_chunk < 0:
+        raise ConfigError(f"loss_chunk={loss_chunk!r} must be an int >= 0 (0: no chunking)")
+    if remat not in (True, False, None) and remat not in REMAT_MODES:
+        raise ConfigError(f"remat={remat!r} must be one of {REMAT_MODES}")
+
+
+def global_anchors(state: TrainState, batch: dict, draft_cfg: DraftConfig, loss_cfg: LossConfig):
+    """Anchors of the whole global batch and its loss denominator (sum of decayed eval weights).
+
+    Returns (rng of the next step, anchors int32 [A, Bm, N], keep bool [A, Bm, N], den [], tokens []).
+    """
+    ids = batch["input_ids"]
+    a, bm, s = ids.shape
+    rng, k_anchor = jax.random.split(state.rng)
+    k_anchor = jax.random.fold_in(k_anchor, state.step)
+    flat_ids = ids.reshape(a * bm, s)
+    flat_lm = batch["loss_mask"].reshape(a * bm, s)
+    anchors, keep = batch_lib.sample_anchors(k_anchor, flat_lm, draft_cfg.num_anchors)
+    _, eval_mask, _ = batch_lib.block_targets(flat_ids, flat_lm, anchors, keep, draft_cfg.block_size)
+    den = loss_lib.decay_weights(eval_mask, loss_cfg.loss_decay_gamma).sum() + loss_lib.EPS
+    return rng, anchors.reshape(a, bm, -1), keep.reshape(a, bm, -1), den, flat_lm.sum()
+
+
+def make_features(draft_cfg: DraftConfig, target_cfg: TargetConfig | None, compute_dtype, pin):
+    """(target_params, micro-batch) -> (features [Bm, S, n*H], last_hidden [Bm, S, H]): the frozen
+    target's (online, gradients stopped) or the cached ones."""
+    def features(target_params, mb):
+        if target_cfg is None:
+            return mb["features"], mb["last_hidden"]
+        feats, last, _ = jax.lax.stop_gradient(target_features(
+            target_params, target_cfg, draft_cfg.target_layer_ids, mb["input_ids"], compute_dtype=compute_dtype))
+        if pin is not None:
+            feats, last = pin(feats), pin(last)
+        return feats, last
+    return features
+
+
+def make_loss_sums(draft_cfg: DraftConfig, loss_cfg: LossConfig, compute_dtype, remat, loss_chunk,
+                   mesh: Mesh | None, pin):
+    """sums(trainable, frozen, mb, features, last_hidden, anchors, keep) -> loss sums of one
+    micro-batch: ``training_forward`` + ``loss_sums`` without memory options, else
+    ``training_hidden`` (remat, pinned activations) + ``chunked_loss_sums``."""
+    plain = remat in (False, None, "none") and loss_chunk == 0 and pin is None
+
+    def sums(tp, frozen, mb, feats, last, anc, kp):
+        if plain:
+            fwd = draft_model.training_forward(merge_params(tp, frozen), draft_cfg, mb["input_ids"], feats,
+                                               mb["loss_mask"], anc, kp, last, compute_dtype=compute_dtype)
+            return loss_lib.loss_sums(fwd, loss_cfg)
+        p = draft_model.cast_params(merge_params(tp, frozen), compute_dtype)
+        th = draft_model.training_hidden(p, draft_cfg, mb["input_ids"], feats, mb["loss_mask"], anc, kp, last,
+                                         compute_dtype=compute_dtype, remat=remat, constrain=pin)
+        if mesh is not None and loss_chunk:  # gather the LM head once, not once per chunk
+            spec = shard_lib.logical_to_spec((None, "vocab"), shape=p["lm_head"].shape, mesh=mesh)
+            p["lm_head"] = jax.lax.with_sharding_constraint(p["lm_head"], NamedSharding(mesh, spec))
+        return loss_lib.chunked_loss_sums(p, draft_cfg, th, loss_cfg, loss_chunk, constrain=pin)
+    return sums
+
+
+def accumulate(one: Callable, xs):
+    """Sum of ``one(*x) -> (grads, sums)`` over the leading (micro-batch) axis of ``xs``."""
+    if jax.tree.leaves(xs)[0].shape[0] == 1:  # no accumulation loop to compile
+        return one(*jax.tree.map(lambda x: x[0], xs))
+    first = jax.tree.map(lambda x: x[0], xs)
+    zeros = jax.tree.map(lambda sd: jnp.zeros(sd.shape, sd.dtype), jax.eval_shape(one, *first))
+
+    def micro(carry, x):
+        return jax.tree.map(jnp.add, carry, one(*x)), None
+    return jax.lax.scan(micro, zeros, xs)[0]
+
+
+def apply_update(optimizer: optax.GradientTransformation, state: TrainState, grads, loss, rng):
+    """(next state, finite []): the optimizer update, applied only if loss and gradients are finite."""
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+    finite = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
+    keep_new = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    return TrainState(state.step + 1, keep_new(new_params, state.params),
+                      keep_new(opt_state, state.opt_state), rng), finite
+
+
 def build_train_step(draft_cfg: DraftConfig, loss_cfg: LossConfig, optimizer: optax.GradientTransformation,
                      schedule: Callable, *, target_cfg: TargetConfig | None = None,
                      compute_dtype=jnp.float32, remat: bool | str = False, loss_chunk: int = 0,
@@ -111,90 +207,31 @@ def build_train_step(draft_cfg: DraftConfig, loss_cfg: LossConfig, optimizer: op
     (``activation_constraint``). With all three off the step is ``training_forward``
     + ``loss_sums`` exactly as before.
     """
+    _check_memory_options(remat, loss_chunk)
     objective = make_loss_terms(loss_cfg)
-    g = draft_cfg.block_size
-    if not isinstance(loss_chunk, int) or isinstance(loss_chunk, bool) or loss_chunk < 0:
-        raise ConfigError(f"loss_chunk={loss_chunk!r} must be an int >= 0 (0: no chunking)")
-    if remat not in (True, False, None) and remat not in REMAT_MODES:
-        raise ConfigError(f"remat={remat!r} must be one of {REMAT_MODES}")
     pin = activation_constraint(mesh)
-    plain = remat in (False, None, "none") and loss_chunk == 0 and pin is None
+    features = make_features(draft_cfg, target_cfg, compute_dtype, pin)
+    loss_sums = make_loss_sums(draft_cfg, loss_cfg, compute_dtype, remat, loss_chunk, mesh, pin)
 
     def step(state: TrainState, frozen: dict, target_params, batch: dict):
-        ids = batch["input_ids"]
-        a, bm, s = ids.shape
-        rng, k_anchor = jax.random.split(state.rng)
-        k_anchor = jax.random.fold_in(k_anchor, state.step)
-        flat_ids = ids.reshape(a * bm, s)
-        flat_lm = batch["loss_mask"].reshape(a * bm, s)
-        anchors, keep = batch_lib.sample_anchors(k_anchor, flat_lm, draft_cfg.num_anchors)
-        _, eval_mask, _ = batch_lib.block_targets(flat_ids, flat_lm, anchors, keep, g)
-        den = loss_lib.decay_weights(eval_mask, loss_cfg.loss_decay_gamma).sum() + loss_lib.EPS
-        anchors = anchors.reshape(a, bm, -1)
-        keep = keep.reshape(a, bm, -1)
+        check_batch(batch, draft_cfg, online=target_cfg is not None)
+        rng, anchors, keep, den, tokens = global_anchors(state, batch, draft_cfg, loss_cfg)
 
         def one(mb, anc, kp):
             """(grads, sums) of one micro-batch; grads already divided by the global denominator."""
-            if target_cfg is not None:
-                feats, last = target_features(target_params, target_cfg, draft_cfg.target_layer_ids,
-                                              mb["input_ids"], compute_dtype)
-                if pin is not None:
-                    feats, last = pin(feats), pin(last)
-            else:
-                feats, last = mb["features"], mb["last_hidden"]
+            feats, last = features(target_params, mb)
 
             def loss_fn(tp):
-                if plain:
-                    fwd = draft_model.training_forward(
-                        merge_params(tp, frozen), draft_cfg, mb["input_ids"], feats, mb["loss_mask"], anc, kp,
-                        last, compute_dtype=compute_dtype)
-                    sums = loss_lib.loss_sums(fwd, loss_cfg)
-                else:
-                    p = draft_model.cast_params(merge_params(tp, frozen), compute_dtype)
-                    th = draft_model.training_hidden(p, draft_cfg, mb["input_ids"], feats, mb["loss_mask"], anc,
-                                                     kp, last, compute_dtype=compute_dtype, remat=remat,
-                                                     constrain=pin)
-                    if mesh is not None and loss_chunk:  # gather the LM head once, not once per chunk
-                        spec = shard_lib.logical_to_spec((None, "vocab"), shape=p["lm_head"].shape, mesh=mesh)
-                        p["lm_head"] = jax.lax.with_sharding_constraint(p["lm_head"], NamedSharding(mesh, spec))
-                    sums = loss_lib.chunked_loss_sums(p, draft_cfg, th, loss_cfg, loss_chunk, constrain=pin)
+                sums = loss_sums(tp, frozen, mb, feats, last, anc, kp)
                 return objective(sums) / den, sums
-
             (_, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
             return grads, sums
 
-        def micro(carry, xs):
-            grads, sums = one(*xs)
-            return jax.tree.map(jnp.add, carry, (grads, sums)), None
-
-        xs = ({k: v for k, v in batch.items() if k != "index"}, anchors, keep)
-        if a == 1:  # no accumulation loop to compile
-            grads, sums = one(*jax.tree.map(lambda x: x[0], xs))
-        else:
-            first = jax.tree.map(lambda x: x[0], xs)
-            zeros = jax.tree.map(lambda sd: jnp.zeros(sd.shape, sd.dtype), jax.eval_shape(one, *first))
-            (grads, sums), _ = jax.lax.scan(micro, zeros, xs)
+        grads, sums = accumulate(one, ({k: v for k, v in batch.items() if k != "index"}, anchors, keep))
         loss, metrics = loss_lib.finalize(sums, loss_cfg)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        new_params = optax.apply_updates(state.params, updates)
-        finite = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
-        keep_new = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-        new_state = TrainState(state.step + 1, keep_new(new_params, state.params),
-                               keep_new(opt_state, state.opt_state), rng)
+        new_state, finite = apply_update(optimizer, state, grads, loss, rng)
         metrics = dict(metrics, grad_norm=optax.tree.norm(grads), learning_rate=schedule(state.step),
-                       loss_weight=sums["weight"], tokens=flat_lm.sum(), finite=finite)
+                       loss_weight=sums["weight"], tokens=tokens, finite=finite)
         return new_state, metrics
 
     return step
-
-
-FAST_COMPILE_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
-def jit_train_step(step: Callable, mesh: Mesh, state_sh: TrainState, frozen_sh, target_sh, batch_sh,
-                   fast_compile: bool = False):
-    """jax.jit with explicit in/out shardings; the state (arg 0) is donated."""
-    metrics_sh = shard_lib.replicated(mesh)
-    return jax.jit(step, in_shardings=(state_sh, frozen_sh, target_sh, batch_sh),
-                   out_shardings=(state_sh, metrics_sh), donate_argnums=(0,),
-                   compiler_options=FAST_COMPILE_OPTIONS if fast_compile else None)

@@ -19,10 +19,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from dspark_jax import sharding as shard_lib
-from dspark_jax.config import DraftConfig, LossConfig, TargetConfig
+from dspark_jax.config import DraftConfig, TargetConfig
 from dspark_jax.convert import mapping
 from dspark_jax.draft import model as draft_model
 from dspark_jax.target import qwen3
+from dspark_jax.train.config import TrainConfig
+from dspark_jax.train.program import abstract, build_program, compute_dtype
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
@@ -58,8 +60,21 @@ def count_params(shapes_tree) -> int:
 
 
 def reference_param_count(cfg: DraftConfig) -> int:
-    """Parameter count from the PyTorch checkpoint's tensor shapes (SPEC section 11)."""
+    """Parameter count from the PyTorch checkpoint's tensor shapes (every tensor, incl. the frozen
+    embedding and LM head copies)."""
     return int(sum(math.prod(s) for s in mapping.draft_tensor_shapes(cfg).values()))
+
+
+def param_report(draft_cfg: DraftConfig, target_cfg: TargetConfig) -> dict:
+    """Parameter counts of the target and the drafter (all, trainable, and from the reference's
+    tensor shapes) and the drafter's HF config."""
+    full = jax.eval_shape(lambda: draft_model.init_params(draft_cfg, jax.random.PRNGKey(0)))
+    n = count_params(full)
+    frozen = count_params({k: full[k] for k in draft_model.FROZEN_KEYS})
+    target = count_params(jax.eval_shape(lambda: qwen3.init_params(target_cfg, jax.random.PRNGKey(0))))
+    return {"draft": draft_cfg.to_hf(), "target_params": target, "draft_params": n,
+            "draft_trainable_params": n - frozen,
+            "draft_params_from_reference_shapes": reference_param_count(draft_cfg)}
 
 
 def tree_bytes_per_device(tree) -> int:
@@ -92,21 +107,18 @@ def collectives_in(hlo_text: str) -> dict[str, dict[str, int]]:
 
 
 def compile_plan(name: str, fn: Callable, *abstract_args, **jit_kwargs) -> ProgramPlan:
-    """Lower + compile ``jit(fn, **jit_kwargs)`` on abstract args; return its ProgramPlan."""
+    """Lower + compile ``fn`` (jitted with ``jit_kwargs`` unless it is jitted already) on
+    abstract args; return its ProgramPlan."""
     import time
     start = time.perf_counter()
-    compiled = jax.jit(fn, **jit_kwargs).lower(*abstract_args).compile()
+    jitted = fn if hasattr(fn, "lower") else jax.jit(fn, **jit_kwargs)
+    compiled = jitted.lower(*abstract_args).compile()
     seconds = time.perf_counter() - start
     mem = compiled.memory_analysis()
     get = lambda attr: int(getattr(mem, attr, 0) or 0) if mem is not None else 0
     return ProgramPlan(name, get("argument_size_in_bytes"), get("output_size_in_bytes"),
                        get("temp_size_in_bytes"), get("alias_size_in_bytes"),
                        get("generated_code_size_in_bytes"), collectives_in(compiled.as_text()), seconds)
-
-
-def abstract(tree, shardings):
-    """ShapeDtypeStruct tree with shardings attached."""
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
 def abstract_params(cfg, mesh: Mesh, dtype) -> tuple[Any, Any]:
@@ -121,60 +133,23 @@ def abstract_params(cfg, mesh: Mesh, dtype) -> tuple[Any, Any]:
     return abstract(shapes, sh), sh
 
 
-def plan_train_step(draft_cfg: DraftConfig, target_cfg: TargetConfig, mesh: Mesh, *, mode: str,
-                    seq_len: int, micro_batch: int, grad_accum: int = 1, compute_dtype=jnp.bfloat16,
-                    loss_cfg: LossConfig = LossConfig(), remat: bool | str = False, loss_chunk: int = 0,
-                    shard_activations: bool = False) -> tuple[ProgramPlan, dict]:
-    """Compile the sharded train step (``mode`` "online" or "cache") for abstract inputs.
+def plan_train_step(draft_cfg: DraftConfig, target_cfg: TargetConfig, train_cfg: TrainConfig,
+                    mesh: Mesh, *, total_steps: int = 1000) -> tuple[ProgramPlan, dict]:
+    """Compile the sharded train step of ``train_cfg`` (its features mode, batch, compute dtype,
+    loss, optimizer and memory options) on ``mesh`` for abstract inputs; the frozen drafter and
+    target weights are in the compute dtype.
 
-    ``remat``, ``loss_chunk`` and ``shard_activations`` (pass the mesh to the step so it
-    pins activations batch-sharded) are the memory options of ``step.build_train_step``.
-
-    Returns the plan and a dict of per-device state bytes (params, optimizer, frozen, target).
+    Returns the plan and a dict of per-device bytes (params, optimizer, frozen, target, batch).
     """
-    from dspark_jax.train import optim, step as step_lib
-
-    class _OptCfg:  # the optimizer only needs these fields
-        learning_rate, warmup_ratio, adam_b1, adam_b2, adam_eps, weight_decay, grad_clip = (
-            6e-4, 0.04, 0.9, 0.999, 1e-8, 0.0, 1.0)
-
-    optimizer, schedule = optim.make_optimizer(_OptCfg, 1000)
-    full_shapes = jax.eval_shape(lambda: draft_model.init_params(draft_cfg, jax.random.PRNGKey(0), jnp.float32))
-    trainable, frozen = optim.split_params(full_shapes)
-    frozen = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, compute_dtype), frozen)
-    axes_t, axes_f = optim.split_params(draft_model.param_axes(draft_cfg))
-    state_shapes = jax.eval_shape(lambda p: step_lib.init_state(p, optimizer, 0), trainable)
-    state_sh = step_lib.state_shardings(state_shapes, axes_t, mesh, optimizer)
-    frozen_sh = shard_lib.param_shardings(axes_f, mesh, frozen)
-    if mode == "online":
-        target_abs, target_sh = abstract_params(target_cfg, mesh, compute_dtype)
-    elif mode == "cache":
-        target_abs, target_sh = None, None
-    else:
-        raise ValueError(f"mode={mode!r} must be 'online' or 'cache'")
-    batch = {"input_ids": jax.ShapeDtypeStruct((grad_accum, micro_batch, seq_len), jnp.int32),
-             "loss_mask": jax.ShapeDtypeStruct((grad_accum, micro_batch, seq_len), jnp.float32)}
-    if mode == "cache":
-        h = target_cfg.hidden_size
-        batch["features"] = jax.ShapeDtypeStruct((grad_accum, micro_batch, seq_len,
-                                                  draft_cfg.num_context_features * h), compute_dtype)
-        batch["last_hidden"] = jax.ShapeDtypeStruct((grad_accum, micro_batch, seq_len, h), compute_dtype)
-    batch_sh = step_lib.batch_shardings(mesh, batch)
-    fn = step_lib.build_train_step(draft_cfg, loss_cfg, optimizer, schedule,
-                                   target_cfg=target_cfg if mode == "online" else None,
-                                   compute_dtype=compute_dtype, remat=remat, loss_chunk=loss_chunk,
-                                   mesh=mesh if shard_activations else None)
-    args = (abstract(state_shapes, state_sh), abstract(frozen, frozen_sh),
-            target_abs, abstract(batch, batch_sh))
-    plan = compile_plan(f"train_step[{mode}]", fn, *args,
-                        in_shardings=(state_sh, frozen_sh, target_sh, batch_sh),
-                        out_shardings=(state_sh, shard_lib.replicated(mesh)), donate_argnums=(0,))
-    state_abs = args[0]
-    sizes = {"params_bytes": tree_bytes_per_device(state_abs.params),
-             "optimizer_bytes": tree_bytes_per_device(state_abs.opt_state),
-             "frozen_bytes": tree_bytes_per_device(args[1]),
-             "target_bytes": tree_bytes_per_device(target_abs) if target_abs is not None else 0,
-             "batch_bytes": tree_bytes_per_device(args[3])}
+    dtype = compute_dtype(train_cfg)
+    program = build_program(draft_cfg, target_cfg, train_cfg, mesh, total_steps=total_steps,
+                            weights_dtype=dtype, feature_dtype=dtype)
+    plan = compile_plan(f"train_step[{train_cfg.features}]", program.step, *program.abstract_args)
+    sizes = {"params_bytes": tree_bytes_per_device(program.state.params),
+             "optimizer_bytes": tree_bytes_per_device(program.state.opt_state),
+             "frozen_bytes": tree_bytes_per_device(program.frozen),
+             "target_bytes": tree_bytes_per_device(program.target) if program.online else 0,
+             "batch_bytes": tree_bytes_per_device(program.batch)}
     return plan, sizes
 
 

@@ -1,0 +1,52 @@
+"""`dspark-jax export DRAFT DST --engine ...`: a drafter checkpoint a serving engine loads unchanged."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+HELP = "write a drafter the way vLLM / SGLang / sglang-jax / DeepSpec load it (or say why not)"
+DESCRIPTION = """\
+Export a drafter (dspark-jax or Hugging Face format) for one serving engine:
+
+  deepspec    the PyTorch reference (Qwen3DSparkModel.from_pretrained)
+  vllm        --speculative-config '{"method": "dspark", "model": DST}'
+  sglang      --speculative-algorithm DSPARK --speculative-draft-model-path DST
+  sglang-jax  --speculative-algorithm DSPARK --speculative-draft-model-path DST
+
+The engine's load rules (read from its loader code; see dspark_jax/convert/engines.py) are
+checked first: a drafter it cannot load is refused with the rule that fails, and nothing is
+written. The export carries the config fields that engine reads (architectures,
+target_layer_ids and dflash_config.target_layer_ids, n_predict, mask_token_id), weight files
+readable by every user (0644), and beside them SGLang's STS calibration (dspark_sts.json, when
+the drafter carries STS temperatures from `calibrate --write-draft`) and SPS table
+(dspark_sps.json, from --sps FILE written by `profile-sps`). Written atomically; an existing
+DST is refused unless --force.
+"""
+
+
+def register(subparsers) -> None:
+    from dspark_jax.convert.engines import ENGINES
+
+    p = subparsers.add_parser("export", help=HELP, description=DESCRIPTION,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("draft", metavar="DRAFT", help="drafter checkpoint directory (either format)")
+    p.add_argument("dst", metavar="DST", help="output directory (must not exist unless --force)")
+    p.add_argument("--engine", required=True, choices=ENGINES, help="serving engine to export for")
+    p.add_argument("--sps", default=None, metavar="FILE",
+                   help="profile-sps JSON (batch_sizes, sps): written as the SGLang SPS table")
+    p.add_argument("--force", action="store_true", help="replace DST if it exists")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from dspark_jax.convert import engines
+
+    summary = engines.export_draft(args.draft, args.dst, args.engine, force=args.force, sps=args.sps)
+    print(f"wrote {args.engine} drafter ({summary['architecture']}, {summary['tensors']} tensors, "
+          f"{summary['bytes']} bytes{', ' + ', '.join(summary['sidecars']) if summary['sidecars'] else ''}) "
+          f"to {summary['dst']}")
+    for w in summary["warnings"]:
+        print(f"note: {w}")
+    print(json.dumps(summary))
+    return 0

@@ -1,0 +1,80 @@
+"""`dspark-jax inspect CKPT`: what a drafter is and which serving engines can load it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+HELP = "summarise a drafter checkpoint and which serving engines load it (and why not)"
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("inspect", help=HELP, description=HELP,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("ckpt", metavar="CKPT", help="drafter checkpoint directory (either format)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.set_defaults(func=run)
+
+
+def describe_draft(path) -> dict:
+    """JSON-able summary: family, head, layer ids, block size, tensors, sidecars, engines."""
+    from pathlib import Path
+
+    import numpy as np
+
+    from dspark_jax.convert import checkpoint, engines, mapping
+
+    p = Path(path)
+    cfg, params = checkpoint.load_draft(p)
+    f = engines.facts(cfg)
+    shapes = mapping.draft_tensor_shapes(cfg)
+    itemsize = np.dtype(next(iter(_leaves(params))).dtype).itemsize
+    nbytes = int(sum(int(np.prod(s)) for s in shapes.values()) * itemsize)
+    extras = checkpoint.read_extras(p)
+    sidecars = {}
+    if extras.get("sts_temperatures") is not None:
+        sidecars["sts_temperatures"] = [round(float(t), 4) for t in extras["sts_temperatures"]]
+    for name in (engines.STS_FILE, engines.SPS_FILE):
+        if (p / name).is_file():
+            sidecars[name] = str(p / name)
+    per_engine = {}
+    for engine in engines.ENGINES:
+        why = engines.check(cfg, engine)
+        notes = [w for rule, w in engines.violations(cfg, engine, "warning")]
+        per_engine[engine] = {"loadable": why is None, "why_not": why, "notes": notes}
+    return {"path": str(p), "format": checkpoint.detect_format(p), "family": f.family,
+            "head": f.head, "markov_rank": f.markov_rank, "confidence_head": f.enable_confidence_head,
+            "target_layer_ids": list(f.target_layer_ids), "num_target_layers": f.num_target_layers,
+            "block_size": f.block_size, "mask_token_id": f.mask_token_id,
+            "draft_layers": cfg.num_hidden_layers, "tensors": len(shapes), "bytes": nbytes,
+            "sidecars": sidecars, "engines": per_engine}
+
+
+def _leaves(tree):
+    import jax
+    return jax.tree.leaves(tree)
+
+
+def run(args) -> int:
+    info = describe_draft(args.ckpt)
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    print(f"{info['path']}  ({info['format']} format)")
+    print(f"  family {info['family']}, head {info['head']} (markov_rank {info['markov_rank']}), "
+          f"confidence head {'yes' if info['confidence_head'] else 'no'}")
+    print(f"  target layers {info['target_layer_ids']} of {info['num_target_layers']}, "
+          f"block size {info['block_size']}, mask token {info['mask_token_id']}, "
+          f"{info['draft_layers']} drafter layers")
+    print(f"  {info['tensors']} tensors, {info['bytes']} bytes")
+    if info["sidecars"]:
+        for k, v in info["sidecars"].items():
+            print(f"  {k}: {v}")
+    else:
+        print("  no STS / SPS sidecars")
+    for engine, e in info["engines"].items():
+        status = "loadable" if e["loadable"] else f"NOT loadable: {e['why_not']}"
+        print(f"  {engine:<11} {status}")
+        for note in e["notes"]:
+            print(f"  {'':<11} note: {note}")
+    return 0

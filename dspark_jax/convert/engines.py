@@ -1,0 +1,473 @@
+"""What each serving engine loads, as data: load rules, config transforms and sidecar files.
+
+Every rule names the engine file it was read from (read 2026-11 via the code search tools;
+see also /work/shared/reference/SERVING.md). A rule is a predicate over ``DraftFacts`` (the
+family-independent facts of a drafter config) that returns ``None`` when the engine can load
+the drafter, else one line saying why not.
+
+Engines: ``deepspec`` (the PyTorch reference), ``vllm``, ``sglang``, ``sglang-jax``.
+Families: ``qwen3`` (tested) and ``gemma4`` (rules recorded from the engines' code, untested
+until the Gemma4 drafter lands: it plugs in by exposing ``family == "gemma4"`` and, where
+known, ``attention_k_eq_v`` on its config).
+
+``serving_warnings(draft_cfg, engines)`` is what `train` prints at start-up (config key
+``serve_engines``); ``check(draft_cfg, engine)`` is what `export` / `inspect` refuse on;
+``export_config(hf, draft_cfg, engine)`` rewrites a drafter's config.json for an engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, Sequence
+
+from dspark_jax.errors import ConfigError
+
+ENGINES = ("deepspec", "vllm", "sglang", "sglang-jax")
+
+# architectures[0] each engine selects its DSpark drafter class by, per family.
+ARCHITECTURES: dict[str, dict[str, str]] = {
+    # DeepSpec deepspec/modeling/dspark/{qwen3,gemma4}/config.py (our own save format).
+    "deepspec": {"qwen3": "Qwen3DSparkModel", "gemma4": "Gemma4DSparkModel"},
+    # vllm/model_executor/models/qwen3_dspark.py (Qwen3DSparkForCausalLM) and
+    # gemma4_dspark.py, registered by architecture name (SERVING.md: registry).
+    "vllm": {"qwen3": "Qwen3DSparkModel", "gemma4": "Gemma4DSparkModel"},
+    # python/sglang/srt/models/dspark.py: EntryClass = [Qwen3DSparkModel] (Qwen3 only).
+    "sglang": {"qwen3": "Qwen3DSparkModel"},
+    # python/sgl_jax/srt/models/dspark.py (sglang-jax PR #1632; not in our 2026-08 snapshot,
+    # per SERVING.md; its DFlash path in that snapshot is Qwen3): Qwen3 only.
+    "sglang-jax": {"qwen3": "Qwen3DSparkModel"},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftFacts:
+    """The facts of a drafter the engines' loaders look at (any family)."""
+
+    family: str
+    markov_rank: int
+    markov_head_type: str
+    enable_confidence_head: bool
+    confidence_head_with_markov: bool
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+    block_size: int
+    mask_token_id: int
+    vocab_size: int
+    attention_k_eq_v: bool | None = None  # Gemma4 only; None = unknown
+
+    @property
+    def head(self) -> str:
+        """'vanilla' | 'gated' | 'rnn' | 'dflash' (markov_rank 0)."""
+        return self.markov_head_type if self.markov_rank > 0 else "dflash"
+
+
+def family_of(cfg) -> str:
+    """'qwen3' / 'gemma4' from a drafter config (``cfg.family`` if it has one)."""
+    fam = getattr(cfg, "family", None)
+    if fam:
+        return str(fam).lower()
+    arch = (cfg.to_hf().get("architectures") or [""])[0] if hasattr(cfg, "to_hf") else ""
+    return "gemma4" if arch.lower().startswith("gemma4") else "qwen3"
+
+
+def facts(cfg) -> DraftFacts:
+    """DraftFacts of a drafter config object (DraftConfig or a family's equivalent)."""
+    return DraftFacts(
+        family=family_of(cfg),
+        markov_rank=int(cfg.markov_rank),
+        markov_head_type=str(getattr(cfg, "markov_head_type", "vanilla")),
+        enable_confidence_head=bool(cfg.enable_confidence_head),
+        confidence_head_with_markov=bool(getattr(cfg, "confidence_head_with_markov", False)),
+        target_layer_ids=tuple(int(i) for i in cfg.target_layer_ids),
+        num_target_layers=int(cfg.num_target_layers),
+        block_size=int(cfg.block_size),
+        mask_token_id=int(cfg.mask_token_id),
+        vocab_size=int(cfg.vocab_size),
+        attention_k_eq_v=getattr(cfg, "attention_k_eq_v", None),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One load rule of one engine: ``test(facts)`` -> None (ok) or the reason it fails."""
+
+    engine: str
+    name: str
+    source: str
+    test: Callable[[DraftFacts], str | None]
+    families: tuple[str, ...] = ("qwen3", "gemma4")
+    severity: str = "error"  # "error": the engine refuses; "warning": loads but degrades
+
+
+def _family_supported(engine: str) -> Callable[[DraftFacts], str | None]:
+    def test(f: DraftFacts):
+        if f.family not in ARCHITECTURES[engine]:
+            return (f"{engine} has no {f.family} DSpark drafter class "
+                    f"(supported: {sorted(ARCHITECTURES[engine])})")
+        return None
+    return test
+
+
+def _markov_rank_positive(engine: str, why: str):
+    def test(f: DraftFacts):
+        return None if f.markov_rank > 0 else f"{engine} needs markov_rank > 0 ({why}); this is a DFlash twin"
+    return test
+
+
+def _vanilla_only(engine: str):
+    def test(f: DraftFacts):
+        if f.markov_rank > 0 and f.markov_head_type != "vanilla":
+            return (f"{engine} loads only the vanilla Markov head; the {f.markov_head_type} head's "
+                    f"extra tensors (markov_head.{'gate_proj' if f.markov_head_type == 'gated' else 'joint_proj'}.*) "
+                    "are refused")
+        return None
+    return test
+
+
+def _no_embedding_tap(engine: str):
+    def test(f: DraftFacts):
+        if -1 in f.target_layer_ids:
+            return (f"{engine} cannot tap target layer id -1 (the embedding output): it captures the "
+                    "residual stream at id+1 and adds a residual that does not exist before layer 0")
+        return None
+    return test
+
+
+def _capture_in_range(engine: str):
+    def test(f: DraftFacts):
+        bad = [i for i in f.target_layer_ids if not 0 <= i <= f.num_target_layers - 2]
+        if bad:
+            return (f"{engine} captures target layer id+1, so every id must be in "
+                    f"[0, {f.num_target_layers - 2}]; got {bad}")
+        return None
+    return test
+
+
+def _capture_in_range_or_embedding(engine: str):
+    def test(f: DraftFacts):
+        bad = [i for i in f.target_layer_ids if not -1 <= i <= f.num_target_layers - 2]
+        if bad:
+            return (f"{engine} captures target layer id+1, so every id must be in "
+                    f"[-1, {f.num_target_layers - 2}]; got {bad}")
+        return None
+    return test
+
+
+def _needs_confidence_head(f: DraftFacts):
+    if not f.enable_confidence_head:
+        return ("sglang builds the confidence head whatever enable_confidence_head says and refuses a "
+                "checkpoint without confidence_head.proj.* (unless its static verify mode is chosen)")
+    return None
+
+
+def _mask_in_vocab(f: DraftFacts):
+    if not 0 <= f.mask_token_id < f.vocab_size:
+        return f"sglang needs mask_token_id < target vocab ({f.mask_token_id} >= {f.vocab_size})"
+    return None
+
+
+def _gemma4_k_eq_v(f: DraftFacts):
+    if f.family == "gemma4" and f.attention_k_eq_v is False:
+        return "vllm's Gemma4 DSpark loader requires k = v on every layer (attention_k_eq_v)"
+    return None
+
+
+def _gemma4_drops_confidence(f: DraftFacts):
+    if f.family == "gemma4" and f.enable_confidence_head:
+        return "vllm's Gemma4 DSpark loader drops the confidence head (adaptive verification off)"
+    return None
+
+
+def _vllm_drops_missing_confidence(f: DraftFacts):
+    if not f.enable_confidence_head:
+        return "vllm runs without a confidence head: adaptive verification / STS are unavailable"
+    return None
+
+
+def _ignored_confidence(engine: str):
+    def test(f: DraftFacts):
+        if f.enable_confidence_head:
+            return f"{engine} ignores the confidence head (greedy, fixed-width verification)"
+        return None
+    return test
+
+
+RULES: tuple[Rule, ...] = (
+    # ---------------------------------------------------------------- deepspec (reference)
+    Rule("deepspec", "family", "deepspec/modeling/dspark/{qwen3,gemma4}/modeling.py",
+         _family_supported("deepspec")),
+    # ---------------------------------------------------------------- vLLM
+    Rule("vllm", "family", "vllm/model_executor/models/qwen3_dspark.py, gemma4_dspark.py",
+         _family_supported("vllm")),
+    # Qwen3DSparkModel.__init__ builds DSparkMarkovHead(vocab, draft_vocab, markov_rank)
+    # unconditionally; markov_w1/markov_w2 must be in the checkpoint.
+    Rule("vllm", "markov_rank>0", "vllm/model_executor/models/qwen3_dspark.py (Qwen3DSparkModel)",
+         _markov_rank_positive("vllm", "Qwen3DSparkModel always builds markov_head.markov_w1/w2")),
+    # Qwen3DSparkForCausalLM.load_weights -> AutoWeightsLoader: any tensor without a module
+    # (markov_head.gate_proj.*, markov_head.joint_proj.*) raises.
+    Rule("vllm", "vanilla-markov", "vllm/model_executor/models/qwen3_dspark.py (load_weights)",
+         _vanilla_only("vllm")),
+    # Aux hidden states are captured before layer id+1 as hidden_states + residual, and the
+    # residual is None before layer 0 (vllm/model_executor/models/interfaces.py
+    # EagleModelMixin._maybe_add_hidden_state; qwen2.py/qwen3 forward), so id -1 fails.
+    Rule("vllm", "no-layer-id-minus-1", "vllm/model_executor/models/interfaces.py "
+         "(_maybe_add_hidden_state); vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py",
+         _no_embedding_tap("vllm")),
+    Rule("vllm", "gemma4-k-eq-v", "vllm/model_executor/models/gemma4_dspark.py",
+         _gemma4_k_eq_v, families=("gemma4",)),
+    Rule("vllm", "gemma4-no-confidence", "vllm/model_executor/models/gemma4_dspark.py",
+         _gemma4_drops_confidence, families=("gemma4",), severity="warning"),
+    # load_weights: confidence_head optional -> set to None when absent.
+    Rule("vllm", "confidence-optional", "vllm/model_executor/models/qwen3_dspark.py (load_weights)",
+         _vllm_drops_missing_confidence, severity="warning"),
+    # ---------------------------------------------------------------- SGLang
+    Rule("sglang", "family", "python/sglang/srt/models/dspark.py (EntryClass)",
+         _family_supported("sglang")),
+    # DSparkDraftMixin.__init__ / build_markov_head and dspark_config.resolve_runtime_config.
+    Rule("sglang", "markov_rank>0", "python/sglang/srt/models/dspark.py (build_markov_head); "
+         "speculative/dspark_components/dspark_config.py (resolve_runtime_config)",
+         _markov_rank_positive("sglang", "the DFlash twin is not a DSPARK checkpoint")),
+    # dflash_utils.DFlashDraftConfig.resolve_target_layer_ids rejects ids < 0; models/qwen3.py
+    # set_dflash_layers_to_capture captures at id+1 and its forward appends
+    # hidden_states + residual (None before layer 0).
+    Rule("sglang", "no-layer-id-minus-1", "python/sglang/srt/speculative/dflash_utils.py "
+         "(resolve_target_layer_ids)", _no_embedding_tap("sglang")),
+    Rule("sglang", "capture-in-range", "python/sglang/srt/models/qwen3.py "
+         "(set_dflash_layers_to_capture, id+1)", _capture_in_range("sglang")),
+    # build_confidence_head ignores enable_confidence_head; _load_confidence_weights raises on
+    # missing confidence_head.* tensors.
+    Rule("sglang", "confidence-head-present", "python/sglang/srt/models/dspark.py "
+         "(build_confidence_head, _load_confidence_weights)", _needs_confidence_head),
+    Rule("sglang", "mask-in-vocab", "python/sglang/srt/speculative/dspark_components/dspark_config.py "
+         "(resolve_runtime_config)", _mask_in_vocab),
+    # ---------------------------------------------------------------- sglang-jax
+    Rule("sglang-jax", "family", "python/sgl_jax/srt/models/dspark.py (SERVING.md)",
+         _family_supported("sglang-jax")),
+    Rule("sglang-jax", "markov_rank>0", "python/sgl_jax/srt/models/dspark.py (SERVING.md)",
+         _markov_rank_positive("sglang-jax", "its DSpark worker runs the vanilla Markov head")),
+    Rule("sglang-jax", "vanilla-markov", "python/sgl_jax/srt/models/dspark.py (SERVING.md: "
+         "vanilla Markov head only)", _vanilla_only("sglang-jax")),
+    # python/sgl_jax/srt/models/qwen3.py: set_dflash_layers_to_capture captures at id+1 and
+    # handles a None residual (so -1, the embedding output, works); a capture point >= N is
+    # never reached (features silently missing), so ids must be <= N-2.
+    Rule("sglang-jax", "capture-in-range", "python/sgl_jax/srt/models/qwen3.py "
+         "(set_dflash_layers_to_capture, forward)", _capture_in_range_or_embedding("sglang-jax")),
+    # python/sgl_jax/srt/speculative/dflash_util.py parse_dflash_draft_config: block_size > 1.
+    Rule("sglang-jax", "block_size>1", "python/sgl_jax/srt/speculative/dflash_util.py "
+         "(parse_dflash_draft_config)", lambda f: None if f.block_size > 1 else
+         f"sglang-jax needs block_size > 1, got {f.block_size}"),
+    Rule("sglang-jax", "confidence-ignored", "python/sgl_jax/srt/speculative/dspark_worker.py "
+         "(SERVING.md)", _ignored_confidence("sglang-jax"), severity="warning"),
+)
+
+
+def _engine(engine: str) -> str:
+    if engine not in ENGINES:
+        raise ConfigError(f"engine {engine!r} is unknown; expected one of {list(ENGINES)}")
+    return engine
+
+
+def rules_for(engine: str, family: str | None = None) -> list[Rule]:
+    """The rules of ``engine`` (those that apply to ``family`` when given)."""
+    _engine(engine)
+    return [r for r in RULES if r.engine == engine and (family is None or family in r.families)]
+
+
+def violations(cfg, engine: str, severity: str = "error") -> list[tuple[Rule, str]]:
+    """(rule, reason) for every ``severity`` rule of ``engine`` that ``cfg`` breaks."""
+    f = cfg if isinstance(cfg, DraftFacts) else facts(cfg)
+    out = []
+    for rule in rules_for(engine, f.family):
+        if rule.severity != severity:
+            continue
+        why = rule.test(f)
+        if why:
+            out.append((rule, why))
+    return out
+
+
+def check(cfg, engine: str) -> str | None:
+    """None when ``engine`` loads this drafter, else one line naming the first violated rule."""
+    bad = violations(cfg, engine)
+    if not bad:
+        return None
+    rule, why = bad[0]
+    return f"{engine} rule '{rule.name}' ({rule.source}): {why}"
+
+
+def serving_warnings(draft_cfg, engines: Sequence[str]) -> list[str]:
+    """Start-up warnings for `train`: one line per engine rule the configured drafter breaks.
+
+    ``engines`` is the train config's ``serve_engines`` (e.g. ["vllm", "sglang"]); [] -> [].
+    """
+    out = []
+    for engine in engines:
+        for rule, why in violations(draft_cfg, engine, "error"):
+            out.append(f"cannot be served by {engine}: {why} [rule '{rule.name}', {rule.source}]")
+        for rule, why in violations(draft_cfg, engine, "warning"):
+            out.append(f"{engine} will load it with a limitation: {why} [{rule.source}]")
+    return out
+
+
+# --------------------------------------------------------------------------- export transforms
+
+# Keys a speculators-format config carries; SGLang refuses a config with
+# speculators_model_type == "dspark" (python/sglang/srt/models/dspark.py, DSparkDraftMixin).
+_FOREIGN_KEYS = ("speculators_model_type", "speculators_config", "speculators_version",
+                 "transformer_layer_config")
+
+
+def export_config(hf: Mapping[str, Any], cfg, engine: str) -> dict:
+    """``hf`` (the drafter's config.json dict) rewritten so ``engine`` loads it unchanged.
+
+    * architectures = [the engine's class name for this family];
+    * target_layer_ids (our convention: decoder-layer outputs) is kept, and mirrored into
+      ``dflash_config.target_layer_ids`` / ``dflash_config.mask_token_id`` (vLLM
+      vllm/config/speculative.py and SGLang dflash_utils.parse_dflash_draft_config read it
+      there first, both in the same convention, +1 internally);
+    * ``n_predict`` = block_size: vLLM takes the number of speculative tokens from it
+      (vllm/config/speculative.py), DSpark drafts block_size tokens per step (sample from anchor);
+    * speculators keys are dropped (SGLang refuses speculators_model_type == "dspark").
+    """
+    _engine(engine)
+    f = facts(cfg)
+    out = {k: v for k, v in hf.items() if k not in _FOREIGN_KEYS}
+    arch = ARCHITECTURES[engine].get(f.family)
+    if arch is None:
+        raise ConfigError(_family_supported(engine)(f))
+    out["architectures"] = [arch]
+    out["target_layer_ids"] = list(f.target_layer_ids)
+    out["block_size"] = f.block_size
+    out["mask_token_id"] = f.mask_token_id
+    if engine != "deepspec":
+        dflash = dict(out.get("dflash_config") or {})
+        dflash.update({"target_layer_ids": list(f.target_layer_ids), "mask_token_id": f.mask_token_id,
+                       "block_size": f.block_size})
+        out["dflash_config"] = dflash
+        out["n_predict"] = f.block_size
+        # qwen3_dspark.py: layer_types full_attention makes the drafter non-causal.
+        out.setdefault("layer_types", ["full_attention"] * int(out.get("num_hidden_layers", 1)))
+    return out
+
+
+# --------------------------------------------------------------------------- SGLang sidecars
+
+STS_FILE = "dspark_sts.json"
+SPS_FILE = "dspark_sps.json"
+
+
+def sts_sidecar(temperatures: Sequence[float], report: Mapping | None = None) -> dict:
+    """SGLang's STS calibration JSON (dspark_components/dspark_sts.py DSparkStsCalibration):
+    temperatures (all > 0), dataset, num_samples, ece_before / ece_after (per position)."""
+    temps = [float(t) for t in temperatures]
+    if not temps or any(t <= 0 for t in temps):
+        raise ConfigError(f"STS temperatures must be a non-empty list of numbers > 0, got {temps}")
+    report = dict(report or {})
+
+    def per_position(which):
+        block = ((report.get("heldout") or {}).get(which) or {}).get("positions") or []
+        return [float(p["ece"]) for p in block if isinstance(p, dict) and "ece" in p]
+
+    return {"temperatures": temps, "dataset": str(report.get("logs") or report.get("dataset") or ""),
+            "num_samples": int(report.get("rounds") or report.get("num_samples") or 0),
+            "ece_before": per_position("before"), "ece_after": per_position("after")}
+
+
+def sps_sidecar(table: Mapping, block_size: int) -> dict:
+    """SGLang's SPS cost table (dspark_components/dspark_sps.py SpsCostTable) from our
+    profile-sps JSON {batch_sizes, sps}: a verify step of B requests holds B * (gamma + 1)
+    tokens (dspark_config.resolve_runtime_config: verify_num_draft_tokens = gamma + 1)."""
+    try:
+        sizes = [int(b) for b in table["batch_sizes"]]
+        sps = [float(s) for s in table["sps"]]
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"SPS table needs lists 'batch_sizes' and 'sps' ({e})") from None
+    if not sizes or len(sizes) != len(sps):
+        raise ConfigError(f"SPS table: batch_sizes ({len(sizes)}) and sps ({len(sps)}) must be "
+                          "non-empty and of equal length")
+    pairs = sorted(zip(sizes, sps))
+    tokens = [b * (block_size + 1) for b, _ in pairs]
+    if tokens != sorted(set(tokens)) or tokens[0] < 1:
+        raise ConfigError(f"SPS table: batch_sizes must be distinct positive ints, got {sizes}")
+    return {"sample_batch_tokens": tokens, "sample_steps_per_sec": [s for _, s in pairs],
+            "max_batch_tokens": tokens[-1]}
+
+
+# --------------------------------------------------------------------------- export
+
+def _read_sps(path) -> dict:
+    import json
+    from pathlib import Path
+
+    from dspark_jax.errors import InputError
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise InputError(f"--sps {str(p)!r} does not exist") from None
+    except (OSError, ValueError) as e:
+        raise InputError(f"--sps {str(p)!r}: cannot parse JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise InputError(f"--sps {str(p)!r}: expected a JSON object with batch_sizes and sps")
+    return data
+
+
+def export_draft(src, dst, engine: str, *, force: bool = False, sps=None) -> dict:
+    """Write drafter ``src`` (either format) to ``dst`` as ``engine`` loads it; returns a summary.
+
+    Refuses (ConfigError naming the violated rule; nothing written) what ``engine`` cannot load.
+    Writes config.json (engine transforms), model.safetensors (mode 0644), the tokenizer files
+    found beside ``src``, and for SGLang-family engines the STS sidecar (when ``src`` carries
+    extras['sts_temperatures']) and the SPS sidecar (when ``sps`` names a profile-sps JSON).
+    """
+    import json
+    import os
+    import shutil
+    from pathlib import Path
+
+    import jax
+    import numpy as np
+
+    from dspark_jax.convert import checkpoint, mapping, safetensors_io
+
+    _engine(engine)
+    src = Path(src)
+    cfg, params = checkpoint.load_draft(src)
+    why = check(cfg, engine)
+    if why:
+        raise ConfigError(f"{src}: cannot export for {why}")
+    extras = checkpoint.read_extras(src)
+    temps = checkpoint.sts_temperatures(src)
+    if temps is not None and len(temps) != cfg.block_size:
+        raise ConfigError(f"{src}: extras['sts_temperatures'] has {len(temps)} entries, block_size "
+                          f"is {cfg.block_size}")
+    sps_table = sps_sidecar(_read_sps(sps), cfg.block_size) if sps is not None else None
+    sts = sts_sidecar(temps, extras.get("sts_report")) if temps is not None else None
+    host = jax.tree.map(np.asarray, params)
+    tensors = mapping.draft_to_torch(cfg, host)
+    hf = export_config(cfg.to_hf(), cfg, engine)
+    dtype = next(iter({np.dtype(t.dtype).name for t in tensors.values()}))
+    hf["dtype"] = hf["torch_dtype"] = dtype
+    if extras:  # as checkpoint.save_draft does: STS temperatures survive a re-export / inspect
+        hf["dspark_jax"] = {"extras": dict(extras)}
+    sidecars = []
+    with checkpoint.atomic_dir(dst, force=force) as tmp:
+        safetensors_io.write_tensors(tmp, tensors)
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+        if sts is not None:
+            (tmp / STS_FILE).write_text(json.dumps(sts, indent=1) + "\n")
+            sidecars.append(STS_FILE)
+        if sps_table is not None:
+            (tmp / SPS_FILE).write_text(json.dumps(sps_table, indent=1) + "\n")
+            sidecars.append(SPS_FILE)
+        for name in checkpoint.SIDECAR_FILES:
+            if (src / name).is_file():
+                shutil.copyfile(src / name, tmp / name)
+        for f in tmp.iterdir():
+            os.chmod(f, 0o644)
+        os.chmod(tmp, 0o755)
+    nbytes = sum(t.nbytes for t in tensors.values())
+    return {"event": "export", "engine": engine, "src": str(src), "dst": str(dst),
+            "architecture": hf["architectures"][0], "tensors": len(tensors), "bytes": int(nbytes),
+            "dtype": dtype, "sidecars": sidecars,
+            "warnings": [w for w in serving_warnings(cfg, [engine]) if "limitation" in w]}

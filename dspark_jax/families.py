@@ -1,0 +1,134 @@
+"""Registry of model families: a checkpoint's ``architectures`` / ``model_type`` -> its Family.
+
+A family (``params.Family``: config class, parameter declaration, forward module, tied-head
+rule) is declared next to its model code as ``FAMILY = params.Family(...)`` and registered
+here by one line in ``_BUILTIN``. Everything that needs to tell models apart (conversion,
+streaming, checkpoint validation, the planner) asks this registry instead of testing
+``isinstance(config, ...)`` or ``kind`` strings.
+
+Adding a family::
+
+    # dspark_jax/target/gemma4.py
+    FAMILY = params.Family(name="gemma4", kind="target",
+                           architectures=("Gemma4ForCausalLM", "Gemma4UnifiedForCausalLM"),
+                           model_types=("gemma4_text", "gemma4_unified_text"),
+                           config_cls=Gemma4Config, declare=declare, forward=__name__,
+                           tied_head=_tied_head, ignored_tensors=("model.vision_tower.",))
+    # dspark_jax/families.py, _BUILTIN:
+    gemma4.FAMILY,
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from dspark_jax import params as params_lib
+from dspark_jax.draft import model as draft_model
+from dspark_jax.errors import CheckpointError, ConfigError
+from dspark_jax.params import Family
+from dspark_jax.target import qwen3
+
+_BUILTIN: tuple[Family, ...] = (
+    qwen3.FAMILY,
+    draft_model.FAMILY,
+)
+
+FAMILIES: dict[str, Family] = {}
+
+
+class UnknownArchitectureError(ConfigError, CheckpointError):
+    """A config.json names an architecture no registered family reads."""
+
+
+def register(family: Family) -> Family:
+    """Add ``family``; its name and architectures must be new."""
+    if family.name in FAMILIES:
+        raise ValueError(f"model family {family.name!r} is already registered")
+    taken = {a: f.name for f in FAMILIES.values() for a in f.architectures}
+    clash = [a for a in family.architectures if a in taken]
+    if clash:
+        raise ValueError(f"architecture {clash[0]!r} of family {family.name!r} is already read by "
+                         f"family {taken[clash[0]]!r}")
+    FAMILIES[family.name] = family
+    return family
+
+
+for _family in _BUILTIN:
+    register(_family)
+
+
+def known_architectures(kind: str | None = None) -> list[str]:
+    return [a for f in FAMILIES.values() if kind in (None, f.kind) for a in f.architectures]
+
+
+def _known() -> str:
+    return (f"known: targets {known_architectures('target')}, "
+            f"drafters {known_architectures('draft')}")
+
+
+def by_name(name: str) -> Family:
+    if name not in FAMILIES:
+        raise ConfigError(f"unknown model family {name!r}; known: {sorted(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def for_hf(hf: Mapping[str, Any], where: str = "config.json") -> Family:
+    """The family of a Hugging Face config dict: ``architectures[0]``, else ``model_type``
+    (a config with ``target_layer_ids`` is a drafter). UnknownArchitectureError (both a
+    ConfigError and a CheckpointError) lists the known architectures."""
+    arch = hf.get("architectures") or []
+    if not isinstance(arch, list):
+        raise ConfigError(f"{where}: field 'architectures' must be a list, got {arch!r}")
+    if arch:
+        for family in FAMILIES.values():
+            if arch[0] in family.architectures:
+                return family
+        raise UnknownArchitectureError(f"{where}: unknown architecture {arch[0]!r} in field "
+                                       f"'architectures'; {_known()}")
+    kind = "draft" if "target_layer_ids" in hf else "target"
+    model_type = hf.get("model_type")
+    for family in FAMILIES.values():
+        if family.kind == kind and model_type in family.model_types:
+            return family
+    raise UnknownArchitectureError(f"{where}: no field 'architectures' and unknown {kind} model_type "
+                                   f"{model_type!r}; {_known()}")
+
+
+def for_config(config) -> Family:
+    """The family whose config class ``config`` is (the most derived registered class wins)."""
+    for cls in type(config).__mro__:
+        found = [f for f in FAMILIES.values() if f.config_cls is cls]
+        if len(found) == 1:
+            return found[0]
+        if len(found) > 1:
+            name = getattr(config, "family", None)
+            for f in found:
+                if f.name == name:
+                    return f
+            raise ConfigError(f"{type(config).__name__} is the config of families "
+                              f"{[f.name for f in found]}; set its 'family' field")
+    raise ConfigError(f"{type(config).__name__} is not the config class of a registered model "
+                      f"family; known: {sorted(FAMILIES)}")
+
+
+def declare(config) -> dict:
+    """``{path: ParamSpec}`` of ``config``'s model."""
+    return for_config(config).declare(config)
+
+
+def abstract_params(config, mesh, dtype, rules=None) -> tuple[Any, Any]:
+    """(abstract params with shardings, shardings) for any registered config (the planner's
+    ``plan.abstract_params``, derived from the declaration)."""
+    return params_lib.planned(declare(config), mesh, dtype, rules)
+
+
+def check_pair(draft_config, target_config) -> None:
+    """ConfigError unless the drafter's family reads the target's family (e.g. a Gemma4
+    drafter on a Qwen3 target), before anything compiles."""
+    d, t = for_config(draft_config), for_config(target_config)
+    if d.kind != "draft" or t.kind != "target":
+        raise ConfigError(f"expected a drafter and a target, got a {d.kind} ({d.name}) and a "
+                          f"{t.kind} ({t.name})")
+    if d.pairs_with != t.name:
+        raise ConfigError(f"drafter family {d.name!r} reads {d.pairs_with!r} targets, not "
+                          f"{t.name!r} ({t.architectures[0]})")

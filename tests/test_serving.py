@@ -1,0 +1,438 @@
+"""Exports for serving engines: each engine's load rules, checked by an independent checker.
+
+The checkers below are written from the engines' own loader code (file named on each
+checker), not from dspark_jax/convert/engines.py; the test asserts the two agree for every
+head type x engine, that a hand-broken export fails each checker rule, and that weight files
+are 0644.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from dspark_jax.cli import main as cli_main
+from dspark_jax.config import DraftConfig
+from dspark_jax.convert import checkpoint, engines, mapping, safetensors_io
+from dspark_jax.draft import model
+from dspark_jax.errors import ConfigError
+
+TINY = Path(__file__).parent / "fixtures" / "dspark_qwen3_tiny"
+HEADS = ("vanilla", "gated", "rnn", "dflash", "no_confidence")
+QWEN3_LAYER = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+               "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+               "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+               "input_layernorm.weight", "post_attention_layernorm.weight")
+
+
+class Refused(AssertionError):
+    pass
+
+
+def need(cond, why):
+    if not cond:
+        raise Refused(why)
+
+
+# --------------------------------------------------------------------------- export reading
+
+def read_export(d: Path):
+    hf = json.loads((d / "config.json").read_text())
+    with safe_open(str(d / "model.safetensors"), framework="np") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    return hf, shapes
+
+
+def tapped_ids(hf):
+    """The engines' resolution: dflash_config.target_layer_ids first, then target_layer_ids."""
+    return list((hf.get("dflash_config") or {}).get("target_layer_ids", hf.get("target_layer_ids")))
+
+
+def check_files_readable(d: Path):
+    for f in d.iterdir():
+        need(stat.S_IMODE(f.stat().st_mode) & 0o044 == 0o044, f"{f.name} is not world-readable")
+
+
+def check_backbone(hf, shapes, engine):
+    h, n_layers = hf["hidden_size"], hf["num_hidden_layers"]
+    for k in ("fc.weight", "hidden_norm.weight", "norm.weight"):
+        need(k in shapes, f"{engine}: missing {k}")
+    need(shapes["fc.weight"] == (h, len(tapped_ids(hf)) * h), f"{engine}: fc.weight shape")
+    for i in range(n_layers):
+        for s in QWEN3_LAYER:
+            need(f"layers.{i}.{s}" in shapes, f"{engine}: missing layers.{i}.{s}")
+
+
+def checker_vllm(d: Path):
+    """vllm/model_executor/models/qwen3_dspark.py (Qwen3DSparkModel, load_weights via
+    AutoWeightsLoader: unknown tensors raise), vllm/config/speculative.py (architecture,
+    tapped layers +1, n_predict), eagle3_utils.py (aux capture adds the residual: no -1)."""
+    check_files_readable(d)
+    hf, shapes = read_export(d)
+    need("Qwen3DSparkModel" in hf.get("architectures", []), "vllm: architectures lacks Qwen3DSparkModel")
+    for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "intermediate_size", "vocab_size", "mask_token_id", "markov_rank"):
+        need(k in hf, f"vllm: config lacks {k}")
+    need(hf.get("n_predict") == hf["block_size"], "vllm: n_predict missing (num_speculative_tokens)")
+    aux = [i + 1 for i in tapped_ids(hf)]
+    need(min(aux) >= 1, "vllm: aux capture point 0 (layer id -1) has no residual")
+    v, h, r = hf["vocab_size"], hf["hidden_size"], hf["markov_rank"]
+    need(r > 0, "vllm: DSparkMarkovHead is always built (markov_rank > 0)")
+    check_backbone(hf, shapes, "vllm")
+    need(shapes.get("markov_head.markov_w1.weight") == (v, r), "vllm: markov_w1 missing/wrong shape")
+    need(shapes.get("markov_head.markov_w2.weight") == (v, r), "vllm: markov_w2 missing/wrong shape")
+    allowed = {"fc.weight", "hidden_norm.weight", "norm.weight", "markov_head.markov_w1.weight",
+               "markov_head.markov_w2.weight", "embed_tokens.weight", "lm_head.weight", "d2t", "t2d",
+               "confidence_head.proj.weight", "confidence_head.proj.bias"}
+    allowed |= {f"layers.{i}.{s}" for i in range(hf["num_hidden_layers"]) for s in QWEN3_LAYER}
+    extra = sorted(set(shapes) - allowed)
+    need(not extra, f"vllm: no module for tensors {extra}")
+    if hf.get("enable_confidence_head") and "confidence_head.proj.weight" in shapes:
+        dim = h + (r if hf.get("confidence_head_with_markov") else 0)
+        need(shapes["confidence_head.proj.weight"] == (1, dim), "vllm: confidence head input dim")
+        need(shapes.get("confidence_head.proj.bias") == (1,), "vllm: confidence head built with bias")
+
+
+def checker_sglang(d: Path):
+    """python/sglang/srt/models/dspark.py (EntryClass, DSparkDraftMixin, build_markov_head,
+    build_confidence_head, load_weights), speculative/dspark_components/dspark_config.py,
+    dflash_utils.py (resolve_target_layer_ids), models/qwen3.py (capture at id+1),
+    dspark_sts.py / dspark_sps.py (sidecar JSON)."""
+    check_files_readable(d)
+    hf, shapes = read_export(d)
+    need(hf.get("architectures", [None])[0] == "Qwen3DSparkModel", "sglang: architectures[0]")
+    need(hf.get("speculators_model_type") != "dspark", "sglang: speculators convention refused")
+    r = int(hf.get("markov_rank", 0))
+    need(r > 0, "sglang: markov_rank must be > 0")
+    head = hf.get("markov_head_type")
+    need(head in ("vanilla", "gated", "rnn"), "sglang: markov_head_type required")
+    need(hf.get("mask_token_id") is not None and hf["mask_token_id"] < hf["vocab_size"],
+         "sglang: mask_token_id must be < target vocab")
+    n = hf["num_target_layers"]
+    need(all(0 <= i <= n - 2 for i in tapped_ids(hf)), "sglang: layer id outside [0, N-2]")
+    check_backbone(hf, shapes, "sglang")
+    v, h = hf["vocab_size"], hf["hidden_size"]
+    want = {"markov_head.markov_w1.weight": (v, r), "markov_head.markov_w2.weight": (v, r)}
+    if head == "gated":
+        want.update({"markov_head.gate_proj.weight": (r, h + r), "markov_head.gate_proj.bias": (r,)})
+    if head == "rnn":
+        want.update({"markov_head.joint_proj.weight": (3 * r, 2 * r + h),
+                     "markov_head.joint_proj.bias": (3 * r,)})
+    markov = {k: s for k, s in shapes.items() if k.startswith("markov_head.")}
+    need(markov == want, f"sglang: markov tensors {sorted(markov)} != {sorted(want)}")
+    with_markov = hf.get("confidence_head_with_markov", r > 0)
+    dim = h + (r if with_markov else 0)
+    need(shapes.get("confidence_head.proj.weight") == (1, dim), "sglang: confidence_head.proj.weight missing")
+    need(shapes.get("confidence_head.proj.bias") == (1,), "sglang: confidence_head.proj.bias missing")
+    if (d / engines.STS_FILE).exists():
+        sts = json.loads((d / engines.STS_FILE).read_text())
+        need(set(sts) <= {"temperatures", "dataset", "num_samples", "ece_before", "ece_after"}, "sts keys")
+        need(sts["temperatures"] and all(t > 0 for t in sts["temperatures"]), "sts temperatures > 0")
+    if (d / engines.SPS_FILE).exists():
+        sps = json.loads((d / engines.SPS_FILE).read_text())
+        bt = sps["sample_batch_tokens"]
+        need(bt == sorted(set(bt)) and len(bt) == len(sps["sample_steps_per_sec"]), "sps probes")
+        need(sps["max_batch_tokens"] >= bt[-1], "sps max_batch_tokens")
+
+
+def checker_sglang_jax(d: Path):
+    """python/sgl_jax/srt/models/dspark.py + speculative/dspark_worker.py (sglang-jax PR #1632,
+    per SERVING.md): Qwen3DSparkModel, vanilla Markov head only; models/qwen3.py
+    set_dflash_layers_to_capture (id+1, None residual handled: -1 works, capture point < N);
+    speculative/dflash_util.py (block_size > 1)."""
+    check_files_readable(d)
+    hf, shapes = read_export(d)
+    need(hf.get("architectures", [None])[0] == "Qwen3DSparkModel", "sglang-jax: architectures[0]")
+    need(int(hf.get("markov_rank", 0)) > 0, "sglang-jax: markov_rank > 0")
+    n = hf["num_target_layers"]
+    need(all(-1 <= i <= n - 2 for i in tapped_ids(hf)), "sglang-jax: capture point id+1 >= N")
+    need(hf["block_size"] > 1, "sglang-jax: block_size must be > 1")
+    check_backbone(hf, shapes, "sglang-jax")
+    markov = {k for k in shapes if k.startswith("markov_head.")}
+    need(markov == {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight"},
+         f"sglang-jax: vanilla Markov head only, got {sorted(markov)}")
+
+
+def checker_deepspec(d: Path):
+    """DeepSpec deepspec/modeling/dspark/qwen3/modeling.py from_pretrained, via the independent
+    strict-state-dict stand-in tests/torch_dspark.py."""
+    pytest.importorskip("torch")
+    from torch_dspark import TorchDSpark
+
+    check_files_readable(d)
+    try:
+        TorchDSpark.from_pretrained(d)
+    except (AssertionError, RuntimeError, KeyError) as e:
+        raise Refused(f"deepspec: {e}") from None
+
+
+CHECKERS = {"deepspec": checker_deepspec, "vllm": checker_vllm, "sglang": checker_sglang,
+            "sglang-jax": checker_sglang_jax}
+
+
+# --------------------------------------------------------------------------- drafters
+
+def head_config(base: DraftConfig, head: str) -> DraftConfig:
+    if head in ("gated", "rnn"):
+        return base.replace(markov_head_type=head)
+    if head == "dflash":
+        return base.replace(markov_rank=0, confidence_head_with_markov=False)
+    if head == "no_confidence":
+        return base.replace(enable_confidence_head=False)
+    return base
+
+
+@pytest.fixture(scope="module")
+def base_cfg():
+    return DraftConfig.from_hf(json.loads((TINY / "draft" / "config.json").read_text()))
+
+
+@pytest.fixture(scope="module")
+def drafters(tmp_path_factory, base_cfg):
+    root = tmp_path_factory.mktemp("drafters")
+    out = {}
+    for i, head in enumerate(HEADS + ("tap_minus_1",)):
+        cfg = head_config(base_cfg, head) if head != "tap_minus_1" else base_cfg.replace(target_layer_ids=(-1, 2, 4))
+        params = model.init_params(cfg, jax.random.key(i))
+        out[head] = checkpoint.save_draft(root / head, cfg, params, format="jax")
+    return out
+
+
+def naive_export(src: Path, dst: Path, engine: str):
+    """What an export without the engine check would write (transforms applied)."""
+    cfg, params = checkpoint.load_draft(src)
+    dst.mkdir()
+    safetensors_io.write_tensors(dst, mapping.draft_to_torch(cfg, jax.tree.map(np.asarray, params)))
+    (dst / "config.json").write_text(json.dumps(engines.export_config(cfg.to_hf(), cfg, engine)))
+
+
+@pytest.mark.parametrize("engine", engines.ENGINES)
+@pytest.mark.parametrize("head", HEADS + ("tap_minus_1",))
+def test_export_passes_checker_or_is_refused(tmp_path, drafters, engine, head):
+    src = drafters[head]
+    cfg, _ = checkpoint.load_draft(src)
+    reason = engines.check(cfg, engine)
+    dst = tmp_path / "out"
+    if reason is None:
+        engines.export_draft(src, dst, engine)
+        CHECKERS[engine](dst)  # the engine's loader rules accept it
+    else:
+        with pytest.raises(ConfigError, match=f"{engine} rule"):
+            engines.export_draft(src, dst, engine)
+        assert not dst.exists()
+        naive_export(src, tmp_path / "naive", engine)
+        with pytest.raises(Refused):  # and the engine's loader would indeed refuse it
+            CHECKERS[engine](tmp_path / "naive")
+
+
+EXPECTED = {  # (engine, head) pairs refused, from the engines' code (see the checkers)
+    ("vllm", "gated"), ("vllm", "rnn"), ("vllm", "dflash"), ("vllm", "tap_minus_1"),
+    ("sglang", "dflash"), ("sglang", "no_confidence"), ("sglang", "tap_minus_1"),
+    ("sglang-jax", "gated"), ("sglang-jax", "rnn"), ("sglang-jax", "dflash"),
+}
+
+
+def test_refusal_matrix(base_cfg):
+    got = set()
+    for head in HEADS + ("tap_minus_1",):
+        cfg = head_config(base_cfg, head) if head != "tap_minus_1" else base_cfg.replace(target_layer_ids=(-1, 2, 4))
+        for engine in engines.ENGINES:
+            if engines.check(cfg, engine):
+                got.add((engine, head))
+    assert got == EXPECTED
+
+
+# --------------------------------------------------------------------------- negative cases
+
+def _edit_config(d, **changes):
+    hf = json.loads((d / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            hf.pop(k, None)
+        else:
+            hf[k] = v
+    (d / "config.json").write_text(json.dumps(hf))
+
+
+def _edit_tensors(d, drop=(), add=None):
+    from safetensors.numpy import load_file, save_file
+    t = load_file(str(d / "model.safetensors"))
+    for k in drop:
+        t.pop(k)
+    t.update(add or {})
+    save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
+    os.chmod(d / "model.safetensors", 0o644)
+
+
+def _ids(d, ids):
+    hf = json.loads((d / "config.json").read_text())
+    _edit_config(d, target_layer_ids=ids, dflash_config={**hf.get("dflash_config", {}), "target_layer_ids": ids})
+
+
+BREAKS = {
+    "vllm": {
+        "architecture": lambda d: _edit_config(d, architectures=["LlamaForCausalLM"]),
+        "config field": lambda d: _edit_config(d, mask_token_id=None),
+        "n_predict": lambda d: _edit_config(d, n_predict=None),
+        "layer id -1": lambda d: _ids(d, [-1, 2, 4]),
+        "markov_rank 0": lambda d: _edit_config(d, markov_rank=0),
+        "missing markov tensor": lambda d: _edit_tensors(d, drop=["markov_head.markov_w1.weight"]),
+        "extra tensor": lambda d: _edit_tensors(d, add={"markov_head.gate_proj.weight": np.zeros((64, 128), np.float32)}),
+        "confidence dim": lambda d: _edit_config(d, confidence_head_with_markov=False),
+        "confidence bias": lambda d: _edit_tensors(d, drop=["confidence_head.proj.bias"]),
+        "backbone tensor": lambda d: _edit_tensors(d, drop=["layers.1.mlp.up_proj.weight"]),
+        "mode 0600": lambda d: os.chmod(d / "model.safetensors", 0o600),
+    },
+    "sglang": {
+        "architecture": lambda d: _edit_config(d, architectures=["DSparkDraftModel"]),
+        "speculators": lambda d: _edit_config(d, speculators_model_type="dspark"),
+        "markov_rank 0": lambda d: _edit_config(d, markov_rank=0),
+        "head type": lambda d: _edit_config(d, markov_head_type=None),
+        "mask token": lambda d: _edit_config(d, mask_token_id=512),
+        "layer id -1": lambda d: _ids(d, [-1, 2, 4]),
+        "layer id N-1": lambda d: _ids(d, [0, 2, 5]),
+        "confidence missing": lambda d: _edit_tensors(d, drop=["confidence_head.proj.weight"]),
+        "gated tensors missing": lambda d: _edit_config(d, markov_head_type="gated"),
+        "backbone tensor": lambda d: _edit_tensors(d, drop=["fc.weight"]),
+        "bad sts": lambda d: (d / engines.STS_FILE).write_text(json.dumps({"temperatures": [0.0]})),
+        "bad sps": lambda d: (d / engines.SPS_FILE).write_text(json.dumps(
+            {"sample_batch_tokens": [8, 4], "sample_steps_per_sec": [1.0, 2.0], "max_batch_tokens": 8})),
+        "mode 0600": lambda d: os.chmod(d / "config.json", 0o600),
+    },
+    "sglang-jax": {
+        "architecture": lambda d: _edit_config(d, architectures=["Gemma4DSparkModel"]),
+        "markov_rank 0": lambda d: _edit_config(d, markov_rank=0),
+        "layer id N-1": lambda d: _ids(d, [0, 2, 5]),
+        "block size 1": lambda d: _edit_config(d, block_size=1, n_predict=1),
+        "gated tensors": lambda d: _edit_tensors(d, add={"markov_head.gate_proj.bias": np.zeros((64,), np.float32)}),
+        "backbone tensor": lambda d: _edit_tensors(d, drop=["norm.weight"]),
+        "mode 0600": lambda d: os.chmod(d / "model.safetensors", 0o600),
+    },
+    "deepspec": {
+        "architecture": lambda d: _edit_config(d, architectures=["Qwen3ForCausalLM"]),
+        "missing tensor": lambda d: _edit_tensors(d, drop=["hidden_norm.weight"]),
+        "extra tensor": lambda d: _edit_tensors(d, add={"d2t": np.zeros((4,), np.float32)}),
+        "mode 0600": lambda d: os.chmod(d / "model.safetensors", 0o600),
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def good_exports(tmp_path_factory):
+    root = tmp_path_factory.mktemp("good")
+    sps = root / "sps.json"
+    sps.write_text(json.dumps({"batch_sizes": [1, 2, 8], "sps": [40.0, 38.0, 20.0]}))
+    src = root / "draft"
+    cfg, params = checkpoint.load_draft(TINY / "draft")
+    checkpoint.save_draft(src, cfg, params, format="jax", extras={"sts_temperatures": [1.1] * cfg.block_size})
+    out = {}
+    for engine in engines.ENGINES:
+        out[engine] = root / engine
+        engines.export_draft(src, out[engine], engine, sps=sps)
+        CHECKERS[engine](out[engine])
+    return out
+
+
+@pytest.mark.parametrize("engine,rule", [(e, r) for e, rs in BREAKS.items() for r in rs])
+def test_hand_broken_export_fails_checker(tmp_path, good_exports, engine, rule):
+    d = tmp_path / "broken"
+    shutil.copytree(good_exports[engine], d)
+    CHECKERS[engine](d)
+    BREAKS[engine][rule](d)
+    with pytest.raises(Refused):
+        CHECKERS[engine](d)
+
+
+# --------------------------------------------------------------------------- files and sidecars
+
+def test_weight_files_are_world_readable(tmp_path, good_exports):
+    for d in good_exports.values():
+        for f in d.iterdir():
+            assert stat.S_IMODE(f.stat().st_mode) == 0o644, f
+    cfg, params = checkpoint.load_draft(TINY / "draft")
+    checkpoint.save_draft(tmp_path / "t", cfg, params, format="torch")
+    assert stat.S_IMODE((tmp_path / "t" / "model.safetensors").stat().st_mode) == 0o644
+    names = safetensors_io.write_tensors(tmp_path, {"a": np.zeros((4, 4), np.float32)}, max_shard_size=40)
+    for n in names:
+        assert stat.S_IMODE((tmp_path / n).stat().st_mode) & 0o644 == 0o644
+
+
+def test_sidecars_and_config_transforms(good_exports):
+    d = good_exports["sglang"]
+    hf = json.loads((d / "config.json").read_text())
+    assert hf["dflash_config"]["target_layer_ids"] == hf["target_layer_ids"] == [0, 2, 4]
+    assert hf["n_predict"] == hf["block_size"] == 7
+    sts = json.loads((d / engines.STS_FILE).read_text())
+    assert sts["temperatures"] == [1.1] * 7 and set(sts) == {"temperatures", "dataset", "num_samples",
+                                                              "ece_before", "ece_after"}
+    sps = json.loads((d / engines.SPS_FILE).read_text())
+    assert sps == {"sample_batch_tokens": [8, 16, 64], "sample_steps_per_sec": [40.0, 38.0, 20.0],
+                   "max_batch_tokens": 64}
+    # the export reloads through our own loader, bit-exactly
+    cfg, params = checkpoint.load_draft(d)
+    ref_cfg, ref = checkpoint.load_draft(TINY / "draft")
+    assert cfg == ref_cfg
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# --------------------------------------------------------------------------- CLI
+
+def test_cli_export_refuses_with_one_line(tmp_path, drafters, capsys):
+    rc = cli_main(["export", str(drafters["gated"]), str(tmp_path / "x"), "--engine", "vllm"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "vanilla-markov" in err[0], err
+    assert not (tmp_path / "x").exists()
+    rc = cli_main(["export", str(TINY / "draft"), str(tmp_path / "y"), "--engine", "vllm"])
+    assert rc == 0 and (tmp_path / "y" / "model.safetensors").is_file()
+    rc = cli_main(["export", str(TINY / "draft"), str(tmp_path / "y"), "--engine", "vllm"])
+    assert rc == 2  # exists, no --force
+    assert cli_main(["export", str(TINY / "draft"), str(tmp_path / "y"), "--engine", "sglang", "--force"]) == 0
+
+
+def test_cli_inspect(drafters, capsys):
+    assert cli_main(["inspect", str(drafters["gated"]), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["family"] == "qwen3" and info["head"] == "gated" and info["block_size"] == 7
+    assert info["target_layer_ids"] == [0, 2, 4] and info["tensors"] == 33
+    assert info["engines"]["sglang"]["loadable"] and not info["engines"]["vllm"]["loadable"]
+    assert "vanilla-markov" in info["engines"]["vllm"]["why_not"]
+    assert cli_main(["inspect", str(drafters["dflash"])]) == 0
+    text = capsys.readouterr().out
+    assert "head dflash" in text and "NOT loadable" in text and len(text.splitlines()) <= 24
+
+
+# --------------------------------------------------------------------------- train warnings
+
+def test_serving_warnings(base_cfg):
+    assert engines.serving_warnings(base_cfg, []) == []
+    assert engines.serving_warnings(base_cfg, ["vllm", "sglang"]) == []
+    w = engines.serving_warnings(base_cfg.replace(target_layer_ids=(-1, 2, 4), markov_head_type="rnn"),
+                                 ["vllm", "sglang"])
+    assert any("vllm" in x and "-1" in x for x in w) and any("sglang" in x and "-1" in x for x in w)
+    assert any("vllm" in x and "rnn" in x for x in w)
+    w = engines.serving_warnings(base_cfg.replace(markov_rank=0, confidence_head_with_markov=False), ["sglang"])
+    assert any("DFlash twin" in x for x in w)
+    with pytest.raises(ConfigError, match="unknown"):
+        engines.serving_warnings(base_cfg, ["tgi"])
+
+
+def test_gemma4_rules_are_data():
+    """Gemma4 rules recorded from vLLM's gemma4_dspark.py apply only to the gemma4 family."""
+    f = engines.DraftFacts(family="gemma4", markov_rank=64, markov_head_type="vanilla",
+                           enable_confidence_head=True, confidence_head_with_markov=True,
+                           target_layer_ids=(0, 2), num_target_layers=6, block_size=7, mask_token_id=1,
+                           vocab_size=10, attention_k_eq_v=False)
+    assert "k = v" in engines.check(f, "vllm")
+    assert "no gemma4" in engines.check(f, "sglang")
+    assert engines.check(f, "deepspec") is None
+    assert any("drops the confidence head" in w for _, w in engines.violations(f, "vllm", "warning"))
+    assert engines.ARCHITECTURES["vllm"]["gemma4"] == "Gemma4DSparkModel"

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dspark_jax import params as params_lib
 from dspark_jax.errors import CheckpointError, ConfigError
 from dspark_jax.target import gemma4
 
@@ -79,29 +80,36 @@ def test_ring_cache_matches_full_length_cache(fixture_target):
     assert int(np.asarray(full.lengths).min()) > ring + cfg.sliding_window   # every ring wrapped
 
 
-def test_fixture_loads_through_declaration():
-    """Tied head: no lm_head.weight; every stored tensor is declared and used."""
-    from safetensors.numpy import load_file
+def test_fixture_loads_through_declaration(tmp_path):
+    """Tied head: no lm_head.weight; every stored tensor is declared and used; multimodal layout."""
+    from safetensors.numpy import load_file, save_file
 
     hf = json.loads((FIXTURE / "target" / "config.json").read_text())
     cfg = gemma4.Gemma4TargetConfig.from_hf(hf)
     state = load_file(str(FIXTURE / "target" / "model.safetensors"))
     decl = gemma4.declare(cfg, gemma4.checkpoint_prefix(hf))
-    names = set()
-    for spec in decl.values():
-        names |= ({spec.torch} if spec.layer_ids is None else {spec.torch.format(i=i) for i in spec.layer_ids})
-    assert names == set(state), names ^ set(state)
+    assert set(params_lib.torch_shapes(decl)) == set(state)
     assert ("lm_head",) not in decl and cfg.tie_word_embeddings
-    assert "v_proj" not in gemma4.from_torch(decl, state)["full"]
-    # multimodal layout: the same tensors under model.language_model.
+    tree = params_lib.from_torch(decl, state)
+    assert "v_proj" not in tree["full"] and "v_proj" in tree["sliding"]
+    # multimodal layout: the same tensors under model.language_model., towers ignored
+    mm_dir = tmp_path / "mm"
+    mm_dir.mkdir()
     mm = {k.replace("model.", "model.language_model.", 1): v for k, v in state.items()}
+    mm["model.vision_tower.patch.weight"] = np.zeros((2, 2), np.float32)
+    save_file(mm, str(mm_dir / "model.safetensors"))
     wrapped = {"architectures": ["Gemma4UnifiedForConditionalGeneration"], "model_type": "gemma4_unified",
                "text_config": hf}
+    (mm_dir / "config.json").write_text(json.dumps(wrapped))
     assert gemma4.checkpoint_prefix(wrapped) == "model.language_model."
-    tree = gemma4.from_torch(gemma4.declare(gemma4.Gemma4TargetConfig.from_hf(wrapped), "model.language_model."), mm)
-    np.testing.assert_array_equal(tree["sliding"]["q_proj"], gemma4.from_torch(decl, state)["sliding"]["q_proj"])
-    with pytest.raises(CheckpointError, match="layer_scalar"):
-        gemma4.from_torch(decl, {k: v for k, v in state.items() if "layers.3.layer_scalar" not in k})
+    mm_cfg, mm_tree = gemma4.load_params(mm_dir)
+    assert mm_cfg == cfg
+    jax.tree.map(np.testing.assert_array_equal, mm_tree, tree)
+    # a missing tensor is a CheckpointError naming it
+    del mm["model.language_model.layers.3.layer_scalar"]
+    save_file(mm, str(mm_dir / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="layers.3.layer_scalar"):
+        gemma4.load_params(mm_dir)
 
 
 def test_config_round_trip_and_errors():
@@ -177,7 +185,7 @@ def test_matches_transformers_prefill_and_extends(name):
     cfg = gemma4.Gemma4TargetConfig.from_hf(hf)
     assert cfg.sliding_window == 8 and cfg.attention_k_eq_v == CONFIGS[name]["attention_k_eq_v"]
     state = {k: v.numpy() for k, v in model.state_dict().items()}
-    params = jax.tree.map(jnp.asarray, gemma4.from_torch(gemma4.declare(cfg, "model."), state))
+    params = jax.tree.map(jnp.asarray, params_lib.from_torch(gemma4.declare(cfg, "model."), state))
     assert ("v_proj" in params["full"]) != cfg.attention_k_eq_v
 
     rng = np.random.default_rng(0)

@@ -29,6 +29,7 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
+from dspark_jax import params as params_lib
 from dspark_jax.config import DraftConfig
 from dspark_jax.draft import backbone, confidence
 from dspark_jax.draft import model as draft_model
@@ -212,16 +213,13 @@ def declare(cfg: Gemma4DraftConfig) -> dict[tuple, ParamSpec]:
 def init_params(cfg: Gemma4DraftConfig, rng: jax.Array, dtype=jnp.float32, *,
                 embed_tokens: jax.Array | None = None, lm_head: jax.Array | None = None) -> dict:
     """Random drafter params; pass the target's ``embed_tokens`` / ``lm_head`` [H, V] to share them."""
-    params = tg.init_from_declaration(declare(cfg), rng, dtype)
-    if embed_tokens is not None:
-        params["embed_tokens"] = embed_tokens.astype(dtype)
-    if lm_head is not None:
-        params["lm_head"] = lm_head.astype(dtype)
-    return params
+    given = {path: x for path, x in ((("embed_tokens",), embed_tokens), (("lm_head",), lm_head))
+             if x is not None}
+    return params_lib.init_params(declare(cfg), rng, dtype, given=given)
 
 
 def param_axes(cfg: Gemma4DraftConfig) -> dict:
-    return tg.axes_from_declaration(declare(cfg))
+    return params_lib.param_axes(declare(cfg))
 
 
 def load_params(directory):
@@ -232,14 +230,10 @@ def load_params(directory):
     import json
     from pathlib import Path
 
-    from safetensors.numpy import load_file
-
     directory = Path(directory)
     cfg = Gemma4DraftConfig.from_hf(json.loads((directory / "config.json").read_text()))
-    state: dict = {}
-    for f in sorted(directory.glob("*.safetensors")):
-        state.update(load_file(str(f)))
-    return cfg, tg.from_torch(declare(cfg), state, str(directory))
+    decl = declare(cfg)
+    return cfg, params_lib.from_torch(decl, tg.read_state(directory, decl))
 
 
 # ----------------------------------------------------------------------------- backbone ops
@@ -304,6 +298,10 @@ def compute_logits(params: dict, cfg: Gemma4DraftConfig, hidden: jax.Array) -> j
                         preferred_element_type=jnp.float32)
     return tg.softcap(logits, cfg.final_logit_softcapping)
 
+
+FAMILY = params_lib.Family(
+    name="gemma4_dspark", kind="draft", architectures=(ARCHITECTURE,), model_types=(),
+    config_cls=Gemma4DraftConfig, declare=declare, forward=__name__, pairs_with="gemma4")
 
 OPS = SimpleNamespace(project_context=project_context, context_kv=context_kv, block_forward=block_forward,
                       embed_block=embed_block, compute_logits=compute_logits)

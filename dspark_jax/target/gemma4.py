@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspark_jax import params as params_lib
 from dspark_jax.errors import CheckpointError, ConfigError
 from dspark_jax.params import ParamSpec
 
@@ -332,70 +333,14 @@ def declare(cfg: Gemma4TargetConfig, prefix: str = TEXT_PREFIX) -> dict[tuple, P
     return decl
 
 
-# Generic derivations from a declaration. TODO(merge): replace with params.py's shared
-# versions once the declaration refactor lands (kept here so this family is usable alone).
-
-
-def _set(tree: dict, path: tuple, value) -> None:
-    for key in path[:-1]:
-        tree = tree.setdefault(key, {})
-    tree[path[-1]] = value
-
-
-def init_from_declaration(decl: Mapping[tuple, ParamSpec], rng: jax.Array, dtype=jnp.float32) -> dict:
-    """Random params per each spec's initializer."""
-    tree: dict = {}
-    keys = jax.random.split(rng, len(decl))
-    for key, (path, spec) in zip(keys, sorted(decl.items())):
-        if spec.init == "ones":
-            value = jnp.ones(spec.shape, dtype)
-        elif spec.init == "zeros":
-            value = jnp.zeros(spec.shape, dtype)
-        else:
-            value = (spec.init_std * jax.random.normal(key, spec.shape, jnp.float32)).astype(dtype)
-        _set(tree, path, value)
-    return tree
-
-
-def axes_from_declaration(decl: Mapping[tuple, ParamSpec]) -> dict:
-    tree: dict = {}
-    for path, spec in decl.items():
-        _set(tree, path, spec.axes)
-    return tree
-
-
-def from_torch(decl: Mapping[tuple, ParamSpec], state: Mapping[str, np.ndarray], where: str = "checkpoint") -> dict:
-    """Our params tree (numpy) from a torch-named state dict; missing / misshapen tensors are CheckpointErrors."""
-
-    def one(name, shape, transpose):
-        if name not in state:
-            raise CheckpointError(f"{where}: tensor {name!r} is missing")
-        a = np.asarray(state[name])
-        a = a.T if transpose else a
-        if a.shape != tuple(shape):
-            raise CheckpointError(f"{where}: tensor {name!r} has shape {tuple(np.asarray(state[name]).shape)}, "
-                                  f"expected {tuple(shape)[::-1] if transpose else tuple(shape)}")
-        return a
-
-    tree: dict = {}
-    for path, spec in decl.items():
-        if spec.layer_ids is None:
-            value = one(spec.torch, spec.shape, spec.transpose)
-        else:
-            value = np.stack([one(spec.torch.format(i=i), spec.shape[1:], spec.transpose)
-                              for i in spec.layer_ids])
-        _set(tree, path, value)
-    return tree
-
-
 def init_params(cfg: Gemma4TargetConfig, rng: jax.Array, dtype=jnp.float32) -> dict:
     """Random params (std 0.02, norms and layer_scalar 1), for tests and from-scratch runs."""
-    return init_from_declaration(declare(cfg), rng, dtype)
+    return params_lib.init_params(declare(cfg), rng, dtype)
 
 
 def param_axes(cfg: Gemma4TargetConfig) -> dict:
     """Logical axis names, same tree structure as ``init_params``."""
-    return axes_from_declaration(declare(cfg))
+    return params_lib.param_axes(declare(cfg))
 
 
 # ----------------------------------------------------------------------------- shared math
@@ -673,26 +618,62 @@ def forward(
     return hidden, features, new_cache
 
 
-def load_params(directory, cfg: Gemma4TargetConfig | None = None, prefix: str | None = None):
-    """(config, numpy params) of a Hugging Face Gemma4 checkpoint directory (single or sharded safetensors).
+def _tied_head(cfg: Gemma4TargetConfig) -> tuple[str, str] | None:
+    return ("lm_head.weight", "model.embed_tokens.weight") if cfg.tie_word_embeddings else None
 
-    TODO(merge): the family registry / convert package should own checkpoint loading.
+
+# Registered in families.py. Text checkpoints only through convert so far: a multimodal
+# one needs its text weights read under MULTIMODAL_PREFIX (declare(cfg, checkpoint_prefix(hf))
+# or params.rename_torch) and its vision/audio towers ignored.
+FAMILY = params_lib.Family(
+    name="gemma4", kind="target", architectures=tuple(TEXT_ARCHITECTURES.values()), model_types=MODEL_TYPES,
+    config_cls=Gemma4TargetConfig, declare=declare, forward=__name__, tied_head=_tied_head)
+
+
+def read_state(directory, decl: Mapping[tuple, ParamSpec], ignore: tuple[str, ...] = ()) -> dict:
+    """Torch-named numpy tensors of ``directory/*.safetensors`` that ``decl`` declares, checked
+    for presence and shape (CheckpointError); others must start with an ``ignore`` prefix.
+
+    TODO(merge): the convert package's loader (families + mapping.check_tensors) replaces this.
     """
-    import json
     from pathlib import Path
 
     from safetensors.numpy import load_file
 
     directory = Path(directory)
-    try:
-        hf = json.loads((directory / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{directory / 'config.json'}: {e}") from None
-    cfg = cfg or Gemma4TargetConfig.from_hf(hf)
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{directory}: no *.safetensors files")
     state: dict = {}
     for f in files:
         state.update(load_file(str(f)))
-    return cfg, from_torch(declare(cfg, prefix or checkpoint_prefix(hf)), state, str(directory))
+    expected = params_lib.torch_shapes(decl)
+    for name, shape in expected.items():
+        if name not in state:
+            raise CheckpointError(f"{directory}: tensor {name!r} is missing")
+        if tuple(state[name].shape) != tuple(shape):
+            raise CheckpointError(f"{directory}: tensor {name!r} has shape {tuple(state[name].shape)}, "
+                                  f"expected {tuple(shape)}")
+    extra = [k for k in state if k not in expected and not k.startswith(ignore or ("\0",))]
+    if extra:
+        raise CheckpointError(f"{directory}: unexpected tensor {extra[0]!r} for this config")
+    return {k: state[k] for k in expected}
+
+
+def load_params(directory, cfg: Gemma4TargetConfig | None = None, prefix: str | None = None):
+    """(config, numpy params) of a Hugging Face Gemma4 checkpoint directory (text or multimodal layout)."""
+    import json
+    from pathlib import Path
+
+    path = Path(directory) / "config.json"
+    try:
+        hf = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    cfg = cfg or Gemma4TargetConfig.from_hf(hf)
+    prefix = prefix or checkpoint_prefix(hf)
+    decl = declare(cfg, prefix)
+    ignore = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
+    if prefix == MULTIMODAL_PREFIX:
+        ignore += ("model.vision", "model.audio", "model.embed_vision", "model.embed_audio")
+    return cfg, params_lib.from_torch(decl, read_state(directory, decl, ignore))

@@ -128,6 +128,11 @@ def test_registry_and_convert_round_trip(tmp_path):
     tcfg, _ = checkpoint.load_target(FIXTURE / "target")
     dcfg, _ = checkpoint.load_draft(FIXTURE / "draft")
     families.check_pair(dcfg, tcfg)
+    hf = json.loads((FIXTURE / "draft" / "config.json").read_text())
+    del hf["architectures"]
+    assert families.for_hf(hf).name == "gemma4_dspark"
+    del hf["target_layer_ids"]
+    assert families.for_hf(hf).name == "gemma4"
     qwen_target = families.by_name("qwen3").config_cls(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16)

@@ -300,7 +300,7 @@ def compute_logits(params: dict, cfg: Gemma4DraftConfig, hidden: jax.Array) -> j
 
 
 FAMILY = params_lib.Family(
-    name="gemma4_dspark", kind="draft", architectures=(ARCHITECTURE,), model_types=(),
+    name="gemma4_dspark", kind="draft", architectures=(ARCHITECTURE,), model_types=tg.MODEL_TYPES,
     config_cls=Gemma4DraftConfig, declare=declare, forward=__name__, pairs_with="gemma4")
 
 OPS = SimpleNamespace(project_context=project_context, context_kv=context_kv, block_forward=block_forward,

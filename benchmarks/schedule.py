@@ -53,7 +53,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dspark_jax import calibrate as C  # noqa: E402
+from dspark_jax.pipelines import calibrate as C  # noqa: E402
 from dspark_jax.convert import checkpoint  # noqa: E402
 from dspark_jax.decode import policies, profile  # noqa: E402
 from dspark_jax.decode import scheduler as S  # noqa: E402
@@ -121,7 +121,7 @@ def dataset_rounds(target_dir, draft_dir, dataset: str, max_samples: int | None,
     tokens) are generated here with the real decode loop, then replayed as in the fixture mode."""
     from dspark_jax.data import eval_datasets
     from dspark_jax.decode import loop
-    from dspark_jax.evaluate import default_stop_ids, encode_prompt
+    from dspark_jax.pipelines.evaluate import default_stop_ids, encode_prompt
     from dspark_jax.tokenizer import load_tokenizer
 
     tcfg, tparams = checkpoint.load_target(target_dir)

@@ -11,11 +11,11 @@ from dspark_jax import cli
 from dspark_jax.config import DraftConfig
 from dspark_jax.convert.checkpoint import load_target, save_draft
 from dspark_jax.data.eval_datasets import load_dataset
-from dspark_jax.demo import drafter_overrides, quick_config
+from dspark_jax.pipelines.demo import drafter_overrides, quick_config
 from dspark_jax.draft import model as draft_model
 from dspark_jax.embedded.default import default_target_dir
 from dspark_jax.errors import InputError
-from dspark_jax.evaluate import encode_prompt, evaluate
+from dspark_jax.pipelines.evaluate import encode_prompt, evaluate
 from dspark_jax.target import qwen3
 
 FIXTURE = Path(__file__).parent / "fixtures" / "dspark_qwen3_tiny"

@@ -41,7 +41,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from dspark_jax import calibrate as C
+    from dspark_jax.pipelines import calibrate as C
     from dspark_jax.convert import checkpoint
     from dspark_jax.errors import InputError
 

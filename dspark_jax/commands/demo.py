@@ -26,7 +26,7 @@ The report lists the equivalent `dspark-jax train` / `dspark-jax eval` commands.
 
 
 def register(subparsers) -> None:
-    from dspark_jax.demo import DemoConfig, STAGES
+    from dspark_jax.pipelines.demo import DemoConfig, STAGES
 
     d = DemoConfig()
     p = subparsers.add_parser("demo", help=HELP, description=DESCRIPTION,
@@ -55,7 +55,7 @@ def register(subparsers) -> None:
 
 
 def config_from_args(args):
-    from dspark_jax.demo import DemoConfig, quick_config
+    from dspark_jax.pipelines.demo import DemoConfig, quick_config
 
     changes = {k: v for k, v in (("steps", args.steps), ("num_train_prompts", args.num_train_prompts),
                                  ("num_eval_prompts", args.num_eval_prompts),
@@ -69,7 +69,7 @@ def config_from_args(args):
 
 
 def run(args) -> int:
-    from dspark_jax.demo import run_demo
+    from dspark_jax.pipelines.demo import run_demo
 
     cfg = config_from_args(args)
     info = run_demo(cfg, stage=args.stage, force=args.force, progress=not args.no_progress)

@@ -64,7 +64,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from dspark_jax.evaluate import evaluate
+    from dspark_jax.pipelines.evaluate import evaluate
 
     target = args.target
     if target is None:

@@ -189,7 +189,7 @@ def prepare_out(cfg: DemoConfig, *, force: bool = False, stage: str = "all") -> 
                          "choose another --out")
     out.mkdir(parents=True, exist_ok=True)
     if not p["config"].is_file():
-        from dspark_jax.evaluate import write_json_atomic
+        from dspark_jax.pipelines.evaluate import write_json_atomic
         write_json_atomic(p["config"], {"recipe": cfg.recipe(), "out": str(out), "target_sha256": identity})
     return out
 
@@ -266,7 +266,7 @@ def stage_sample(cfg: DemoConfig, *, progress: bool = True, log: Callable[[str],
     from tqdm import tqdm
 
     from dspark_jax.convert.checkpoint import load_target
-    from dspark_jax.evaluate import encode_prompt, timed_decode, write_json_atomic
+    from dspark_jax.pipelines.evaluate import encode_prompt, timed_decode, write_json_atomic
     from dspark_jax.tokenizer import load_tokenizer
 
     p = paths(cfg)
@@ -402,7 +402,7 @@ def stage_decode(cfg: DemoConfig, *, modes=MODES, progress: bool = True,
     from tqdm import tqdm
 
     from dspark_jax.convert.checkpoint import default_stop_ids, load_draft, load_target
-    from dspark_jax.evaluate import (decode_summary, encode_prompt, timed_decode,
+    from dspark_jax.pipelines.evaluate import (decode_summary, encode_prompt, timed_decode,
                                      write_results_jsonl)
     from dspark_jax.tokenizer import load_tokenizer
 
@@ -438,7 +438,7 @@ def stage_decode(cfg: DemoConfig, *, modes=MODES, progress: bool = True,
 def stage_report(cfg: DemoConfig, *, log: Callable[[str], None] = print) -> dict:
     """The table (stdout, table.txt), report.json, acceptance.png, reliability_<name>.png, tb/."""
     from dspark_jax.convert.checkpoint import load_draft
-    from dspark_jax.evaluate import (decode_summary, format_table, plot_acceptance, plot_reliability,
+    from dspark_jax.pipelines.evaluate import (decode_summary, format_table, plot_acceptance, plot_reliability,
                                      read_results_jsonl, tensorboard_scalars, write_json_atomic)
 
     _require(cfg, "report", "decode")

@@ -5,7 +5,7 @@ format, see ``dspark_jax.data.eval_datasets``) with lossless speculative decodin
 reports, per dataset (SPEC section 8): tau (mean acceptance length per round, bonus
 included), mean proposal length, verify_rate, accept_rate@k (prefix survival),
 conditional acceptance at k, tokens/s; with a confidence head also ECE / AUROC / Brier per
-block position (``dspark_jax.calibrate.position_metrics``) and a reliability diagram.
+block position (``dspark_jax.pipelines.calibrate.position_metrics``) and a reliability diagram.
 With ``baseline=True`` the target also decodes alone and the speedup is reported.
 
 Prompt text -> ids (``encode_prompt``): a byte tokenizer (the embedded default target)
@@ -13,7 +13,7 @@ encodes the plain text after ``<|bos|>``; a Hugging Face tokenizer applies its c
 with one user turn and the generation prompt (``enable_thinking`` off unless asked).
 
 The decoding helpers here (``timed_decode``, ``decode_summary``, ``plot_acceptance``) are
-shared with the demo (``dspark_jax.demo``). Timing excludes compilation: each mode first
+shared with the demo (``dspark_jax.pipelines.demo``). Timing excludes compilation: each mode first
 decodes one warm-up batch of the same shapes.
 """
 
@@ -94,7 +94,7 @@ def timed_decode(target_cfg, target_params, prompts: Sequence[Sequence[int]], *,
 
 def results_rounds(results):
     """``calibrate.Rounds`` of speculative results that carry confidence logits (None otherwise)."""
-    from dspark_jax.calibrate import rounds_from_records
+    from dspark_jax.pipelines.calibrate import rounds_from_records
 
     records = [r.to_json() for r in results if r.confidence_logits]
     if not records:
@@ -119,7 +119,7 @@ def decode_summary(results, block_size: int | None = None, *, calibration: bool 
     """``decode.summarize`` plus, when the results carry confidences, ``calibration``:
     per-position n / accept_rate / mean_conf / ece / brier / auroc / cond_auroc (raw
     confidences, no STS) and their count-weighted summary. NaN -> null."""
-    from dspark_jax.calibrate import position_metrics, summary as calib_summary
+    from dspark_jax.pipelines.calibrate import position_metrics, summary as calib_summary
     from dspark_jax.decode import summarize
 
     out = summarize(results, block_size)
@@ -196,7 +196,7 @@ def plot_acceptance(curves: Mapping[str, Mapping[str, Sequence]], path, title: s
 def plot_reliability(results, path, title: str = "") -> Path | None:
     """Reliability diagram (raw confidences and in-sample STS) of results with a confidence
     head; None when they carry no confidences."""
-    from dspark_jax.calibrate import fit_sts, reliability_diagram
+    from dspark_jax.pipelines.calibrate import fit_sts, reliability_diagram
 
     rounds = results_rounds(results)
     if rounds is None:

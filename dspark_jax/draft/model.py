@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from dspark_jax import nn
 from dspark_jax.config import DraftConfig
 from dspark_jax.draft import backbone, confidence, markov
-from dspark_jax.train import batch as batch_lib
+from dspark_jax.draft import blocks
 
 FROZEN_KEYS = ("embed_tokens", "lm_head")
 
@@ -155,8 +155,8 @@ def training_hidden(
     anchors = anchor_positions.astype(jnp.int32)
     keep = block_keep_mask.astype(bool)
 
-    labels, eval_mask, safe = batch_lib.block_targets(input_ids, loss_mask, anchors, keep, g)
-    block_ids = batch_lib.block_input_ids(input_ids, anchors, keep, g, config.mask_token_id)
+    labels, eval_mask, safe = blocks.block_targets(input_ids, loss_mask, anchors, keep, g)
+    block_ids = blocks.block_input_ids(input_ids, anchors, keep, g, config.mask_token_id)
 
     ctx = pin(backbone.project_context(p, config, pin(target_hidden_states.astype(dtype))))
     ctx_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from dspark_jax.commands.common import add_decode_flags
+
 HELP = "train DSpark and DFlash drafters on the embedded default target and compare them"
 DESCRIPTION = """\
 The first command to run. With the embedded default target (a tiny byte-level Qwen3 LM trained
@@ -45,11 +47,8 @@ def register(subparsers) -> None:
                    help=f"training prompts sampled (default {d.num_train_prompts})")
     p.add_argument("--num-eval-prompts", type=int, default=None,
                    help=f"held-out prompts decoded (default {d.num_eval_prompts})")
-    p.add_argument("--max-new-tokens", type=int, default=None,
-                   help=f"new tokens per held-out prompt (default {d.max_new_tokens})")
-    p.add_argument("--temperature", type=float, default=None,
-                   help="decoding temperature of the comparison; 0 = greedy (default 0)")
-    p.add_argument("--seed", type=int, default=None, help="seed of data, init and decoding (default 0)")
+    add_decode_flags(p, ("max_new_tokens", "temperature", "seed"),
+                     defaults={"max_new_tokens": None, "temperature": None, "seed": None})
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
 

@@ -41,7 +41,7 @@ from dspark_jax.config import DraftConfig, TargetConfig
 from dspark_jax.decode.policies import FullPolicy, VerifyPolicy
 from dspark_jax.decode.verify import rejection_sample
 from dspark_jax.draft import decode as draft_decode
-from dspark_jax.errors import InputError
+from dspark_jax.errors import InputError, require_positive_int
 from dspark_jax.target import qwen3
 
 MAX_STOP_IDS = 8     # stop-id slots (padded with -1) so the count never changes shapes
@@ -332,10 +332,8 @@ def validate_prompts(prompts, vocab_size: int) -> list[list[int]]:
 
 def _validate_common(tcfg, prompts, max_new_tokens, temperature, batch_size, stop_token_ids):
     prompts = validate_prompts(prompts, tcfg.vocab_size)
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise InputError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise InputError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    require_positive_int(max_new_tokens, "max_new_tokens")
+    require_positive_int(batch_size, "batch_size")
     if not (temperature >= 0.0 and math.isfinite(temperature)):
         raise InputError(f"temperature must be a finite number >= 0, got {temperature!r}")
     stops = list(stop_token_ids or [])
@@ -360,6 +358,29 @@ def _batches(prompts, batch_size: int, p_len: int):
             lens[r] = len(prompts[i])
             valid[r] = True
         yield idx, jnp.asarray(arr), jnp.asarray(lens), jnp.asarray(valid)
+
+
+def _drive(prompts, batch_size: int, p_len: int, seed: int, decode_batch, row_result,
+           progress) -> list[Result]:
+    """The batch loop shared by both decoders.
+
+    Per batch (padded to ``batch_size`` rows of length ``p_len``): ``decode_batch(prompts
+    [B, P], lens [B], valid [B], key)`` returns host arrays; ``row_result(host, row,
+    prompt_length, batch_index, seconds)`` makes each request's Result; ``progress(n)``
+    (optional) is told how many requests finished. Results are in prompt order.
+    """
+    key = jax.random.PRNGKey(seed)
+    results: list[Result | None] = [None] * len(prompts)
+    for bi, (idx, arr, lens, valid) in enumerate(_batches(prompts, batch_size, p_len)):
+        key, k_batch = jax.random.split(key)
+        t0 = time.perf_counter()
+        host = decode_batch(arr, lens, valid, k_batch)
+        seconds = time.perf_counter() - t0
+        for r, i in enumerate(idx):
+            results[i] = row_result(host, r, len(prompts[i]), bi, seconds)
+        if progress is not None:
+            progress(len(idx))
+    return results  # type: ignore[return-value]
 
 
 def _trim(tokens: list[int], max_new: int, stops: list[int]) -> list[int]:
@@ -421,12 +442,8 @@ def speculative_generate(
     static = _Static(target_cfg, draft_cfg, policy, sampling.is_greedy(temperature), max_new_tokens)
     prefill_static = dataclasses.replace(static, policy=None)  # one prefill compile for all policies
     temp = jnp.float32(max(float(temperature), sampling.GREEDY_EPS))
-    key = jax.random.PRNGKey(seed)
 
-    results: list[Result | None] = [None] * len(prompts)
-    for bi, (idx, arr, lens, valid) in enumerate(_batches(prompts, batch_size, p_len)):
-        key, k_batch = jax.random.split(key)
-        t0 = time.perf_counter()
+    def decode_batch(arr, lens, valid, k_batch):
         state = spec_prefill_jit(target_params, draft_params, arr, lens, valid, k_batch, temp,
                                  stop_arr, static=prefill_static, max_len=max_len)
         state = state.replace(policy_state=policy.init_state(batch_size, g))
@@ -439,23 +456,21 @@ def speculative_generate(
                     break
                 state = spec_round_jit(target_params, draft_params, state, temp, stop_arr,
                                        conf_temps, static=static)
-        host = jax.device_get({"seq": state.seq, "rounds": state.rounds, "acc": state.acc_rec,
+        return jax.device_get({"seq": state.seq, "rounds": state.rounds, "acc": state.acc_rec,
                                "prop": state.prop_rec, "drafts": state.drafts_rec,
                                "conf": state.conf_rec})
-        seconds = time.perf_counter() - t0
-        for r, i in enumerate(idx):
-            n = int(host["rounds"][r])
-            acc = [int(x) for x in host["acc"][r, :n]]
-            start = len(prompts[i])
-            count = 1 + sum(acc)
-            out = _trim([int(t) for t in host["seq"][r, start:start + count]], max_new_tokens, stops)
-            conf = ([[float(c) for c in row] for row in host["conf"][r, :n]]
-                    if draft_cfg.enable_confidence_head else None)
-            results[i] = Result(out, acc, [int(x) for x in host["prop"][r, :n]],
-                                [int(x) for x in host["drafts"][r, :n]], conf, start, bi, seconds)
-        if progress is not None:
-            progress(len(idx))
-    return results  # type: ignore[return-value]
+
+    def row_result(host, r, start, bi, seconds):
+        n = int(host["rounds"][r])
+        acc = [int(x) for x in host["acc"][r, :n]]
+        count = 1 + sum(acc)
+        out = _trim([int(t) for t in host["seq"][r, start:start + count]], max_new_tokens, stops)
+        conf = ([[float(c) for c in row] for row in host["conf"][r, :n]]
+                if draft_cfg.enable_confidence_head else None)
+        return Result(out, acc, [int(x) for x in host["prop"][r, :n]],
+                      [int(x) for x in host["drafts"][r, :n]], conf, start, bi, seconds)
+
+    return _drive(prompts, batch_size, p_len, seed, decode_batch, row_result, progress)
 
 
 def autoregressive_generate(
@@ -482,24 +497,20 @@ def autoregressive_generate(
                                  max_cache_len)
     static = _Static(target_cfg, None, None, sampling.is_greedy(temperature), max_new_tokens)
     temp = jnp.float32(max(float(temperature), sampling.GREEDY_EPS))
-    key = jax.random.PRNGKey(seed)
-    results: list[Result | None] = [None] * len(prompts)
-    for bi, (idx, arr, lens, valid) in enumerate(_batches(prompts, batch_size, p_len)):
-        key, k_batch = jax.random.split(key)
-        t0 = time.perf_counter()
+
+    def decode_batch(arr, lens, valid, k_batch):
         state = ar_prefill_jit(target_params, arr, lens, valid, k_batch, temp, stop_arr,
                                static=static, max_len=max_len)
         state = ar_run_jit(target_params, state, temp, stop_arr, static=static)
-        seq, pos = jax.device_get((state.seq, state.pos))
-        seconds = time.perf_counter() - t0
-        for r, i in enumerate(idx):
-            start = len(prompts[i])
-            out = _trim([int(t) for t in seq[r, start:int(pos[r]) + 1]], max_new_tokens, stops)
-            n = max(len(out) - 1, 0)
-            results[i] = Result(out, [1] * n, [0] * n, [0] * n, None, start, bi, seconds)
-        if progress is not None:
-            progress(len(idx))
-    return results  # type: ignore[return-value]
+        return jax.device_get((state.seq, state.pos))
+
+    def row_result(host, r, start, bi, seconds):
+        seq, pos = host
+        out = _trim([int(t) for t in seq[r, start:int(pos[r]) + 1]], max_new_tokens, stops)
+        n = max(len(out) - 1, 0)
+        return Result(out, [1] * n, [0] * n, [0] * n, None, start, bi, seconds)
+
+    return _drive(prompts, batch_size, p_len, seed, decode_batch, row_result, progress)
 
 
 # --------------------------------------------------------------------------- metrics

@@ -2,15 +2,14 @@
 
 ``evaluate(...)`` decodes the first turn of each prompt of each dataset (reference JSONL
 format, see ``dspark_jax.data.eval_datasets``) with lossless speculative decoding and
-reports, per dataset (SPEC section 8): tau (mean acceptance length per round, bonus
+reports, per dataset: tau (mean acceptance length per round, bonus
 included), mean proposal length, verify_rate, accept_rate@k (prefix survival),
 conditional acceptance at k, tokens/s; with a confidence head also ECE / AUROC / Brier per
 block position (``dspark_jax.pipelines.calibrate.position_metrics``) and a reliability diagram.
 With ``baseline=True`` the target also decodes alone and the speedup is reported.
 
-Prompt text -> ids (``encode_prompt``): a byte tokenizer (the embedded default target)
-encodes the plain text after ``<|bos|>``; a Hugging Face tokenizer applies its chat template
-with one user turn and the generation prompt (``enable_thinking`` off unless asked).
+Prompt text -> ids: ``tokenizer.encode_prompt`` (the chat template by default, plain text
+with ``options.raw_prompt``), the same as ``generate``.
 
 The decoding helpers here (``timed_decode``, ``decode_summary``, ``plot_acceptance``) are
 shared with the demo (``dspark_jax.pipelines.demo``). Timing excludes compilation: each mode first
@@ -26,30 +25,11 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from dspark_jax.decode.settings import DecodeOptions, resolve
 from dspark_jax.errors import InputError
 from dspark_jax.fileio import atomic_open, iter_jsonl, write_json
 
 RESULT_FILE = "eval.json"
-
-
-# --------------------------------------------------------------------------- prompts
-
-
-def encode_prompt(tokenizer, text: str, *, thinking: bool = False) -> list[int]:
-    """Prompt ids of ``text``: byte tokenizer -> ``<|bos|>`` + UTF-8 bytes (plain text);
-    a Hugging Face tokenizer -> its chat template over one user turn with the generation
-    prompt (``enable_thinking=thinking``; templates without that switch ignore it)."""
-    from dspark_jax.tokenizer import ByteTokenizer
-
-    if isinstance(tokenizer, ByteTokenizer):
-        return tokenizer.encode(text, add_bos=True)
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
-                                            add_generation_prompt=True, enable_thinking=thinking)
-        if isinstance(ids, Mapping):  # some versions return a BatchEncoding
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
-    return [int(t) for t in tokenizer.encode(text)]
 
 
 # --------------------------------------------------------------------------- decoding
@@ -259,13 +239,11 @@ def tensorboard_scalars(log_dir, scalars: Mapping[str, Mapping[str, Any]]) -> Pa
 
 
 def evaluate(target, draft, datasets, *, data_dir=None, max_samples: int | None = None,
-             max_new_tokens: int = 128, temperature: float = 0.0, verify: str = "full",
-             confidence_threshold: float | None = None, sps_table=None,
-             confidence_temperatures=None, thinking: bool = False, batch_size: int = 1,
-             seed: int = 0, stop_token_ids: Sequence[int] | None = None, baseline: bool = False,
-             out=None, force: bool = False, progress: bool = True, printer=print) -> dict:
+             options: DecodeOptions | None = None, baseline: bool = False, out=None,
+             force: bool = False, progress: bool = True, printer=print) -> dict:
     """Evaluate drafter ``draft`` (dir) with target ``target`` (dir) on ``datasets``
-    ("a,b" or a list of names in ``data_dir``, default the packaged small copies).
+    ("a,b" or a list of names in ``data_dir``, default the packaged small copies), decoding
+    with ``options`` (default ``DecodeOptions()``).
 
     Returns ``{"config": ..., "datasets": {name: decode_summary (+ "speedup",
     "autoregressive" with baseline)}}``. With ``out`` (a directory, refused if it holds an
@@ -275,13 +253,11 @@ def evaluate(target, draft, datasets, *, data_dir=None, max_samples: int | None 
     """
     from tqdm import tqdm
 
-    from dspark_jax.convert.checkpoint import default_stop_ids, load_draft, load_target, sts_temperatures
+    from dspark_jax.convert.checkpoint import load_draft, load_target
     from dspark_jax.data.eval_datasets import load_datasets
-    from dspark_jax.decode import parse_policy
-    from dspark_jax.tokenizer import load_tokenizer
+    from dspark_jax.tokenizer import encode_prompt, load_tokenizer
 
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise InputError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    options = options if options is not None else DecodeOptions()
     out = Path(out) if out is not None else None
     if out is not None and (out / RESULT_FILE).exists() and not force:
         raise InputError(f"--out {str(out)!r} already holds an evaluation ({RESULT_FILE}); "
@@ -292,10 +268,9 @@ def evaluate(target, draft, datasets, *, data_dir=None, max_samples: int | None 
             raise InputError(f"{flag} {str(d)!r} is not a directory")
     prompts_by_ds = load_datasets(datasets, data_dir, max_samples=max_samples)
     tokenizer = load_tokenizer(target, required=True)
-    policy = parse_policy(verify, confidence_threshold=confidence_threshold, sps_table=sps_table)
-    stops = default_stop_ids(target, tokenizer) if stop_token_ids is None else list(stop_token_ids)
-    confidence_temperatures = sts_temperatures(draft, confidence_temperatures)
-    encoded = {name: [encode_prompt(tokenizer, p.text, thinking=thinking) for p in ps]
+    settings = resolve(options, target, draft, tokenizer)
+    encoded = {name: [encode_prompt(tokenizer, p.text, raw=options.raw_prompt, thinking=options.thinking)
+                      for p in ps]
                for name, ps in prompts_by_ds.items()}
 
     tcfg, tparams = load_target(target)
@@ -303,20 +278,20 @@ def evaluate(target, draft, datasets, *, data_dir=None, max_samples: int | None 
     dcfg.check_compatible(tcfg)
     config = {"target": str(target), "draft": str(draft), "datasets": list(prompts_by_ds),
               "data_dir": str(data_dir) if data_dir is not None else "(packaged)",
-              "max_samples": max_samples, "max_new_tokens": max_new_tokens,
-              "temperature": temperature, "verify": verify, "thinking": thinking,
-              "batch_size": batch_size, "seed": seed, "stop_token_ids": stops,
+              "max_samples": max_samples, "max_new_tokens": options.max_new_tokens,
+              "temperature": options.temperature, "verify": options.verify,
+              "thinking": options.thinking, "raw_prompt": options.raw_prompt,
+              "batch_size": options.batch_size, "seed": options.seed,
+              "stop_token_ids": settings.stop_ids,
               "block_size": dcfg.block_size, "markov_rank": dcfg.markov_rank,
               "confidence_head": dcfg.enable_confidence_head}
     report: dict[str, Any] = {"config": config, "datasets": {}}
     all_results = {}
     for name, prompts in encoded.items():
-        common = dict(max_new_tokens=max_new_tokens, temperature=temperature, batch_size=batch_size,
-                      seed=seed, stop_token_ids=stops)
+        common = settings.decode_kwargs(options, speculative=False)
         with tqdm(total=len(prompts), desc=f"eval {name}", unit="prompt", disable=not progress) as bar:
             results = timed_decode(tcfg, tparams, prompts, draft_cfg=dcfg, draft_params=dparams,
-                                   policy=policy, confidence_temperatures=confidence_temperatures,
-                                   progress=bar.update, **common)
+                                   progress=bar.update, **settings.decode_kwargs(options))
         summ = decode_summary(results, dcfg.block_size)
         if baseline:
             with tqdm(total=len(prompts), desc=f"autoregressive {name}", unit="prompt",

@@ -303,7 +303,7 @@ class DraftConfig:
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    """Weights of the DSpark loss (SPEC section 7)."""
+    """Weights of the DSpark loss: cross-entropy, L1 to the target distribution, confidence BCE, position decay."""
 
     ce_weight: float = 0.1
     l1_weight: float = 0.9

@@ -1,4 +1,4 @@
-"""STS calibration (SPEC 10): held-out ECE drops, AUROC kept; metrics; logs; CLI."""
+"""STS calibration (per-position temperatures): held-out ECE drops, AUROC kept; metrics; logs; CLI."""
 
 import json
 

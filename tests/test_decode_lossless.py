@@ -5,7 +5,7 @@ the drafter likes and a drafter that never proposes a token the target emits.
 4k independent requests run as one batch (one jitted call); the joint
 distribution of the first 3 new tokens must match the target's exact joint
 (chi-square, p > 1e-4). A policy that decides on x_1 from c_2 (anticipating,
-SPEC section 8) must fail the same check.
+violating the non-anticipating rule) must fail the same check.
 """
 
 import dataclasses

@@ -1,4 +1,4 @@
-"""`dspark-jax calibrate`: fit STS confidence temperatures on decode logs (SPEC section 10)."""
+"""`dspark-jax calibrate`: fit STS confidence temperatures on decode logs (Sequential Temperature Scaling)."""
 
 from __future__ import annotations
 

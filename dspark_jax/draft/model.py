@@ -92,7 +92,7 @@ def training_forward(
     target_last_hidden_states: jax.Array | None = None,
     compute_dtype=None,
 ) -> TrainForward:
-    """All anchors' blocks in one backbone call (SPEC sections 3-6).
+    """All anchors' blocks in one backbone call (paper section 3: blocks, Markov head, confidence head).
 
     input_ids [B, S]; target_hidden_states [B, S, n*H] (raw layer outputs,
     concatenated in target_layer_ids order); loss_mask [B, S];

@@ -1,4 +1,4 @@
-"""Sequential Temperature Scaling (SPEC section 10) and confidence-quality metrics.
+"""Sequential Temperature Scaling (STS: one temperature per block position, fitted left to right) and confidence-quality metrics.
 
 Input: decode rounds, each with the raw confidence logits of the block ``[G]`` (before any
 temperature), the number of accepted drafts and the proposal length (drafts sent to
@@ -254,7 +254,7 @@ def summary(per_position: list[dict]) -> dict:
 
 
 def fit_sts(rounds: Rounds, grid=None, n_bins: int = DEFAULT_BINS, min_count: int = 20) -> np.ndarray:
-    """Per-position temperatures [G] (float64), left to right (SPEC 10).
+    """Per-position temperatures [G] (float64), left to right: position k on rounds that verified it.
 
     Positions with fewer than ``min_count`` verified rounds keep the previous position's
     temperature (1.0 at the first).

@@ -24,7 +24,8 @@ text with --raw-prompt (the byte tokenizer: <|bos|> + text), exactly as `generat
 Without --target the embedded default target is used.
 
 Example:
-  dspark-jax eval --draft runs/demo/train/dspark/export --datasets stdlib-heldout --baseline
+  dspark-jax eval --draft runs/demo/train/dspark/export --datasets stdlib-heldout --raw-prompt --baseline
+  (the demo trains on plain standard-library text, hence --raw-prompt)
 """
 
 

@@ -43,7 +43,7 @@ from typing import Sequence
 import numpy as np
 
 from dspark_jax.config import TargetConfig
-from dspark_jax.errors import DSparkError, InputError
+from dspark_jax.errors import DSparkError, InputError, require_positive_int
 from dspark_jax.fileio import atomic_dir
 from dspark_jax.tokenizer import ByteTokenizer
 
@@ -80,9 +80,7 @@ class PretrainConfig:
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "max_position_embeddings", "steps",
                      "batch_size", "seq_len", "eval_windows", "eval_every"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise InputError(f"pretrain: {name} must be a positive int, got {value!r}")
+            require_positive_int(getattr(self, name), f"pretrain: {name}")
         if self.seq_len > self.max_position_embeddings:
             raise InputError(f"pretrain: seq_len={self.seq_len} exceeds "
                              f"max_position_embeddings={self.max_position_embeddings}")

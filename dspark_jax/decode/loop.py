@@ -346,6 +346,17 @@ def _validate_common(tcfg, prompts, max_new_tokens, temperature, batch_size, sto
     return prompts, stop_arr, stops
 
 
+def _confidence_temperatures(temperatures, block_size: int) -> jax.Array:
+    """[G] float32 STS temperatures (ones when None); InputError unless G positive numbers."""
+    if temperatures is None:
+        return jnp.ones((block_size,), jnp.float32)
+    temps = [float(t) for t in temperatures]
+    if len(temps) != block_size or not all(t > 0 and math.isfinite(t) for t in temps):
+        raise InputError(f"confidence_temperatures must be {block_size} positive numbers (one per "
+                         f"block position), got {list(temperatures)}")
+    return jnp.asarray(temps, jnp.float32)
+
+
 def _batches(prompts, batch_size: int, p_len: int):
     """Yield (indices, prompts [B, P], lens [B], valid [B]) with the last batch padded."""
     for start in range(0, len(prompts), batch_size):
@@ -426,14 +437,7 @@ def speculative_generate(
     prompts, stop_arr, stops = _validate_common(target_cfg, prompts, max_new_tokens, temperature,
                                                 batch_size, stop_token_ids)
     g = draft_cfg.block_size
-    if confidence_temperatures is None:
-        conf_temps = jnp.ones((g,), jnp.float32)
-    else:
-        temps = [float(t) for t in confidence_temperatures]
-        if len(temps) != g or not all(t > 0 and math.isfinite(t) for t in temps):
-            raise InputError(f"confidence_temperatures must be {g} positive numbers (one per block "
-                             f"position), got {list(confidence_temperatures)}")
-        conf_temps = jnp.asarray(temps, jnp.float32)
+    conf_temps = _confidence_temperatures(confidence_temperatures, g)
     if loop not in ("device", "host"):
         raise InputError(f"loop must be 'device' or 'host', got {loop!r}")
     max_pos = min(target_cfg.max_position_embeddings, draft_cfg.max_position_embeddings)

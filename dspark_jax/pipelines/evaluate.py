@@ -238,6 +238,58 @@ def tensorboard_scalars(log_dir, scalars: Mapping[str, Mapping[str, Any]]) -> Pa
 # --------------------------------------------------------------------------- the eval run
 
 
+def _decode_dataset(name, prompts, pair, options, settings, *, baseline: bool, progress: bool):
+    """(decode_summary (+ autoregressive/speedup with ``baseline``), results) of one dataset."""
+    from tqdm import tqdm
+
+    tcfg, tparams, dcfg, dparams = pair
+    with tqdm(total=len(prompts), desc=f"eval {name}", unit="prompt", disable=not progress) as bar:
+        results = timed_decode(tcfg, tparams, prompts, draft_cfg=dcfg, draft_params=dparams,
+                               progress=bar.update, **settings.decode_kwargs(options))
+    summ = decode_summary(results, dcfg.block_size)
+    if baseline:
+        with tqdm(total=len(prompts), desc=f"autoregressive {name}", unit="prompt",
+                  disable=not progress) as bar:
+            ar = timed_decode(tcfg, tparams, prompts, progress=bar.update,
+                              **settings.decode_kwargs(options, speculative=False))
+        ar_summ = decode_summary(ar)
+        summ["autoregressive"] = {k: ar_summ[k] for k in ("output_tokens", "seconds", "tokens_per_second")}
+        summ["speedup"] = (summ["tokens_per_second"] / ar_summ["tokens_per_second"]
+                           if ar_summ["tokens_per_second"] else None)
+    return summ, results
+
+
+def _print_report(summaries: Mapping[str, Mapping], printer) -> None:
+    """The table, then per dataset the confidence metrics per position and the speedup."""
+    printer(format_table(dict(summaries)))
+    for name, s in summaries.items():
+        cal = s.get("calibration")
+        if cal:
+            pp = cal["per_position"]
+            fmt = lambda key: " ".join("-" if p[key] is None else f"{p[key]:.3f}" for p in pp)
+            printer(f"{name} confidence per position: ECE {fmt('ece')} | AUROC {fmt('auroc')} | "
+                    f"Brier {fmt('brier')}")
+        if s.get("speedup") is not None:
+            printer(f"{name} speedup over autoregressive: {s['speedup']:.2f}x")
+
+
+def _write_outputs(out: Path, report: dict, all_results: Mapping, prompts_by_ds: Mapping) -> dict:
+    """results/<dataset>.jsonl, PNGs and tb/ under ``out``; returns {name: path}."""
+    out.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for name, results in all_results.items():
+        extra = [{"dataset": name, "index": p.index, "line": p.line} for p in prompts_by_ds[name]]
+        write_results_jsonl(out / "results" / f"{name}.jsonl", results, extra)
+        files[f"acceptance_{name}"] = str(plot_acceptance({name: report["datasets"][name]},
+                                                          out / f"acceptance_{name}.png", title=name))
+        rel = plot_reliability(results, out / f"reliability_{name}.png", title=f"{name}: confidence")
+        if rel is not None:
+            files[f"reliability_{name}"] = str(rel)
+    tensorboard_scalars(out / "tb", report["datasets"])
+    files["tensorboard"] = str(out / "tb")
+    return files
+
+
 def evaluate(target, draft, datasets, *, data_dir=None, max_samples: int | None = None,
              options: DecodeOptions | None = None, baseline: bool = False, out=None,
              force: bool = False, progress: bool = True, printer=print) -> dict:
@@ -251,8 +303,6 @@ def evaluate(target, draft, datasets, *, data_dir=None, max_samples: int | None 
     scalars under ``tb/`` and PNGs ``acceptance_<dataset>.png`` (+ ``reliability_<dataset>.png``
     with a confidence head). All input is checked before any model is loaded or compiled.
     """
-    from tqdm import tqdm
-
     from dspark_jax.convert.checkpoint import load_draft, load_target
     from dspark_jax.data.eval_datasets import load_datasets
     from dspark_jax.tokenizer import encode_prompt, load_tokenizer
@@ -288,47 +338,11 @@ def evaluate(target, draft, datasets, *, data_dir=None, max_samples: int | None 
     report: dict[str, Any] = {"config": config, "datasets": {}}
     all_results = {}
     for name, prompts in encoded.items():
-        common = settings.decode_kwargs(options, speculative=False)
-        with tqdm(total=len(prompts), desc=f"eval {name}", unit="prompt", disable=not progress) as bar:
-            results = timed_decode(tcfg, tparams, prompts, draft_cfg=dcfg, draft_params=dparams,
-                                   progress=bar.update, **settings.decode_kwargs(options))
-        summ = decode_summary(results, dcfg.block_size)
-        if baseline:
-            with tqdm(total=len(prompts), desc=f"autoregressive {name}", unit="prompt",
-                      disable=not progress) as bar:
-                ar = timed_decode(tcfg, tparams, prompts, progress=bar.update, **common)
-            ar_summ = decode_summary(ar)
-            summ["autoregressive"] = {k: ar_summ[k] for k in ("output_tokens", "seconds", "tokens_per_second")}
-            summ["speedup"] = (summ["tokens_per_second"] / ar_summ["tokens_per_second"]
-                               if ar_summ["tokens_per_second"] else None)
-        report["datasets"][name] = summ
-        all_results[name] = results
-
-    table_rows = dict(report["datasets"])
-    printer(format_table(table_rows))
-    for name, s in report["datasets"].items():
-        cal = s.get("calibration")
-        if cal:
-            pp = cal["per_position"]
-            fmt = lambda key: " ".join("-" if p[key] is None else f"{p[key]:.3f}" for p in pp)
-            printer(f"{name} confidence per position: ECE {fmt('ece')} | AUROC {fmt('auroc')} | "
-                    f"Brier {fmt('brier')}")
-        if s.get("speedup") is not None:
-            printer(f"{name} speedup over autoregressive: {s['speedup']:.2f}x")
-
+        pair = (tcfg, tparams, dcfg, dparams)
+        report["datasets"][name], all_results[name] = _decode_dataset(
+            name, prompts, pair, options, settings, baseline=baseline, progress=progress)
+    _print_report(report["datasets"], printer)
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        files = {}
-        for name, results in all_results.items():
-            extra = [{"dataset": name, "index": p.index, "line": p.line} for p in prompts_by_ds[name]]
-            write_results_jsonl(out / "results" / f"{name}.jsonl", results, extra)
-            files[f"acceptance_{name}"] = str(plot_acceptance({name: report["datasets"][name]},
-                                                              out / f"acceptance_{name}.png", title=name))
-            rel = plot_reliability(results, out / f"reliability_{name}.png", title=f"{name}: confidence")
-            if rel is not None:
-                files[f"reliability_{name}"] = str(rel)
-        tensorboard_scalars(out / "tb", report["datasets"])
-        files["tensorboard"] = str(out / "tb")
-        report["files"] = files
+        report["files"] = _write_outputs(out, report, all_results, prompts_by_ds)
         write_json_atomic(out / RESULT_FILE, report)
     return _finite(report)

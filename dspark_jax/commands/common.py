@@ -42,14 +42,17 @@ DECODE_FLAGS = {
 }
 
 
-def add_decode_flags(parser, names=None, *, defaults: dict | None = None) -> None:
-    """Add the decode flags ``names`` (default: all) to ``parser``; ``defaults`` overrides some
-    defaults (e.g. None where a config file supplies the value)."""
+def add_decode_flags(parser, names=None, *, defaults: dict | None = None,
+                     helps: dict | None = None) -> None:
+    """Add the decode flags ``names`` (default: all) to ``parser``; ``defaults`` / ``helps``
+    override some defaults and help texts (e.g. None where a config supplies the value)."""
     for name in names or DECODE_FLAGS:
         flag, kw = DECODE_FLAGS[name]
         kw = dict(kw, dest=name)
         if defaults and name in defaults:
             kw["default"] = defaults[name]
+        if helps and name in helps:
+            kw["help"] = helps[name]
         parser.add_argument(flag, **kw)
 
 

@@ -48,7 +48,10 @@ def register(subparsers) -> None:
     p.add_argument("--num-eval-prompts", type=int, default=None,
                    help=f"held-out prompts decoded (default {d.num_eval_prompts})")
     add_decode_flags(p, ("max_new_tokens", "temperature", "seed"),
-                     defaults={"max_new_tokens": None, "temperature": None, "seed": None})
+                     defaults={"max_new_tokens": None, "temperature": None, "seed": None},
+                     helps={"max_new_tokens": f"new tokens per held-out prompt (default {d.max_new_tokens})",
+                            "temperature": "decoding temperature of the comparison; 0 = greedy (default 0)",
+                            "seed": "seed of data, init and decoding (default 0)"})
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
 

@@ -107,12 +107,14 @@ def split_by_request(rounds: C.Rounds, groups: np.ndarray, seed: int = 0) -> tup
     return rounds.take(np.flatnonzero(~held)), rounds.take(np.flatnonzero(held))
 
 
-def drafter_rounds(fixture: Path) -> C.Rounds:
-    """Rounds of the fixture drafter on the fixture's stored greedy continuations."""
+def drafter_rounds(fixture: Path, max_prompts: int | None = None) -> C.Rounds:
+    """Rounds of the fixture drafter on the fixture's stored greedy continuations (the first
+    ``max_prompts`` of them, default all)."""
     tcfg, tparams = checkpoint.load_target(fixture / "target")
     dcfg, dparams = checkpoint.load_draft(fixture / "draft")
     dec = json.loads((fixture / "decode_greedy.json").read_text())
-    return replay_rounds(tcfg, tparams, dcfg, dparams, zip(dec["prompts"], dec["output_ids"]))
+    pairs = list(zip(dec["prompts"], dec["output_ids"]))[:max_prompts]
+    return replay_rounds(tcfg, tparams, dcfg, dparams, pairs)
 
 
 def dataset_rounds(target_dir, draft_dir, dataset: str, max_samples: int | None, max_new_tokens: int,
@@ -229,8 +231,9 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true",
                     help="smallest settings (seconds): 1 concurrency level, few rounds, 2 SPS sizes")
     args = ap.parse_args(argv)
-    if args.smoke:
+    if args.smoke:  # a few seconds: 2 fixture prompts, 1 concurrency level, 5 rounds, 1 pass
         args.rounds, args.concurrency, args.repeats = 5, "1", 1
+        args.max_samples = args.max_samples or 2
     if (args.target is None) != (args.draft is None):
         ap.error("--target and --draft go together (neither = the tiny reference fixture)")
     out = Path(args.out)
@@ -239,7 +242,7 @@ def main(argv=None) -> int:
 
     t0 = time.time()
     if args.target is None:
-        rounds, source = drafter_rounds(FIXTURE), {"target": "tests/fixtures/dspark_qwen3_tiny/target",
+        rounds, source = drafter_rounds(FIXTURE, 2 if args.smoke else None), {"target": "tests/fixtures/dspark_qwen3_tiny/target",
                                                    "draft": "tests/fixtures/dspark_qwen3_tiny/draft",
                                                    "prompts": "decode_greedy.json (fixture)"}
         target_dir = FIXTURE / "target"

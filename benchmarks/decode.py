@@ -1,18 +1,17 @@
 """Autoregressive vs speculative decoding on the tiny fixture: tokens/s side by side.
 
-    .venv/bin/python benchmarks/decode.py [--out benchmarks/decode.json] [--max-new-tokens 48]
+    .venv/bin/python benchmarks/decode.py [--out DIR] [--max-new-tokens 48] [--smoke]
 
 Each configuration runs once to warm up (compile), then ``--repeats`` timed runs,
 interleaved round-robin across modes (best kept; compare ratios within one run on a shared
 machine). Reports tokens/s, tau, speed-up, and the number of XLA compilations
-seen during the timed runs (should be 0) and in total. JSON to --out; a table on stdout.
+seen during the timed runs (should be 0) and in total. JSON to --out DIR (decode.json); a table on stdout.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ import jax.monitoring
 
 from dspark_jax.convert.checkpoint import load_draft, load_target
 from dspark_jax.decode import autoregressive_generate, speculative_generate, summarize
+from dspark_jax.fileio import write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPILES = [0]
@@ -40,8 +40,11 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--loops", nargs="+", default=["device", "host"], choices=["device", "host"])
-    ap.add_argument("--out", default=None, help="write the JSON report here")
+    ap.add_argument("--out", default=None, metavar="DIR", help="write DIR/decode.json")
+    ap.add_argument("--smoke", action="store_true", help="smallest settings (seconds)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.max_new_tokens, args.batch_sizes, args.repeats, args.loops = 4, [1], 1, ["device"]
     jax.monitoring.register_event_duration_secs_listener(_on_event)
 
     tc, tp = load_target(Path(args.fixture) / "target")
@@ -92,10 +95,7 @@ def main(argv=None) -> int:
               f"{r['speedup']:>8.2f} {r['speedup_over_tau']:>6.2f} {r['warmup_seconds']:>7.1f} "
               f"{r['compiles_warmup']:>4}/{r['compiles_timed']:<4}")
     if args.out:
-        out = Path(args.out)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(report, indent=2))
-        os.replace(tmp, out)
+        write_json(Path(args.out) / "decode.json", report)
     return 0
 
 

@@ -35,7 +35,7 @@ Usage: .venv/bin/python benchmarks/schedule.py --out benchmarks/results/schedule
 Any target/drafter pair: --target DIR --draft DIR [--dataset stdlib-heldout --max-samples N]:
 prompts of the dataset are encoded with the target's tokenizer and the target's greedy
 continuations (--max-new-tokens) are generated with the real decode loop, then replayed.
-Writes OUT/sps.json, OUT/schedule.json, OUT/schedule.png.
+Writes OUT/sps.json, OUT/schedule.json, OUT/schedule.png. --smoke: smallest settings (seconds).
 """
 
 from __future__ import annotations
@@ -53,11 +53,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dspark_jax import calibrate as C  # noqa: E402
+from dspark_jax.pipelines import calibrate as C  # noqa: E402
 from dspark_jax.convert import checkpoint  # noqa: E402
 from dspark_jax.decode import policies, profile  # noqa: E402
 from dspark_jax.decode import scheduler as S  # noqa: E402
 from dspark_jax.draft import model as draft_model  # noqa: E402
+from dspark_jax.commands.common import add_decode_flags  # noqa: E402
 from dspark_jax.errors import InputError  # noqa: E402
 from dspark_jax.target import qwen3  # noqa: E402
 
@@ -106,31 +107,34 @@ def split_by_request(rounds: C.Rounds, groups: np.ndarray, seed: int = 0) -> tup
     return rounds.take(np.flatnonzero(~held)), rounds.take(np.flatnonzero(held))
 
 
-def drafter_rounds(fixture: Path) -> C.Rounds:
-    """Rounds of the fixture drafter on the fixture's stored greedy continuations."""
+def drafter_rounds(fixture: Path, max_prompts: int | None = None) -> C.Rounds:
+    """Rounds of the fixture drafter on the fixture's stored greedy continuations (the first
+    ``max_prompts`` of them, default all)."""
     tcfg, tparams = checkpoint.load_target(fixture / "target")
     dcfg, dparams = checkpoint.load_draft(fixture / "draft")
     dec = json.loads((fixture / "decode_greedy.json").read_text())
-    return replay_rounds(tcfg, tparams, dcfg, dparams, zip(dec["prompts"], dec["output_ids"]))
+    pairs = list(zip(dec["prompts"], dec["output_ids"]))[:max_prompts]
+    return replay_rounds(tcfg, tparams, dcfg, dparams, pairs)
 
 
 def dataset_rounds(target_dir, draft_dir, dataset: str, max_samples: int | None, max_new_tokens: int,
-                   batch_size: int = 8) -> tuple[C.Rounds, dict]:
+                   batch_size: int = 8, raw_prompt: bool = False) -> tuple[C.Rounds, dict]:
     """Rounds of any target/drafter pair on a prompt dataset (text -> ids via the target's
     tokenizer); the target's greedy continuations (up to ``max_new_tokens``, cut at its stop
     tokens) are generated here with the real decode loop, then replayed as in the fixture mode."""
     from dspark_jax.data import eval_datasets
     from dspark_jax.decode import loop
-    from dspark_jax.evaluate import default_stop_ids, encode_prompt
-    from dspark_jax.tokenizer import load_tokenizer
+    from dspark_jax.decode.settings import DecodeOptions, resolve
+    from dspark_jax.tokenizer import encode_prompt, load_tokenizer
 
     tcfg, tparams = checkpoint.load_target(target_dir)
     dcfg, dparams = checkpoint.load_draft(draft_dir)
     dcfg.check_compatible(tcfg)
     tok = load_tokenizer(target_dir, required=True)
     texts = eval_datasets.load_prompts(dataset, max_samples=max_samples)
-    prompts = [encode_prompt(tok, t) for t in texts]
-    stops = default_stop_ids(target_dir, tok)
+    options = DecodeOptions(max_new_tokens=max_new_tokens, batch_size=batch_size, raw_prompt=raw_prompt)
+    prompts = [encode_prompt(tok, t, raw=options.raw_prompt) for t in texts]
+    stops = resolve(options, target_dir, tokenizer=tok).stop_ids
     t0 = time.time()
     res = loop.autoregressive_generate(tcfg, tparams, prompts, max_new_tokens=max_new_tokens, temperature=0.0,
                                        batch_size=batch_size, stop_token_ids=stops)
@@ -223,9 +227,13 @@ def main(argv=None) -> int:
     ap.add_argument("--split", choices=("rounds", "requests"), default=None,
                     help="STS fit/held-out halves: a random half of the rounds (fixture default) or of "
                          "the requests, all rounds of a prompt on one side (default with --target)")
-    ap.add_argument("--max-new-tokens", type=int, default=96,
-                    help="greedy continuation length per prompt in --target/--draft mode")
+    add_decode_flags(ap, ("max_new_tokens", "raw_prompt"), defaults={"max_new_tokens": 96})
+    ap.add_argument("--smoke", action="store_true",
+                    help="smallest settings (seconds): 1 concurrency level, few rounds, 2 SPS sizes")
     args = ap.parse_args(argv)
+    if args.smoke:  # a few seconds: 2 fixture prompts, 1 concurrency level, 5 rounds, 1 pass
+        args.rounds, args.concurrency, args.repeats = 5, "1", 1
+        args.max_samples = args.max_samples or 2
     if (args.target is None) != (args.draft is None):
         ap.error("--target and --draft go together (neither = the tiny reference fixture)")
     out = Path(args.out)
@@ -234,14 +242,14 @@ def main(argv=None) -> int:
 
     t0 = time.time()
     if args.target is None:
-        rounds, source = drafter_rounds(FIXTURE), {"target": "tests/fixtures/dspark_qwen3_tiny/target",
+        rounds, source = drafter_rounds(FIXTURE, 2 if args.smoke else None), {"target": "tests/fixtures/dspark_qwen3_tiny/target",
                                                    "draft": "tests/fixtures/dspark_qwen3_tiny/draft",
                                                    "prompts": "decode_greedy.json (fixture)"}
         target_dir = FIXTURE / "target"
         label = "tiny fixture drafter"
     else:
         rounds, groups, source = dataset_rounds(args.target, args.draft, args.dataset, args.max_samples,
-                                                args.max_new_tokens)
+                                                args.max_new_tokens, raw_prompt=args.raw_prompt)
         target_dir = Path(args.target)
         label = f"drafter {args.draft} + target {Path(args.target).name} on {args.dataset}"
     g = rounds.block_size
@@ -272,6 +280,8 @@ def main(argv=None) -> int:
     else:
         tcfg, tparams = checkpoint.load_target(target_dir)
         sizes = profile.default_batch_sizes(max(levels) * (g + 1), dense_up_to=16, growth=1.3)
+        if args.smoke:
+            sizes = sorted({1, g + 1})
         table = profile.measure_sps(tcfg, tparams, sizes, args.cache_length, iters=3, min_seconds=0.02,
                                     repeats=args.repeats, fit=fit_name,
                                     meta={"target": source["target"]},

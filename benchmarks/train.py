@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dspark_jax.config import DraftConfig, TargetConfig  # noqa: E402
 from dspark_jax.convert.checkpoint import load_target  # noqa: E402
 from dspark_jax.draft import model as draft_model  # noqa: E402
+from dspark_jax.fileio import write_json  # noqa: E402
 from dspark_jax.target import qwen3  # noqa: E402
 from dspark_jax.target.features import target_features  # noqa: E402
 from dspark_jax.train import optim, step as step_lib  # noqa: E402
@@ -95,8 +96,11 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default="cache,online")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--out", default=None, help="write the JSON here as well as to stdout")
+    ap.add_argument("--out", default=None, metavar="DIR", help="write DIR/train.json as well as to stdout")
+    ap.add_argument("--smoke", action="store_true", help="smallest settings (seconds)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.sizes, args.modes, args.steps = "tiny", "cache", 1
     results = [bench(size, mode, args.steps, args.dtype)
                for size in args.sizes.split(",") for mode in args.modes.split(",")]
     report = {"benchmark": "train_step", "backend": jax.default_backend(), "devices": jax.device_count(),
@@ -104,7 +108,7 @@ def main(argv=None) -> int:
     text = json.dumps(report, indent=1)
     print(text)
     if args.out:
-        Path(args.out).write_text(text)
+        write_json(Path(args.out) / "train.json", report)
     return 0
 
 

@@ -27,13 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"dspark_jax.commands.{name}")
-        except ModuleNotFoundError as e:
-            if e.name == f"dspark_jax.commands.{name}":
-                continue  # not built yet
-            raise
-        module.register(sub)
+        # A missing command module is a broken install: let the ImportError surface.
+        importlib.import_module(f"dspark_jax.commands.{name}").register(sub)
     return parser
 
 

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 
 
-from dspark_jax.errors import ConfigError  # noqa: E402  (re-exported)
+from dspark_jax.errors import ConfigError, require_positive_int  # noqa: E402  (ConfigError re-exported)
 
 
 def _require(cond: bool, message: str) -> None:
@@ -108,9 +108,7 @@ class TargetConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim",
                      "max_position_embeddings"):
-            value = getattr(self, name)
-            _require(isinstance(value, int) and not isinstance(value, bool) and value > 0,
-                     f"TargetConfig.{name} must be a positive int, got {value!r}")
+            require_positive_int(getattr(self, name), f"TargetConfig.{name}", ConfigError)
         _require(self.num_attention_heads % self.num_key_value_heads == 0,
                  f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                  f"num_key_value_heads={self.num_key_value_heads}")
@@ -180,9 +178,7 @@ class DraftConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "num_target_layers",
                      "block_size", "num_anchors", "max_position_embeddings"):
-            value = getattr(self, name)
-            _require(isinstance(value, int) and not isinstance(value, bool) and value > 0,
-                     f"DraftConfig.{name} must be a positive int, got {value!r}")
+            require_positive_int(getattr(self, name), f"DraftConfig.{name}", ConfigError)
         _require(self.num_attention_heads % self.num_key_value_heads == 0,
                  f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                  f"num_key_value_heads={self.num_key_value_heads}")
@@ -307,7 +303,7 @@ class DraftConfig:
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    """Weights of the DSpark loss (SPEC section 7)."""
+    """Weights of the DSpark loss: cross-entropy, L1 to the target distribution, confidence BCE, position decay."""
 
     ce_weight: float = 0.1
     l1_weight: float = 0.9

@@ -15,3 +15,10 @@ class CheckpointError(DSparkError):
 
 class InputError(DSparkError):
     """Bad runtime input: prompts, datasets, command-line values, output paths."""
+
+
+def require_positive_int(value, what: str, error: type[DSparkError] = InputError) -> int:
+    """``value`` when it is an int > 0 (bools refused); else ``error("<what> must be a positive int")``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise error(f"{what} must be a positive int, got {value!r}")
+    return value

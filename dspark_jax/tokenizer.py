@@ -218,6 +218,25 @@ class ByteTokenizer:
         return f"ByteTokenizer(vocab_size={self.vocab_size}, specials={list(self.special_tokens)})"
 
 
+def encode_prompt(tokenizer, text: str, *, raw: bool = False, thinking: bool = False) -> list[int]:
+    """Prompt ids of ``text`` for ``generate``, ``eval``, the demo and the benchmarks.
+
+    Default: the tokenizer's chat template over one user turn with the generation prompt
+    (``enable_thinking=thinking``; the byte tokenizer's minimal chat format; a Hugging Face
+    tokenizer without a template falls back to raw). ``raw``: the plain text, after
+    ``<|bos|>`` for the byte tokenizer, ``tokenizer.encode(text)`` for a Hugging Face one.
+    """
+    if raw or not (isinstance(tokenizer, ByteTokenizer) or getattr(tokenizer, "chat_template", None)):
+        if isinstance(tokenizer, ByteTokenizer):
+            return tokenizer.encode(text, add_bos=True)
+        return [int(t) for t in tokenizer.encode(text)]
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                        add_generation_prompt=True, enable_thinking=thinking)
+    if isinstance(ids, Mapping):  # some transformers versions return a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
 def has_byte_tokenizer(directory) -> bool:
     return (Path(directory) / TOKENIZER_FILE).is_file()
 

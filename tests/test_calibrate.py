@@ -1,11 +1,11 @@
-"""STS calibration (SPEC 10): held-out ECE drops, AUROC kept; metrics; logs; CLI."""
+"""STS calibration (per-position temperatures): held-out ECE drops, AUROC kept; metrics; logs; CLI."""
 
 import json
 
 import numpy as np
 import pytest
 
-from dspark_jax import calibrate as C
+from dspark_jax.pipelines import calibrate as C
 from dspark_jax.errors import InputError
 
 TRUE_T = np.array([2.0, 1.6, 2.5, 0.8])  # reported logits are (over/under)confident by these factors

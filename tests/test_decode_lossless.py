@@ -1,11 +1,11 @@
 """Lossless sampling, tested statistically against the exact target distribution.
 
-The tiny pair (dspark_jax.decode.testing) has a target that never emits one token
+The tiny pair (tests/decode_pairs.py) has a target that never emits one token
 the drafter likes and a drafter that never proposes a token the target emits.
 4k independent requests run as one batch (one jitted call); the joint
 distribution of the first 3 new tokens must match the target's exact joint
 (chi-square, p > 1e-4). A policy that decides on x_1 from c_2 (anticipating,
-SPEC section 8) must fail the same check.
+violating the non-anticipating rule) must fail the same check.
 """
 
 import dataclasses
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.decode import FixedPolicy, FullPolicy, ThresholdPolicy, speculative_generate, summarize
-from dspark_jax.decode import testing
+import decode_pairs as testing
 
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 

@@ -9,11 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import decode_pairs as testing
 from dspark_jax.cli import main
 from dspark_jax.config import DraftConfig
 from dspark_jax.convert.checkpoint import load_draft, load_target
 from dspark_jax.decode import (FixedPolicy, FullPolicy, ThresholdPolicy, autoregressive_generate,
-                               parse_policy, speculative_generate, testing)
+                               parse_policy, speculative_generate)
 from dspark_jax.decode import loop as decode_loop
 from dspark_jax.decode.verify import rejection_sample
 from dspark_jax.errors import ConfigError, InputError

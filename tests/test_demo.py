@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dspark_jax import cli
-from dspark_jax.demo import (DRAFTERS, MODES, DemoConfig, quick_config, run_demo, stage_done,
+from dspark_jax.pipelines.demo import (DRAFTERS, MODES, DemoConfig, quick_config, run_demo, stage_done,
                              train_prompt_texts)
 from dspark_jax.errors import ConfigError, InputError
 

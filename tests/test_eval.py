@@ -11,12 +11,13 @@ from dspark_jax import cli
 from dspark_jax.config import DraftConfig
 from dspark_jax.convert.checkpoint import load_target, save_draft
 from dspark_jax.data.eval_datasets import load_dataset
-from dspark_jax.demo import drafter_overrides, quick_config
+from dspark_jax.pipelines.demo import drafter_overrides, quick_config
 from dspark_jax.draft import model as draft_model
 from dspark_jax.embedded.default import default_target_dir
 from dspark_jax.errors import InputError
-from dspark_jax.evaluate import encode_prompt, evaluate
+from dspark_jax.pipelines.evaluate import evaluate
 from dspark_jax.target import qwen3
+from dspark_jax.tokenizer import encode_prompt
 
 FIXTURE = Path(__file__).parent / "fixtures" / "dspark_qwen3_tiny"
 MAX_NEW = quick_config().max_new_tokens  # the demo test's shapes: compiled rounds are shared
@@ -126,4 +127,46 @@ def test_encode_prompt_chat_template_and_thinking_switch():
     assert ids_off == [1, 4, 5, 2] and ids_on == [1, 4, 5, 2, 3]
     from dspark_jax.tokenizer import ByteTokenizer
     bt = ByteTokenizer()
-    assert encode_prompt(bt, "hi") == [bt.bos_token_id, ord("h"), ord("i")]
+    assert encode_prompt(bt, "hi", raw=True) == [bt.bos_token_id, ord("h"), ord("i")]
+    assert encode_prompt(bt, "hi") == bt.chat_prompt("hi")  # chat format is the default
+    assert encode_prompt(tok, "hello world", raw=True) == [4, 5]
+
+
+class _Captured(Exception):
+    pass
+
+
+@pytest.mark.parametrize("raw", [False, True])
+def test_generate_and_eval_encode_text_the_same(drafter, tmp_path, monkeypatch, raw):
+    """The same {"text": ...} gives the same prompt ids in `generate` and `eval` (chat template by
+    default, plain text with --raw-prompt). The decoders are replaced: nothing is compiled."""
+    import dspark_jax.decode as decode
+
+    tdir, draft, _ = drafter
+    seen = {}
+
+    def fake(name):
+        def run(*args, **kwargs):
+            seen[name] = [list(p) for p in next(a for a in args if isinstance(a, list))]
+            raise _Captured
+        return run
+
+    monkeypatch.setattr(decode, "speculative_generate", fake("spec"))
+    monkeypatch.setattr(decode, "autoregressive_generate", fake("ar"))
+    text = "def parse(line):"
+    (tmp_path / "p.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    (tmp_path / "ds.jsonl").write_text(json.dumps({"turns": [text]}) + "\n")
+    flag = ["--raw-prompt"] if raw else []
+    with pytest.raises(_Captured):
+        cli.main(["generate", "--target", str(tdir), "--draft", str(draft), "--prompts",
+                  str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "o.jsonl")] + flag)
+    generated = seen.pop("spec")
+    with pytest.raises(_Captured):
+        cli.main(["eval", "--target", str(tdir), "--draft", str(draft), "--datasets", "ds",
+                  "--data-dir", str(tmp_path), "--no-progress"] + flag)
+    evaluated = seen.pop("spec")
+    assert generated[0] == evaluated[-1]
+    from dspark_jax.tokenizer import load_tokenizer
+    tok = load_tokenizer(tdir)
+    expected = tok.encode(text, add_bos=True) if raw else tok.chat_prompt(text)
+    assert generated[0] == expected

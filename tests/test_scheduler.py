@@ -1,4 +1,4 @@
-"""Prefix scheduler (SPEC 9, paper Algorithm 1 / section 5.2 / Appendix A) and SPS tables."""
+"""Prefix scheduler (paper Algorithm 1 / section 5.2 / Appendix A) and SPS tables."""
 
 import itertools
 import json
@@ -148,7 +148,7 @@ def first_token_distribution(policy, state, p_t, p_d, c1, c2_table):
 
     Rows r have target/draft laws p_t[r], p_d[r] ([V]) at draft position 1, confidence c1[r]
     for position 1 and c2_table[r][x1] for position 2 (the Markov head reads x1). All joint
-    draft outcomes (x_1 of every row) are enumerated; the verification of x_1 follows SPEC 8.
+    draft outcomes (x_1 of every row) are enumerated; the verification of x_1 is standard speculative sampling.
     """
     r, v = p_t.shape
     out = np.zeros((r, v))

@@ -1,7 +1,7 @@
 """The prefix schedulers inside the real decode loop are lossless (statistical check).
 
 Reuses the decode loop's tiny target/drafter pair and exact-distribution helpers
-(dspark_jax.decode.testing): 4k requests in one batch, T = 1, the joint law of the
+(tests/decode_pairs.py): 4k requests in one batch, T = 1, the joint law of the
 first 3 new tokens against the target's exact joint (chi-square). The SPS curve is
 chosen so that, at this batch size, the scheduler verifies a real mix of lengths.
 (The retrospective search's bias is diluted to nothing in a 4k-row global search, so it is
@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from dspark_jax.decode import scheduler as S
-from dspark_jax.decode import speculative_generate, summarize, testing
+import decode_pairs as testing
+from dspark_jax.decode import speculative_generate, summarize
 
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 

@@ -1,10 +1,8 @@
-"""`dspark-jax calibrate`: fit STS confidence temperatures on decode logs (SPEC section 10)."""
+"""`dspark-jax calibrate`: fit STS confidence temperatures on decode logs (Sequential Temperature Scaling)."""
 
 from __future__ import annotations
 
-import datetime
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -41,9 +39,8 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from dspark_jax import calibrate as C
-    from dspark_jax.convert import checkpoint
     from dspark_jax.errors import InputError
+    from dspark_jax.pipelines import calibrate as C
 
     if args.bins < 2:
         raise InputError(f"--bins must be >= 2, got {args.bins}")
@@ -52,50 +49,14 @@ def run(args) -> int:
     out = Path(args.out)
     if out.exists() and not args.force:
         raise InputError(f"--out {str(out)!r} exists (pass --force to replace it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-
-    rounds = C.load_decode_logs(args.logs)
-    fit, held = C.split_rounds(rounds, args.holdout, args.seed)
-    temps = C.fit_sts(fit, n_bins=args.bins)
-
-    def block(r, t):
-        per = C.position_metrics(r, t, args.bins)
-        return {"summary": C.summary(per), "positions": per}
-
-    report = {
-        "format": "dspark-jax/sts/v1",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "logs": str(args.logs),
-        "draft": args.draft,
-        "rounds": rounds.num_rounds, "fit_rounds": fit.num_rounds, "heldout_rounds": held.num_rounds,
-        "block_size": rounds.block_size, "bins": args.bins, "seed": args.seed,
-        "heldout": {"before": block(held, None), "after": block(held, temps)},
-        "fit": {"before": block(fit, None), "after": block(fit, temps)},
-        "fit_temperatures": [float(t) for t in temps],
-    }
-    if args.refit_all:
-        temps = C.fit_sts(rounds, n_bins=args.bins)
-    report["temperatures"] = [float(t) for t in temps]
-
-    with checkpoint.atomic_dir(out, force=args.force) as tmp:
-        (tmp / "sts.json").write_text(json.dumps(report, indent=1) + "\n")
-        C.reliability_diagram(held, temps, tmp / "reliability.png", args.bins,
-                              title="held-out rounds: raw vs STS")
-        if args.write_draft:
-            cfg, params = checkpoint.load_draft(args.draft)
-            extras = {**checkpoint.read_extras(args.draft), "sts_temperatures": report["temperatures"]}
-            if len(report["temperatures"]) != cfg.block_size:
-                raise InputError(f"logs have {rounds.block_size} confidence positions but --draft has "
-                                 f"block_size {cfg.block_size}")
-            fmt = checkpoint.detect_format(args.draft)
-            checkpoint.save_draft(tmp / "draft", cfg, params, format=fmt, extras=extras)
-            for name in checkpoint.SIDECAR_FILES:
-                src = Path(args.draft) / name
-                if src.is_file():
-                    shutil.copy2(src, tmp / "draft" / name)
+    report = C.run_sts(args.logs, out, draft=args.draft, holdout=args.holdout, seed=args.seed,
+                       bins=args.bins, refit_all=args.refit_all, write_draft=args.write_draft,
+                       force=args.force)
+    temps = report["temperatures"]
 
     b, a = report["heldout"]["before"], report["heldout"]["after"]
-    print(f"STS on {fit.num_rounds} rounds, metrics on {held.num_rounds} held-out rounds", file=sys.stderr)
+    print(f"STS on {report['fit_rounds']} rounds, metrics on {report['heldout_rounds']} held-out rounds",
+          file=sys.stderr)
     print("pos      n   ECE before->after   Brier before->after   AUROC(cum) before->after  AUROC(cond)",
           file=sys.stderr)
     for pb, pa, t in zip(b["positions"], a["positions"], temps):

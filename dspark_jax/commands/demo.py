@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from dspark_jax.commands.common import add_decode_flags
+
 HELP = "train DSpark and DFlash drafters on the embedded default target and compare them"
 DESCRIPTION = """\
 The first command to run. With the embedded default target (a tiny byte-level Qwen3 LM trained
@@ -26,7 +28,7 @@ The report lists the equivalent `dspark-jax train` / `dspark-jax eval` commands.
 
 
 def register(subparsers) -> None:
-    from dspark_jax.demo import DemoConfig, STAGES
+    from dspark_jax.pipelines.demo import DemoConfig, STAGES
 
     d = DemoConfig()
     p = subparsers.add_parser("demo", help=HELP, description=DESCRIPTION,
@@ -45,17 +47,17 @@ def register(subparsers) -> None:
                    help=f"training prompts sampled (default {d.num_train_prompts})")
     p.add_argument("--num-eval-prompts", type=int, default=None,
                    help=f"held-out prompts decoded (default {d.num_eval_prompts})")
-    p.add_argument("--max-new-tokens", type=int, default=None,
-                   help=f"new tokens per held-out prompt (default {d.max_new_tokens})")
-    p.add_argument("--temperature", type=float, default=None,
-                   help="decoding temperature of the comparison; 0 = greedy (default 0)")
-    p.add_argument("--seed", type=int, default=None, help="seed of data, init and decoding (default 0)")
+    add_decode_flags(p, ("max_new_tokens", "temperature", "seed"),
+                     defaults={"max_new_tokens": None, "temperature": None, "seed": None},
+                     helps={"max_new_tokens": f"new tokens per held-out prompt (default {d.max_new_tokens})",
+                            "temperature": "decoding temperature of the comparison; 0 = greedy (default 0)",
+                            "seed": "seed of data, init and decoding (default 0)"})
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
 
 
 def config_from_args(args):
-    from dspark_jax.demo import DemoConfig, quick_config
+    from dspark_jax.pipelines.demo import DemoConfig, quick_config
 
     changes = {k: v for k, v in (("steps", args.steps), ("num_train_prompts", args.num_train_prompts),
                                  ("num_eval_prompts", args.num_eval_prompts),
@@ -69,7 +71,7 @@ def config_from_args(args):
 
 
 def run(args) -> int:
-    from dspark_jax.demo import run_demo
+    from dspark_jax.pipelines.demo import run_demo
 
     cfg = config_from_args(args)
     info = run_demo(cfg, stage=args.stage, force=args.force, progress=not args.no_progress)

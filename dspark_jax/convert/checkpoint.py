@@ -23,13 +23,11 @@ refused unless ``force=True``; a failure leaves nothing behind.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import uuid
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -142,35 +140,7 @@ def _read_meta(p: Path) -> dict:
 
 # --------------------------------------------------------------------------- atomic output
 
-@contextlib.contextmanager
-def atomic_dir(dst, *, force: bool = False) -> Iterator[Path]:
-    """Yield a fresh temp dir next to ``dst``; on success it replaces ``dst``.
-
-    Refuses an existing ``dst`` unless ``force``; on any error the temp dir is
-    removed and ``dst`` is left untouched.
-    """
-    dst = Path(dst).absolute()
-    if (dst.exists() or dst.is_symlink()) and not force:
-        raise InputError(f"{dst}: destination exists; pass force=True (--force) to replace it")
-    if not dst.parent.is_dir():
-        raise InputError(f"{dst.parent}: parent directory of the destination does not exist")
-    tmp = dst.parent / f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        yield tmp
-        if dst.exists() or dst.is_symlink():
-            old = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(dst, old)
-            os.replace(tmp, dst)
-            if old.is_dir() and not old.is_symlink():
-                shutil.rmtree(old)
-            else:
-                old.unlink()
-        else:
-            os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+from dspark_jax.fileio import atomic_dir  # noqa: E402,F401  (one helper; re-exported)
 
 
 # --------------------------------------------------------------------------- validation

@@ -18,8 +18,6 @@ Writing goes to a temporary sibling directory renamed into place at the end
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import jax
@@ -32,6 +30,7 @@ from dspark_jax.config import DraftConfig, TargetConfig
 from dspark_jax.convert.identity import target_identity
 from dspark_jax.data.sources import TokenSequences, pad_record
 from dspark_jax.errors import CheckpointError, ConfigError, InputError
+from dspark_jax.fileio import atomic_dir
 from dspark_jax.target.features import target_features
 
 FORMAT = "dspark-feature-cache"
@@ -52,14 +51,20 @@ def write_cache(out_dir, target_config: TargetConfig, target_params, layer_ids, 
     out_dir = Path(out_dir)
     if out_dir.exists() and not force:
         raise InputError(f"cache directory {str(out_dir)!r} already exists (pass --force to replace it)")
+    with atomic_dir(out_dir, force=force, make_parents=True) as tmp:
+        return _write_cache_into(tmp, target_config, target_params, layer_ids, data, batch_size=batch_size,
+                                 dtype=dtype, shard_tokens=shard_tokens, progress=progress,
+                                 compute_dtype=compute_dtype)
+
+
+def _write_cache_into(tmp: Path, target_config: TargetConfig, target_params, layer_ids,
+                      data: TokenSequences, *, batch_size, dtype, shard_tokens, progress,
+                      compute_dtype) -> dict:
+    """``write_cache``'s work inside the staging directory ``tmp``."""
     layer_ids = [int(i) for i in layer_ids]
     DraftConfig.for_target(target_config, num_hidden_layers=1, target_layer_ids=tuple(layer_ids),
                           mask_token_id=0)  # validates the layer ids
     np_dtype = np.dtype(jnp.dtype(dtype))
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
     run = _feature_fn(target_config, layer_ids, compute_dtype)
     s = data.max_length
     n = len(data)
@@ -109,9 +114,6 @@ def write_cache(out_dir, target_config: TargetConfig, target_params, layer_ids, 
         "shards": shards,
     }
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
     return manifest
 
 

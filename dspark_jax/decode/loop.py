@@ -1,4 +1,4 @@
-"""Jitted, batched speculative decoding (SPEC section 8) and the autoregressive baseline.
+"""Jitted, batched speculative decoding and the autoregressive baseline (paper section 4).
 
 Shapes: B rows (requests), P padded prompt length, L cache capacity, G block
 size (draft tokens per round), V vocab, R = max_new_tokens (round budget),
@@ -6,14 +6,14 @@ Ld draft layers. All shapes are static; per-row progress lives in arrays:
 
 - the target KV cache ``[Lt, B, L, Hkv, D]`` holds positions < ``pos[b]``
   (rolling back is setting ``lengths``);
-- the draft context cache ``ctx_k, ctx_v [Ld, B, L, Hkv, D]`` holds the
-  drafter's context keys/values of the same committed positions;
+- the draft context cache (``draft.decode.ContextCache``, k/v ``[Ld, B, L, Hkv, D]``)
+  holds the drafter's context keys/values of the same committed positions;
 - ``seq[b, pos[b]]`` is the anchor x0 (the last committed token, not yet fed
   to the target).
 
-One round (``_round``): draft block at positions p..p+G-1 (queries see
-context rows < p and the whole block) -> sequential Markov sampling with
-``lax.scan`` -> confidences -> policy lengths -> one target extend over
+One round (``_round``): ``draft.decode.propose`` drafts a block at positions
+p..p+G-1 (queries see context rows < p and the whole block; Markov sampling
+with ``lax.scan``) -> confidences -> policy lengths -> one target extend over
 [x0, x_1..x_G] at p..p+G -> rejection sampling of each row's own l_b tokens
 -> commit, roll back, scatter the committed positions' features into the
 draft context cache. Finished rows stay in the batch as masked no-ops.
@@ -30,17 +30,18 @@ import math
 import time
 from typing import Any, Callable, Sequence
 
+import chex
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspark_jax import sampling
 from dspark_jax.config import DraftConfig, TargetConfig
-from dspark_jax.decode import sampling
 from dspark_jax.decode.policies import FullPolicy, VerifyPolicy
 from dspark_jax.decode.verify import rejection_sample
-from dspark_jax.draft import backbone, confidence, markov
-from dspark_jax.draft import model as draft_model
-from dspark_jax.errors import InputError
+from dspark_jax.draft import decode as draft_decode
+from dspark_jax.errors import InputError, require_positive_int
 from dspark_jax.target import qwen3
 
 MAX_STOP_IDS = 8     # stop-id slots (padded with -1) so the count never changes shapes
@@ -51,8 +52,7 @@ CACHE_BUCKET = 64    # default cache capacity L is a multiple of this
 # --------------------------------------------------------------------------- state
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@flax.struct.dataclass
 class DecodeState:
     """Speculative decode state (a pytree; donated to each jitted round).
 
@@ -61,7 +61,7 @@ class DecodeState:
     rounds [B] rounds run per row; acc_rec / prop_rec / drafts_rec [B, R] int32
     acceptance length (bonus included), proposal length and accepted drafts per
     round; conf_rec [B, R, G] raw confidence logits; cache target KV cache;
-    ctx_k, ctx_v [Ld, B, L, Hkv, D] draft context cache; policy_state pytree.
+    ctx the draft context cache; policy_state pytree.
     """
 
     seq: jax.Array
@@ -76,13 +76,11 @@ class DecodeState:
     drafts_rec: jax.Array
     conf_rec: jax.Array
     cache: qwen3.KVCache
-    ctx_k: jax.Array
-    ctx_v: jax.Array
+    ctx: draft_decode.ContextCache
     policy_state: Any
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@flax.struct.dataclass
 class ARState:
     """Autoregressive state: seq [B, L]; pos [B] position of the newest token (not yet cached)."""
 
@@ -137,7 +135,8 @@ def _prefill(tparams, dparams, prompts, lens, valid, key, temperature, stop_ids,
              max_len: int):
     """Target prefill of padded prompts [B, P] (lengths ``lens``), first token, draft context.
 
-    Returns (cache, seq [B, L], first [B], active [B], ctx_k, ctx_v (None without a drafter), key).
+    Returns (cache, seq [B, L], first [B], active [B], draft context cache (None without a
+    drafter), key).
     """
     b, p = prompts.shape
     tcfg = static.target
@@ -153,21 +152,15 @@ def _prefill(tparams, dparams, prompts, lens, valid, key, temperature, stop_ids,
     seq = jnp.zeros((b, max_len), jnp.int32).at[:, :p].set(prompts)
     seq = seq.at[rows, lens].set(first)
     active = valid & ~_is_stop(first, stop_ids)
-    ctx_k = ctx_v = None
+    ctx = None
     if static.draft is not None:
-        dcfg = static.draft
-        ctx = backbone.project_context(dparams, dcfg, taps)
-        positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-        k_new, v_new = backbone.context_kv(dparams, dcfg, ctx, positions)
-        shape = (dcfg.num_hidden_layers, b, max_len, dcfg.num_key_value_heads, dcfg.head_dim)
-        ctx_k = jnp.zeros(shape, k_new.dtype).at[:, :, :p].set(k_new)
-        ctx_v = jnp.zeros(shape, v_new.dtype).at[:, :, :p].set(v_new)
-    return cache, seq, first, active, ctx_k, ctx_v, key
+        ctx = draft_decode.init_context(dparams, static.draft, taps, max_len)
+    return cache, seq, first, active, ctx, key
 
 
 def _spec_prefill(tparams, dparams, prompts, lens, valid, key, temperature, stop_ids, static,
                   max_len):
-    cache, seq, _, active, ctx_k, ctx_v, key = _prefill(
+    cache, seq, _, active, ctx, key = _prefill(
         tparams, dparams, prompts, lens, valid, key, temperature, stop_ids, static, max_len)
     b = prompts.shape[0]
     r, g = static.max_new_tokens, static.draft.block_size
@@ -176,47 +169,8 @@ def _spec_prefill(tparams, dparams, prompts, lens, valid, key, temperature, stop
         seq=seq, pos=lens, num_input=lens, active=active, key=key,
         round=jnp.zeros((), jnp.int32), rounds=jnp.zeros((b,), jnp.int32),
         acc_rec=zeros, prop_rec=zeros, drafts_rec=zeros,
-        conf_rec=jnp.zeros((b, r, g), jnp.float32), cache=cache, ctx_k=ctx_k, ctx_v=ctx_v,
+        conf_rec=jnp.zeros((b, r, g), jnp.float32), cache=cache, ctx=ctx,
         policy_state=())  # set by the caller: the prefill's compilation does not depend on the policy
-
-
-def _draft_block(dparams, dcfg: DraftConfig, state: DecodeState, key, temperature, greedy):
-    """Draft one block per row. Returns (drafts [B,G], draft_logits [B,G,V], conf_logits [B,G], anchor)."""
-    b, max_len = state.seq.shape
-    g = dcfg.block_size
-    rows = jnp.arange(b)
-    anchor = state.seq[rows, state.pos]
-    block_ids = jnp.concatenate(
-        [anchor[:, None], jnp.full((b, g - 1), dcfg.mask_token_id, jnp.int32)], axis=1)
-    embeds = dparams["embed_tokens"][block_ids][:, None]                     # [B,1,G,H]
-    block_pos = (state.pos[:, None] + jnp.arange(g, dtype=jnp.int32))[:, None]  # [B,1,G]
-    ctx_mask = jnp.arange(max_len)[None, None, :] < state.pos[:, None, None]   # [B,1,L]
-    hidden = backbone.block_forward(dparams, dcfg, embeds, block_pos, state.ctx_k, state.ctx_v,
-                                    ctx_mask, jnp.ones((b, 1), bool))[:, 0]  # [B,G,H]
-    base = draft_model.compute_logits(dparams, hidden)                        # [B,G,V]
-
-    def step(carry, xs):
-        prev, mstate = carry
-        u_k, h_k, key_k = xs
-        if dcfg.has_markov:
-            bias, mstate = markov.step(dparams["markov_head"], dcfg, mstate, prev, h_k)
-            logits_k = u_k + bias
-        else:
-            logits_k = u_k
-        x_k = sampling.sample_logits(key_k, logits_k, temperature, greedy)
-        return (x_k, mstate), (x_k, logits_k)
-
-    mstate0 = markov.init_state(dcfg, (b,), jnp.float32)
-    _, (drafts, logits) = jax.lax.scan(
-        step, (anchor, mstate0),
-        (jnp.moveaxis(base, 1, 0), jnp.moveaxis(hidden, 1, 0), jax.random.split(key, g)))
-    drafts, logits = jnp.moveaxis(drafts, 0, 1), jnp.moveaxis(logits, 0, 1)
-    if dcfg.enable_confidence_head:
-        prev = jnp.concatenate([anchor[:, None], drafts[:, :-1]], axis=1)
-        conf_logits = confidence.logits(dparams, dcfg, hidden, prev)
-    else:
-        conf_logits = jnp.zeros((b, g), jnp.float32)
-    return drafts, logits, conf_logits, anchor
 
 
 def _round(tparams, dparams, state: DecodeState, temperature, stop_ids, conf_temps,
@@ -229,8 +183,9 @@ def _round(tparams, dparams, state: DecodeState, temperature, stop_ids, conf_tem
     key, k_draft, k_verify = jax.random.split(state.key, 3)
     active = state.active
 
-    drafts, draft_logits, conf_logits, anchor = _draft_block(
-        dparams, dcfg, state, k_draft, temperature, static.greedy)
+    anchor = state.seq[rows, state.pos]
+    drafts, draft_logits, conf_logits = draft_decode.propose(
+        dparams, dcfg, anchor, state.pos, state.ctx, k_draft, temperature, static.greedy)
     if dcfg.enable_confidence_head:
         conf = jax.nn.sigmoid(conf_logits / conf_temps)
     else:
@@ -256,12 +211,8 @@ def _round(tparams, dparams, state: DecodeState, temperature, stop_ids, conf_tem
     new_pos = jnp.where(active, state.pos + acc_len, state.pos)
 
     # Draft context: features of the verified positions p..p+G (only < new_pos are ever read).
-    ctx = backbone.project_context(dparams, dcfg, taps)
-    ctx_positions = state.pos[:, None] + k_idx
-    k_new, v_new = backbone.context_kv(dparams, dcfg, ctx, ctx_positions)
-    ctx_slots = jnp.where(active[:, None], ctx_positions, max_len)
-    ctx_k = state.ctx_k.at[:, rows[:, None], ctx_slots].set(k_new.astype(state.ctx_k.dtype), mode="drop")
-    ctx_v = state.ctx_v.at[:, rows[:, None], ctx_slots].set(v_new.astype(state.ctx_v.dtype), mode="drop")
+    ctx = draft_decode.extend_context(dparams, dcfg, state.ctx, taps, state.pos[:, None] + k_idx,
+                                      active)
 
     rec = jnp.where(active, state.rounds, static.max_new_tokens)  # out of range -> dropped
     acc_rec = state.acc_rec.at[rows, rec].set(acc_len, mode="drop")
@@ -277,7 +228,7 @@ def _round(tparams, dparams, state: DecodeState, temperature, stop_ids, conf_tem
         round=state.round + 1, rounds=state.rounds + active.astype(jnp.int32),
         acc_rec=acc_rec, prop_rec=prop_rec, drafts_rec=drafts_rec, conf_rec=conf_rec,
         cache=cache.with_lengths(jnp.where(active, new_pos, state.cache.lengths)),
-        ctx_k=ctx_k, ctx_v=ctx_v, policy_state=policy_state)
+        ctx=ctx, policy_state=policy_state)
 
 
 def _spec_run_device(tparams, dparams, state, temperature, stop_ids, conf_temps, static):
@@ -291,7 +242,7 @@ def _spec_run_device(tparams, dparams, state, temperature, stop_ids, conf_temps,
 
 
 def _ar_prefill(tparams, prompts, lens, valid, key, temperature, stop_ids, static, max_len):
-    cache, seq, _, active, _, _, key = _prefill(
+    cache, seq, _, active, _, key = _prefill(
         tparams, None, prompts, lens, valid, key, temperature, stop_ids, static, max_len)
     active = active & (static.max_new_tokens > 1)
     return ARState(seq=seq, pos=lens, num_input=lens, active=active, key=key, cache=cache)
@@ -381,10 +332,8 @@ def validate_prompts(prompts, vocab_size: int) -> list[list[int]]:
 
 def _validate_common(tcfg, prompts, max_new_tokens, temperature, batch_size, stop_token_ids):
     prompts = validate_prompts(prompts, tcfg.vocab_size)
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise InputError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise InputError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    require_positive_int(max_new_tokens, "max_new_tokens")
+    require_positive_int(batch_size, "batch_size")
     if not (temperature >= 0.0 and math.isfinite(temperature)):
         raise InputError(f"temperature must be a finite number >= 0, got {temperature!r}")
     stops = list(stop_token_ids or [])
@@ -395,6 +344,17 @@ def _validate_common(tcfg, prompts, max_new_tokens, temperature, batch_size, sto
             raise InputError(f"stop token id {t} is outside the vocabulary [0, {tcfg.vocab_size})")
     stop_arr = jnp.asarray(stops + [-1] * (MAX_STOP_IDS - len(stops)), jnp.int32)
     return prompts, stop_arr, stops
+
+
+def _confidence_temperatures(temperatures, block_size: int) -> jax.Array:
+    """[G] float32 STS temperatures (ones when None); InputError unless G positive numbers."""
+    if temperatures is None:
+        return jnp.ones((block_size,), jnp.float32)
+    temps = [float(t) for t in temperatures]
+    if len(temps) != block_size or not all(t > 0 and math.isfinite(t) for t in temps):
+        raise InputError(f"confidence_temperatures must be {block_size} positive numbers (one per "
+                         f"block position), got {list(temperatures)}")
+    return jnp.asarray(temps, jnp.float32)
 
 
 def _batches(prompts, batch_size: int, p_len: int):
@@ -409,6 +369,29 @@ def _batches(prompts, batch_size: int, p_len: int):
             lens[r] = len(prompts[i])
             valid[r] = True
         yield idx, jnp.asarray(arr), jnp.asarray(lens), jnp.asarray(valid)
+
+
+def _drive(prompts, batch_size: int, p_len: int, seed: int, decode_batch, row_result,
+           progress) -> list[Result]:
+    """The batch loop shared by both decoders.
+
+    Per batch (padded to ``batch_size`` rows of length ``p_len``): ``decode_batch(prompts
+    [B, P], lens [B], valid [B], key)`` returns host arrays; ``row_result(host, row,
+    prompt_length, batch_index, seconds)`` makes each request's Result; ``progress(n)``
+    (optional) is told how many requests finished. Results are in prompt order.
+    """
+    key = jax.random.PRNGKey(seed)
+    results: list[Result | None] = [None] * len(prompts)
+    for bi, (idx, arr, lens, valid) in enumerate(_batches(prompts, batch_size, p_len)):
+        key, k_batch = jax.random.split(key)
+        t0 = time.perf_counter()
+        host = decode_batch(arr, lens, valid, k_batch)
+        seconds = time.perf_counter() - t0
+        for r, i in enumerate(idx):
+            results[i] = row_result(host, r, len(prompts[i]), bi, seconds)
+        if progress is not None:
+            progress(len(idx))
+    return results  # type: ignore[return-value]
 
 
 def _trim(tokens: list[int], max_new: int, stops: list[int]) -> list[int]:
@@ -454,14 +437,7 @@ def speculative_generate(
     prompts, stop_arr, stops = _validate_common(target_cfg, prompts, max_new_tokens, temperature,
                                                 batch_size, stop_token_ids)
     g = draft_cfg.block_size
-    if confidence_temperatures is None:
-        conf_temps = jnp.ones((g,), jnp.float32)
-    else:
-        temps = [float(t) for t in confidence_temperatures]
-        if len(temps) != g or not all(t > 0 and math.isfinite(t) for t in temps):
-            raise InputError(f"confidence_temperatures must be {g} positive numbers (one per block "
-                             f"position), got {list(confidence_temperatures)}")
-        conf_temps = jnp.asarray(temps, jnp.float32)
+    conf_temps = _confidence_temperatures(confidence_temperatures, g)
     if loop not in ("device", "host"):
         raise InputError(f"loop must be 'device' or 'host', got {loop!r}")
     max_pos = min(target_cfg.max_position_embeddings, draft_cfg.max_position_embeddings)
@@ -470,15 +446,11 @@ def speculative_generate(
     static = _Static(target_cfg, draft_cfg, policy, sampling.is_greedy(temperature), max_new_tokens)
     prefill_static = dataclasses.replace(static, policy=None)  # one prefill compile for all policies
     temp = jnp.float32(max(float(temperature), sampling.GREEDY_EPS))
-    key = jax.random.PRNGKey(seed)
 
-    results: list[Result | None] = [None] * len(prompts)
-    for bi, (idx, arr, lens, valid) in enumerate(_batches(prompts, batch_size, p_len)):
-        key, k_batch = jax.random.split(key)
-        t0 = time.perf_counter()
+    def decode_batch(arr, lens, valid, k_batch):
         state = spec_prefill_jit(target_params, draft_params, arr, lens, valid, k_batch, temp,
                                  stop_arr, static=prefill_static, max_len=max_len)
-        state = dataclasses.replace(state, policy_state=policy.init_state(batch_size, g))
+        state = state.replace(policy_state=policy.init_state(batch_size, g))
         if loop == "device":
             state = spec_run_jit(target_params, draft_params, state, temp, stop_arr, conf_temps,
                                  static=static)
@@ -488,23 +460,21 @@ def speculative_generate(
                     break
                 state = spec_round_jit(target_params, draft_params, state, temp, stop_arr,
                                        conf_temps, static=static)
-        host = jax.device_get({"seq": state.seq, "rounds": state.rounds, "acc": state.acc_rec,
+        return jax.device_get({"seq": state.seq, "rounds": state.rounds, "acc": state.acc_rec,
                                "prop": state.prop_rec, "drafts": state.drafts_rec,
                                "conf": state.conf_rec})
-        seconds = time.perf_counter() - t0
-        for r, i in enumerate(idx):
-            n = int(host["rounds"][r])
-            acc = [int(x) for x in host["acc"][r, :n]]
-            start = len(prompts[i])
-            count = 1 + sum(acc)
-            out = _trim([int(t) for t in host["seq"][r, start:start + count]], max_new_tokens, stops)
-            conf = ([[float(c) for c in row] for row in host["conf"][r, :n]]
-                    if draft_cfg.enable_confidence_head else None)
-            results[i] = Result(out, acc, [int(x) for x in host["prop"][r, :n]],
-                                [int(x) for x in host["drafts"][r, :n]], conf, start, bi, seconds)
-        if progress is not None:
-            progress(len(idx))
-    return results  # type: ignore[return-value]
+
+    def row_result(host, r, start, bi, seconds):
+        n = int(host["rounds"][r])
+        acc = [int(x) for x in host["acc"][r, :n]]
+        count = 1 + sum(acc)
+        out = _trim([int(t) for t in host["seq"][r, start:start + count]], max_new_tokens, stops)
+        conf = ([[float(c) for c in row] for row in host["conf"][r, :n]]
+                if draft_cfg.enable_confidence_head else None)
+        return Result(out, acc, [int(x) for x in host["prop"][r, :n]],
+                      [int(x) for x in host["drafts"][r, :n]], conf, start, bi, seconds)
+
+    return _drive(prompts, batch_size, p_len, seed, decode_batch, row_result, progress)
 
 
 def autoregressive_generate(
@@ -531,31 +501,27 @@ def autoregressive_generate(
                                  max_cache_len)
     static = _Static(target_cfg, None, None, sampling.is_greedy(temperature), max_new_tokens)
     temp = jnp.float32(max(float(temperature), sampling.GREEDY_EPS))
-    key = jax.random.PRNGKey(seed)
-    results: list[Result | None] = [None] * len(prompts)
-    for bi, (idx, arr, lens, valid) in enumerate(_batches(prompts, batch_size, p_len)):
-        key, k_batch = jax.random.split(key)
-        t0 = time.perf_counter()
+
+    def decode_batch(arr, lens, valid, k_batch):
         state = ar_prefill_jit(target_params, arr, lens, valid, k_batch, temp, stop_arr,
                                static=static, max_len=max_len)
         state = ar_run_jit(target_params, state, temp, stop_arr, static=static)
-        seq, pos = jax.device_get((state.seq, state.pos))
-        seconds = time.perf_counter() - t0
-        for r, i in enumerate(idx):
-            start = len(prompts[i])
-            out = _trim([int(t) for t in seq[r, start:int(pos[r]) + 1]], max_new_tokens, stops)
-            n = max(len(out) - 1, 0)
-            results[i] = Result(out, [1] * n, [0] * n, [0] * n, None, start, bi, seconds)
-        if progress is not None:
-            progress(len(idx))
-    return results  # type: ignore[return-value]
+        return jax.device_get((state.seq, state.pos))
+
+    def row_result(host, r, start, bi, seconds):
+        seq, pos = host
+        out = _trim([int(t) for t in seq[r, start:int(pos[r]) + 1]], max_new_tokens, stops)
+        n = max(len(out) - 1, 0)
+        return Result(out, [1] * n, [0] * n, [0] * n, None, start, bi, seconds)
+
+    return _drive(prompts, batch_size, p_len, seed, decode_batch, row_result, progress)
 
 
 # --------------------------------------------------------------------------- metrics
 
 
 def summarize(results: Sequence[Result], block_size: int | None = None) -> dict:
-    """Aggregate metrics (SPEC section 8).
+    """Aggregate metrics of decode results (paper section 5's tau and acceptance rates).
 
     tau: mean acceptance length per round (bonus included); mean_proposal;
     verify_rate = sum(acceptance) / sum(proposal + 1); accept_rate@k = rounds with

@@ -14,7 +14,7 @@ decode round)::
 - ``active``: [B] bool, False for finished rows (their lengths are ignored).
 - ``lengths``: [B] int32 in [0, G].
 
-Losslessness needs the non-anticipating property (SPEC section 8): whether
+Losslessness needs the non-anticipating property (speculative sampling stays exact): whether
 x_k is verified may depend only on c_1..c_k (information available before x_k
 was sampled), never on c_{k+1} or later. Every policy here satisfies it.
 

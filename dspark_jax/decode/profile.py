@@ -84,6 +84,22 @@ def measure_sps(
     """
     if monotone:
         fit = "monotone"
+    sizes = _check_inputs(config, batch_sizes, cache_length, fit, layout, warmup, iters)
+    dtype = cache_dtype or params["embed_tokens"].dtype
+    verify = _verify_fn(config, compute_dtype)
+    state = _warm_states(config, params, verify, sizes, cache_length, layout, dtype, warmup)
+    best = _time_states(params, verify, state, repeats, iters, min_seconds)
+    del state
+    if progress is not None:
+        for b, v in zip(sizes, best):
+            progress(b, float(v))
+    info = _table_meta(config, cache_length, layout, dtype, meta,
+                       warmup=warmup, iters=iters, min_seconds=min_seconds, repeats=repeats)
+    return fit_sps(sizes, best, fit, meta=info)
+
+
+def _check_inputs(config, batch_sizes, cache_length, fit, layout, warmup, iters) -> list[int]:
+    """Sorted distinct batch sizes; InputError on a bad fit, layout, size, cache length or count."""
     if fit not in FITS:
         raise InputError(f"fit must be one of {FITS}, got {fit!r}")
     if layout not in LAYOUTS:
@@ -96,10 +112,13 @@ def measure_sps(
                          f"max_position_embeddings={config.max_position_embeddings}]")
     if warmup < 1 or iters < 1:
         raise InputError("warmup and iters must be >= 1")
-    dtype = cache_dtype or params["embed_tokens"].dtype
-    verify = _verify_fn(config, compute_dtype)
+    return sizes
+
+
+def _warm_states(config, params, verify, sizes, cache_length, layout, dtype, warmup) -> list:
+    """Per size: [cache, tokens] after ``warmup`` untimed (compiling) calls."""
     rng = np.random.default_rng(0)
-    state = []  # per size: [cache, tokens]
+    state = []
     for b in sizes:
         rows, t = (b, 1) if layout == "rows" else (1, b)
         cache = qwen3.init_cache(config, rows, cache_length + t, dtype)
@@ -109,7 +128,13 @@ def measure_sps(
             out, cache = verify(params, cache, tokens)
         jax.block_until_ready((out, cache))
         state.append([cache, tokens])
-    best = np.zeros(len(sizes))
+    return state
+
+
+def _time_states(params, verify, state, repeats, iters, min_seconds) -> np.ndarray:
+    """Best calls/second per size over ``repeats`` interleaved passes (each pass: at least
+    ``iters`` calls and ``min_seconds``)."""
+    best = np.zeros(len(state))
     for _ in range(max(repeats, 1)):
         for i, (cache, tokens) in enumerate(state):
             calls, t0 = 0, time.perf_counter()
@@ -123,22 +148,22 @@ def measure_sps(
                         break
             state[i][0] = cache
             best[i] = max(best[i], calls / elapsed)
-    del state
-    if progress is not None:
-        for b, v in zip(sizes, best):
-            progress(b, float(v))
+    return best
+
+
+def _table_meta(config, cache_length, layout, dtype, meta, **settings) -> dict:
+    """The SPS table's meta: device, measurement settings, model shape, date, plus ``meta``."""
     dev = jax.devices()[0]
-    info = {
+    return {
         "device": f"{dev.platform}:{getattr(dev, 'device_kind', '')}",
         "num_devices": jax.device_count(),
         "cache_length": int(cache_length),
         "layout": layout,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "warmup": warmup, "iters": iters, "min_seconds": min_seconds, "repeats": repeats,
+        **settings,
         "dtype": str(np.dtype(dtype)),
         "model": {"num_hidden_layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
                   "vocab_size": config.vocab_size, "num_attention_heads": config.num_attention_heads,
                   "num_key_value_heads": config.num_key_value_heads},
         **(meta or {}),
     }
-    return fit_sps(sizes, best, fit, meta=info)

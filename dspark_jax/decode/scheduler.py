@@ -1,4 +1,4 @@
-"""Hardware-aware prefix scheduler (SPEC section 9, paper Algorithm 1 and section 5.2).
+"""Hardware-aware prefix scheduler (paper Algorithm 1 and section 5.2).
 
 Given per-request confidences ``c [R, G]`` (calibrated probabilities that draft
 position k survives given that positions < k did) and a profiled steps-per-second

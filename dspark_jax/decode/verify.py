@@ -1,4 +1,4 @@
-"""Lossless rejection sampling on a padded verify block (SPEC section 8).
+"""Lossless rejection sampling on a padded verify block (speculative sampling, paper section 4).
 
 Row b verifies only its own ``lengths[b]`` = l_b draft tokens; block positions
 k >= l_b are ignored. Shapes: B rows, G draft tokens, V vocab.
@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import chex
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.decode import sampling
+from dspark_jax import sampling
 
 
 class Verdict(NamedTuple):
@@ -47,6 +48,9 @@ def rejection_sample(
     stop_ids [S] (-1 = unused slot). ``greedy`` is static: argmax comparisons.
     """
     b, g = draft_tokens.shape
+    chex.assert_shape(draft_logits, (b, g, None))
+    chex.assert_shape(target_logits, (b, g + 1, draft_logits.shape[-1]))
+    chex.assert_shape(lengths, (b,))
     k_idx = jnp.arange(g, dtype=jnp.int32)[None, :]
     in_len = k_idx < lengths[:, None]
     rows = jnp.arange(b)

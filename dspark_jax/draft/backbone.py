@@ -49,12 +49,11 @@ def _block_attention(q, k_blk, v_blk, k_ctx, v_ctx, ctx_mask, block_valid, scale
     q = q.reshape(b, n, g, hkv, hq // hkv, d)
     s_ctx = jnp.einsum("bngjrd,bsjd->bjrngs", q, k_ctx, preferred_element_type=jnp.float32)
     s_blk = jnp.einsum("bngjrd,bnkjd->bjrngk", q, k_blk, preferred_element_type=jnp.float32)
-    scores = jnp.concatenate([s_ctx, s_blk], axis=-1) * (d ** -0.5 if scale is None else scale)
     vis_ctx = ctx_mask & block_valid[:, :, None]
     vis_blk = jnp.broadcast_to(block_valid[:, :, None], (b, n, g))
     visible = jnp.concatenate([vis_ctx, vis_blk], axis=-1)[:, None, None, :, None, :]
-    scores = jnp.where(visible, scores, nn.NEG_INF)
-    probs = jnp.where(visible, jax.nn.softmax(scores, axis=-1), 0.0).astype(v_ctx.dtype)
+    probs = nn.masked_softmax(jnp.concatenate([s_ctx, s_blk], axis=-1), visible,
+                              d ** -0.5 if scale is None else scale).astype(v_ctx.dtype)
     s = k_ctx.shape[1]
     out = (jnp.einsum("bjrngs,bsjd->bngjrd", probs[..., :s], v_ctx)
            + jnp.einsum("bjrngk,bnkjd->bngjrd", probs[..., s:], v_blk))

@@ -29,6 +29,7 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
+from dspark_jax import nn
 from dspark_jax import params as params_lib
 from dspark_jax.config import DraftConfig
 from dspark_jax.draft import backbone, confidence
@@ -258,7 +259,7 @@ def context_kv(params: dict, cfg: Gemma4DraftConfig, ctx: jax.Array, positions: 
     def one_layer(p):
         k_raw = (ctx @ p["k_proj"]).reshape(b, s, hkv, d)
         v_raw = (ctx @ p["v_proj"]).reshape(b, s, hkv, d) if "v_proj" in p else k_raw
-        return tg.apply_rope(tg.rms_norm(k_raw, p["k_norm"], eps), cos, sin), tg.rms_norm(v_raw, None, eps)
+        return nn.apply_rope(tg.rms_norm(k_raw, p["k_norm"], eps), cos, sin), tg.rms_norm(v_raw, None, eps)
 
     return jax.lax.map(one_layer, params["layers"])
 
@@ -280,7 +281,7 @@ def block_forward(params: dict, cfg: Gemma4DraftConfig, block_embeds: jax.Array,
         p, k_ctx, v_ctx = xs
         hx = tg.rms_norm(x, p["input_layernorm"], eps).reshape(b, n * g, h)
         q, k, v = tg.project_qkv(hx, p, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, eps)
-        q, k = tg.apply_rope(q, cos, sin), tg.apply_rope(k, cos, sin)
+        q, k = nn.apply_rope(q, cos, sin), nn.apply_rope(k, cos, sin)
         split = lambda a: a.reshape(b, n, g, *a.shape[2:])
         attn = backbone._block_attention(split(q), split(k), split(v), k_ctx.astype(q.dtype),
                                          v_ctx.astype(q.dtype), ctx_mask, block_valid, scale=1.0)

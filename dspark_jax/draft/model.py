@@ -20,8 +20,8 @@ from dspark_jax import params as params_lib
 from dspark_jax.config import DraftConfig
 from dspark_jax.params import ParamSpec
 from dspark_jax.draft import backbone, confidence, markov
+from dspark_jax.draft import blocks
 from dspark_jax.target import qwen3
-from dspark_jax.train import batch as batch_lib
 
 FROZEN_KEYS = ("embed_tokens", "lm_head")  # == params.frozen_paths(declare(cfg)) (tested)
 
@@ -97,7 +97,7 @@ def training_forward(
     compute_dtype=None,
     ops=None,
 ) -> TrainForward:
-    """All anchors' blocks in one backbone call (SPEC sections 3-6).
+    """All anchors' blocks in one backbone call (paper section 3: blocks, Markov head, confidence head).
 
     input_ids [B, S]; target_hidden_states [B, S, n*H] (raw layer outputs,
     concatenated in target_layer_ids order); loss_mask [B, S];
@@ -163,8 +163,8 @@ def training_hidden(
     anchors = anchor_positions.astype(jnp.int32)
     keep = block_keep_mask.astype(bool)
 
-    labels, eval_mask, safe = batch_lib.block_targets(input_ids, loss_mask, anchors, keep, g)
-    block_ids = batch_lib.block_input_ids(input_ids, anchors, keep, g, config.mask_token_id)
+    labels, eval_mask, safe = blocks.block_targets(input_ids, loss_mask, anchors, keep, g)
+    block_ids = blocks.block_input_ids(input_ids, anchors, keep, g, config.mask_token_id)
 
     ctx = pin(ops.project_context(p, config, pin(target_hidden_states.astype(dtype))))
     ctx_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))

@@ -43,7 +43,8 @@ from typing import Sequence
 import numpy as np
 
 from dspark_jax.config import TargetConfig
-from dspark_jax.errors import DSparkError, InputError
+from dspark_jax.errors import DSparkError, InputError, require_positive_int
+from dspark_jax.fileio import atomic_dir
 from dspark_jax.tokenizer import ByteTokenizer
 
 HELDOUT_SALT = "dspark-default-heldout-v1"
@@ -79,9 +80,7 @@ class PretrainConfig:
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "max_position_embeddings", "steps",
                      "batch_size", "seq_len", "eval_windows", "eval_every"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise InputError(f"pretrain: {name} must be a positive int, got {value!r}")
+            require_positive_int(getattr(self, name), f"pretrain: {name}")
         if self.seq_len > self.max_position_embeddings:
             raise InputError(f"pretrain: seq_len={self.seq_len} exceeds "
                              f"max_position_embeddings={self.max_position_embeddings}")
@@ -345,11 +344,8 @@ def save_checkpoint(out: Path, cfg: TargetConfig, params, metadata: dict, *, for
     out = Path(out)
     if out.exists() and not force:
         raise InputError(f"output directory {str(out)!r} already exists; pass --force to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
     tok = ByteTokenizer()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        tmp.chmod(0o755)  # mkdtemp makes 0700; the checkpoint is a readable package asset
+    with atomic_dir(out, force=force, make_parents=True, mode=0o755) as tmp:  # a readable package asset
         tensors = mapping.target_to_torch(cfg, jax_free_tree(params))
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         hf = cfg.to_hf()
@@ -359,16 +355,6 @@ def save_checkpoint(out: Path, cfg: TargetConfig, params, metadata: dict, *, for
         (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
         tok.save(tmp)
         (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
-        if out.exists():
-            trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, trash / out.name)
-            os.replace(tmp, out)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -1,4 +1,4 @@
-"""Pipelines: multi-stage jobs (demo, evaluate, calibrate, plan) that commands call.
+"""Pipelines: multi-stage jobs (demo, evaluate, calibrate, generate, plan) that commands call.
 
 Commands parse arguments and print; pipelines do the work and return results.
 """

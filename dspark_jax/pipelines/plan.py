@@ -205,7 +205,7 @@ def plan_decode_round(draft_cfg: DraftConfig, target_cfg: TargetConfig, mesh: Me
     state_sh = dataclasses.replace(
         state_sh, cache=dataclasses.replace(state_sh.cache, k=kv_sh(state_shapes.cache.k),
                                             v=kv_sh(state_shapes.cache.v)),
-        ctx_k=kv_sh(state_shapes.ctx_k), ctx_v=kv_sh(state_shapes.ctx_v))
+        ctx=dataclasses.replace(state_sh.ctx, k=kv_sh(state_shapes.ctx.k), v=kv_sh(state_shapes.ctx.v)))
     rep = shard_lib.replicated(mesh)
 
     def round_fn(tp, dp, state, temperature, stop_ids, conf_temps):
@@ -221,5 +221,5 @@ def plan_decode_round(draft_cfg: DraftConfig, target_cfg: TargetConfig, mesh: Me
     sizes = {"target_bytes": tree_bytes_per_device(t_abs), "draft_bytes": tree_bytes_per_device(d_abs),
              "state_bytes": tree_bytes_per_device(args[2]),
              "kv_cache_bytes": tree_bytes_per_device(args[2].cache),
-             "draft_context_cache_bytes": tree_bytes_per_device((args[2].ctx_k, args[2].ctx_v))}
+             "draft_context_cache_bytes": tree_bytes_per_device(args[2].ctx)}
     return plan, sizes

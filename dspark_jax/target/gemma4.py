@@ -38,11 +38,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspark_jax import nn
 from dspark_jax import params as params_lib
 from dspark_jax.errors import CheckpointError, ConfigError
 from dspark_jax.params import ParamSpec
 
-NEG_INF = -1e30
 SLIDING, FULL = "sliding_attention", "full_attention"
 GROUPS = (("sliding", SLIDING), ("full", FULL))
 MODEL_TYPES = ("gemma4_text", "gemma4_unified_text")
@@ -371,13 +371,6 @@ def rope_cos_sin(positions: jax.Array, freq: np.ndarray, dtype) -> tuple[jax.Arr
     return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
 
 
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x [B, S, heads, D]; cos, sin [B, S, D]."""
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
-
-
 def group_rope(cfg, group: str) -> np.ndarray:
     if group == "sliding":
         return inv_freq(cfg.head_dim, cfg.sliding_rope_theta)
@@ -410,27 +403,6 @@ def project_qkv(h: jax.Array, p: dict, num_heads: int, num_kv: int, head_dim: in
     k_raw = (h @ p["k_proj"]).reshape(b, s, num_kv, head_dim)
     v_raw = (h @ p["v_proj"]).reshape(b, s, num_kv, head_dim) if "v_proj" in p else k_raw
     return q, rms_norm(k_raw, p["k_norm"], eps), rms_norm(v_raw, None, eps)
-
-
-def attend(q: jax.Array, parts: Sequence[tuple[jax.Array, jax.Array, jax.Array]], scale: float = 1.0):
-    """One softmax over several key/value sources.
-
-    q [B, T, Hq, D]; each part (k, v [B, S_i, Hkv, D], visible [B, T, S_i]). Rows that see
-    nothing return zeros. Returns [B, T, Hq, D].
-    """
-    b, t, hq, d = q.shape
-    hkv = parts[0][0].shape[2]
-    qg = q.reshape(b, t, hkv, hq // hkv, d)
-    scores = jnp.concatenate([jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32)
-                              for k, _, _ in parts], axis=-1) * scale
-    m = jnp.concatenate([vis for _, _, vis in parts], axis=-1)[:, None, None]
-    probs = jnp.where(m, jax.nn.softmax(jnp.where(m, scores, NEG_INF), axis=-1), 0.0)
-    out, start = 0.0, 0
-    for k, v, _ in parts:
-        size = k.shape[1]
-        out = out + jnp.einsum("bhgqk,bkhd->bqhgd", probs[..., start:start + size].astype(v.dtype), v)
-        start += size
-    return out.reshape(b, t, hq, d)
 
 
 def sandwich(x: jax.Array, attn_out: jax.Array, p: dict, eps: float) -> jax.Array:
@@ -574,12 +546,11 @@ def forward(
             kv, d, _ = cfg.group_shape(g)
             q, k, v = project_qkv(rms_norm(x, p["input_layernorm"], eps), p, hq, kv, d, eps)
             cos, sin = rope[g]
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            parts = [(k, v, new_mask[g])]
+            q, k = nn.apply_rope(q, cos, sin), nn.apply_rope(k, cos, sin)
+            prefix = None
             if cache is not None:
-                parts.insert(0, (xs["k"][g][seen[g]].astype(dtype), xs["v"][g][seen[g]].astype(dtype),
-                                 cache_mask[g]))
-            attn = attend(q, parts).reshape(b, t, -1) @ p["o_proj"]
+                prefix = (xs["k"][g][seen[g]].astype(dtype), xs["v"][g][seen[g]].astype(dtype), cache_mask[g])
+            attn = nn.attention(q, k, v, new_mask[g], prefix, scale=1.0).reshape(b, t, -1) @ p["o_proj"]
             x = sandwich(x, attn, p, eps)
             slot = xs["tap"][j]
             taps = jnp.where(slot >= 0, jax.lax.dynamic_update_index_in_dim(taps, x, jnp.maximum(slot, 0), 0),

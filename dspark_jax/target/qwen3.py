@@ -13,9 +13,9 @@ position. Rolling back is setting ``lengths``: nothing is copied.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -25,8 +25,7 @@ from dspark_jax.config import TargetConfig
 from dspark_jax.params import ParamSpec
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@flax.struct.dataclass
 class KVCache:
     """Static-shape KV cache. k, v: [L, B, max_len, Hkv, D]; lengths: [B] int32."""
 
@@ -39,7 +38,7 @@ class KVCache:
         return self.k.shape[2]
 
     def with_lengths(self, lengths: jax.Array) -> "KVCache":
-        return dataclasses.replace(self, lengths=lengths.astype(jnp.int32))
+        return self.replace(lengths=lengths.astype(jnp.int32))
 
 
 def init_cache(config: TargetConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
@@ -153,32 +152,12 @@ def _layer(config: TargetConfig, x, p, positions, mask, k_cache=None, v_cache=No
     if k_cache is None:
         attn = nn.attention(q, k, v, mask)
     else:
-        attn = _cached_attention(q, k, v, k_cache.astype(q.dtype), v_cache.astype(q.dtype),
-                                 cache_mask, mask)
+        attn = nn.attention(q, k, v, mask,
+                            prefix=(k_cache.astype(q.dtype), v_cache.astype(q.dtype), cache_mask))
     b, t = x.shape[:2]
     x = x + attn.reshape(b, t, -1) @ p["o_proj"]
     x = x + nn.swiglu_mlp(nn.rms_norm(x, p["post_attention_layernorm"], config.rms_norm_eps), p)
     return x, k, v
-
-
-def _cached_attention(q, k, v, k_cache, v_cache, cache_mask, mask):
-    """One softmax over [cache slots ; new tokens] without materialising their concatenation.
-
-    q [B,T,Hq,D]; k, v [B,T,Hkv,D]; k_cache, v_cache [B,S,Hkv,D]; cache_mask [B,T,S];
-    mask [B,T,T]. Rows with nothing visible return zeros. Returns [B,T,Hq,D].
-    """
-    b, t, hq, d = q.shape
-    hkv = k.shape[2]
-    qg = q.reshape(b, t, hkv, hq // hkv, d)
-    s_cache = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k_cache, preferred_element_type=jnp.float32)
-    s_new = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32)
-    m = jnp.concatenate([cache_mask, mask], axis=-1)[:, None, None]
-    scores = jnp.where(m, jnp.concatenate([s_cache, s_new], axis=-1) * (d ** -0.5), nn.NEG_INF)
-    probs = jnp.where(m, jax.nn.softmax(scores, axis=-1), 0.0).astype(v.dtype)
-    s = k_cache.shape[1]
-    out = (jnp.einsum("bhgqk,bkhd->bqhgd", probs[..., :s], v_cache)
-           + jnp.einsum("bhgqk,bkhd->bqhgd", probs[..., s:], v))
-    return out.reshape(b, t, hq, d)
 
 
 def forward(

@@ -1,5 +1,4 @@
-"""Training batch (anchor-bounded packing): up to N anchors drawn per sequence where the loss mask
-holds at a and a+1, each starting a block of G positions; keep mask, labels, eval mask.
+"""Training-batch construction: anchor sampling (labels and eval mask live in draft/blocks.py).
 
 Shapes: B sequences of length S, N anchors per sequence, G = block_size.
 """
@@ -8,6 +7,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from dspark_jax.draft.blocks import block_input_ids, block_targets, label_indices  # noqa: F401
 
 
 def anchor_candidates(loss_mask: jax.Array) -> jax.Array:
@@ -38,31 +39,3 @@ def sample_anchors(rng: jax.Array, loss_mask: jax.Array, num_anchors: int):
     keep = jnp.arange(num_anchors)[None, :] < count[:, None]
     anchors = jnp.where(keep, chosen, 0).astype(jnp.int32)
     return anchors, keep
-
-
-def label_indices(anchors: jax.Array, keep: jax.Array, seq_len: int, block_size: int):
-    """Raw label positions a+k+1 [B,N,G] and their safe version (clamped to S-1, 0 if not kept)."""
-    raw = anchors[:, :, None] + jnp.arange(1, block_size + 1, dtype=jnp.int32)[None, None, :]
-    safe = jnp.where(keep[:, :, None], jnp.minimum(raw, seq_len - 1), 0)
-    return raw, safe
-
-
-def block_targets(input_ids: jax.Array, loss_mask: jax.Array, anchors: jax.Array, keep: jax.Array,
-                  block_size: int):
-    """Labels y [B,N,G], eval mask [B,N,G] (contiguous prefix), and safe label positions."""
-    b, s = input_ids.shape
-    raw, safe = label_indices(anchors, keep, s, block_size)
-    gather = lambda a: jnp.take_along_axis(a[:, None, :], safe.reshape(b, 1, -1), axis=2).reshape(safe.shape)
-    labels = gather(input_ids)
-    valid = (raw < s) & (gather(loss_mask) > 0.5) & keep[:, :, None]
-    eval_mask = jnp.cumprod(valid.astype(jnp.int32), axis=-1).astype(bool)
-    return labels, eval_mask, safe
-
-
-def block_input_ids(input_ids: jax.Array, anchors: jax.Array, keep: jax.Array, block_size: int,
-                    mask_token_id: int) -> jax.Array:
-    """[x0, MASK, ..., MASK] per block [B, N, G]; all MASK for unused slots."""
-    anchor_tok = jnp.take_along_axis(input_ids, anchors, axis=1)
-    first = jnp.where(keep, anchor_tok, mask_token_id)
-    rest = jnp.full((*anchors.shape, block_size - 1), mask_token_id, input_ids.dtype)
-    return jnp.concatenate([first[..., None].astype(input_ids.dtype), rest], axis=-1)

@@ -2,18 +2,17 @@
 
 ``evaluate(...)`` decodes the first turn of each prompt of each dataset (reference JSONL
 format, see ``dspark_jax.data.eval_datasets``) with lossless speculative decoding and
-reports, per dataset (SPEC section 8): tau (mean acceptance length per round, bonus
+reports, per dataset: tau (mean acceptance length per round, bonus
 included), mean proposal length, verify_rate, accept_rate@k (prefix survival),
 conditional acceptance at k, tokens/s; with a confidence head also ECE / AUROC / Brier per
-block position (``dspark_jax.calibrate.position_metrics``) and a reliability diagram.
+block position (``dspark_jax.pipelines.calibrate.position_metrics``) and a reliability diagram.
 With ``baseline=True`` the target also decodes alone and the speedup is reported.
 
-Prompt text -> ids (``encode_prompt``): a byte tokenizer (the embedded default target)
-encodes the plain text after ``<|bos|>``; a Hugging Face tokenizer applies its chat template
-with one user turn and the generation prompt (``enable_thinking`` off unless asked).
+Prompt text -> ids: ``tokenizer.encode_prompt`` (the chat template by default, plain text
+with ``options.raw_prompt``), the same as ``generate``.
 
 The decoding helpers here (``timed_decode``, ``decode_summary``, ``plot_acceptance``) are
-shared with the demo (``dspark_jax.demo``). Timing excludes compilation: each mode first
+shared with the demo (``dspark_jax.pipelines.demo``). Timing excludes compilation: each mode first
 decodes one warm-up batch of the same shapes.
 """
 
@@ -26,30 +25,11 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from dspark_jax.decode.settings import DecodeOptions, resolve
 from dspark_jax.errors import InputError
 from dspark_jax.fileio import atomic_open, iter_jsonl, write_json
 
 RESULT_FILE = "eval.json"
-
-
-# --------------------------------------------------------------------------- prompts
-
-
-def encode_prompt(tokenizer, text: str, *, thinking: bool = False) -> list[int]:
-    """Prompt ids of ``text``: byte tokenizer -> ``<|bos|>`` + UTF-8 bytes (plain text);
-    a Hugging Face tokenizer -> its chat template over one user turn with the generation
-    prompt (``enable_thinking=thinking``; templates without that switch ignore it)."""
-    from dspark_jax.tokenizer import ByteTokenizer
-
-    if isinstance(tokenizer, ByteTokenizer):
-        return tokenizer.encode(text, add_bos=True)
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
-                                            add_generation_prompt=True, enable_thinking=thinking)
-        if isinstance(ids, Mapping):  # some versions return a BatchEncoding
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
-    return [int(t) for t in tokenizer.encode(text)]
 
 
 # --------------------------------------------------------------------------- decoding
@@ -94,7 +74,7 @@ def timed_decode(target_cfg, target_params, prompts: Sequence[Sequence[int]], *,
 
 def results_rounds(results):
     """``calibrate.Rounds`` of speculative results that carry confidence logits (None otherwise)."""
-    from dspark_jax.calibrate import rounds_from_records
+    from dspark_jax.pipelines.calibrate import rounds_from_records
 
     records = [r.to_json() for r in results if r.confidence_logits]
     if not records:
@@ -119,7 +99,7 @@ def decode_summary(results, block_size: int | None = None, *, calibration: bool 
     """``decode.summarize`` plus, when the results carry confidences, ``calibration``:
     per-position n / accept_rate / mean_conf / ece / brier / auroc / cond_auroc (raw
     confidences, no STS) and their count-weighted summary. NaN -> null."""
-    from dspark_jax.calibrate import position_metrics, summary as calib_summary
+    from dspark_jax.pipelines.calibrate import position_metrics, summary as calib_summary
     from dspark_jax.decode import summarize
 
     out = summarize(results, block_size)
@@ -196,7 +176,7 @@ def plot_acceptance(curves: Mapping[str, Mapping[str, Sequence]], path, title: s
 def plot_reliability(results, path, title: str = "") -> Path | None:
     """Reliability diagram (raw confidences and in-sample STS) of results with a confidence
     head; None when they carry no confidences."""
-    from dspark_jax.calibrate import fit_sts, reliability_diagram
+    from dspark_jax.pipelines.calibrate import fit_sts, reliability_diagram
 
     rounds = results_rounds(results)
     if rounds is None:
@@ -258,14 +238,64 @@ def tensorboard_scalars(log_dir, scalars: Mapping[str, Mapping[str, Any]]) -> Pa
 # --------------------------------------------------------------------------- the eval run
 
 
+def _decode_dataset(name, prompts, pair, options, settings, *, baseline: bool, progress: bool):
+    """(decode_summary (+ autoregressive/speedup with ``baseline``), results) of one dataset."""
+    from tqdm import tqdm
+
+    tcfg, tparams, dcfg, dparams = pair
+    with tqdm(total=len(prompts), desc=f"eval {name}", unit="prompt", disable=not progress) as bar:
+        results = timed_decode(tcfg, tparams, prompts, draft_cfg=dcfg, draft_params=dparams,
+                               progress=bar.update, **settings.decode_kwargs(options))
+    summ = decode_summary(results, dcfg.block_size)
+    if baseline:
+        with tqdm(total=len(prompts), desc=f"autoregressive {name}", unit="prompt",
+                  disable=not progress) as bar:
+            ar = timed_decode(tcfg, tparams, prompts, progress=bar.update,
+                              **settings.decode_kwargs(options, speculative=False))
+        ar_summ = decode_summary(ar)
+        summ["autoregressive"] = {k: ar_summ[k] for k in ("output_tokens", "seconds", "tokens_per_second")}
+        summ["speedup"] = (summ["tokens_per_second"] / ar_summ["tokens_per_second"]
+                           if ar_summ["tokens_per_second"] else None)
+    return summ, results
+
+
+def _print_report(summaries: Mapping[str, Mapping], printer) -> None:
+    """The table, then per dataset the confidence metrics per position and the speedup."""
+    printer(format_table(dict(summaries)))
+    for name, s in summaries.items():
+        cal = s.get("calibration")
+        if cal:
+            pp = cal["per_position"]
+            fmt = lambda key: " ".join("-" if p[key] is None else f"{p[key]:.3f}" for p in pp)
+            printer(f"{name} confidence per position: ECE {fmt('ece')} | AUROC {fmt('auroc')} | "
+                    f"Brier {fmt('brier')}")
+        if s.get("speedup") is not None:
+            printer(f"{name} speedup over autoregressive: {s['speedup']:.2f}x")
+
+
+def _write_outputs(out: Path, report: dict, all_results: Mapping, prompts_by_ds: Mapping) -> dict:
+    """results/<dataset>.jsonl, PNGs and tb/ under ``out``; returns {name: path}."""
+    out.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for name, results in all_results.items():
+        extra = [{"dataset": name, "index": p.index, "line": p.line} for p in prompts_by_ds[name]]
+        write_results_jsonl(out / "results" / f"{name}.jsonl", results, extra)
+        files[f"acceptance_{name}"] = str(plot_acceptance({name: report["datasets"][name]},
+                                                          out / f"acceptance_{name}.png", title=name))
+        rel = plot_reliability(results, out / f"reliability_{name}.png", title=f"{name}: confidence")
+        if rel is not None:
+            files[f"reliability_{name}"] = str(rel)
+    tensorboard_scalars(out / "tb", report["datasets"])
+    files["tensorboard"] = str(out / "tb")
+    return files
+
+
 def evaluate(target, draft, datasets, *, data_dir=None, max_samples: int | None = None,
-             max_new_tokens: int = 128, temperature: float = 0.0, verify: str = "full",
-             confidence_threshold: float | None = None, sps_table=None,
-             confidence_temperatures=None, thinking: bool = False, batch_size: int = 1,
-             seed: int = 0, stop_token_ids: Sequence[int] | None = None, baseline: bool = False,
-             out=None, force: bool = False, progress: bool = True, printer=print) -> dict:
+             options: DecodeOptions | None = None, baseline: bool = False, out=None,
+             force: bool = False, progress: bool = True, printer=print) -> dict:
     """Evaluate drafter ``draft`` (dir) with target ``target`` (dir) on ``datasets``
-    ("a,b" or a list of names in ``data_dir``, default the packaged small copies).
+    ("a,b" or a list of names in ``data_dir``, default the packaged small copies), decoding
+    with ``options`` (default ``DecodeOptions()``).
 
     Returns ``{"config": ..., "datasets": {name: decode_summary (+ "speedup",
     "autoregressive" with baseline)}}``. With ``out`` (a directory, refused if it holds an
@@ -273,15 +303,11 @@ def evaluate(target, draft, datasets, *, data_dir=None, max_samples: int | None 
     scalars under ``tb/`` and PNGs ``acceptance_<dataset>.png`` (+ ``reliability_<dataset>.png``
     with a confidence head). All input is checked before any model is loaded or compiled.
     """
-    from tqdm import tqdm
-
-    from dspark_jax.convert.checkpoint import default_stop_ids, load_draft, load_target, sts_temperatures
+    from dspark_jax.convert.checkpoint import load_draft, load_target
     from dspark_jax.data.eval_datasets import load_datasets
-    from dspark_jax.decode import parse_policy
-    from dspark_jax.tokenizer import load_tokenizer
+    from dspark_jax.tokenizer import encode_prompt, load_tokenizer
 
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise InputError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    options = options if options is not None else DecodeOptions()
     out = Path(out) if out is not None else None
     if out is not None and (out / RESULT_FILE).exists() and not force:
         raise InputError(f"--out {str(out)!r} already holds an evaluation ({RESULT_FILE}); "
@@ -292,10 +318,9 @@ def evaluate(target, draft, datasets, *, data_dir=None, max_samples: int | None 
             raise InputError(f"{flag} {str(d)!r} is not a directory")
     prompts_by_ds = load_datasets(datasets, data_dir, max_samples=max_samples)
     tokenizer = load_tokenizer(target, required=True)
-    policy = parse_policy(verify, confidence_threshold=confidence_threshold, sps_table=sps_table)
-    stops = default_stop_ids(target, tokenizer) if stop_token_ids is None else list(stop_token_ids)
-    confidence_temperatures = sts_temperatures(draft, confidence_temperatures)
-    encoded = {name: [encode_prompt(tokenizer, p.text, thinking=thinking) for p in ps]
+    settings = resolve(options, target, draft, tokenizer)
+    encoded = {name: [encode_prompt(tokenizer, p.text, raw=options.raw_prompt, thinking=options.thinking)
+                      for p in ps]
                for name, ps in prompts_by_ds.items()}
 
     tcfg, tparams = load_target(target)
@@ -303,57 +328,21 @@ def evaluate(target, draft, datasets, *, data_dir=None, max_samples: int | None 
     dcfg.check_compatible(tcfg)
     config = {"target": str(target), "draft": str(draft), "datasets": list(prompts_by_ds),
               "data_dir": str(data_dir) if data_dir is not None else "(packaged)",
-              "max_samples": max_samples, "max_new_tokens": max_new_tokens,
-              "temperature": temperature, "verify": verify, "thinking": thinking,
-              "batch_size": batch_size, "seed": seed, "stop_token_ids": stops,
+              "max_samples": max_samples, "max_new_tokens": options.max_new_tokens,
+              "temperature": options.temperature, "verify": options.verify,
+              "thinking": options.thinking, "raw_prompt": options.raw_prompt,
+              "batch_size": options.batch_size, "seed": options.seed,
+              "stop_token_ids": settings.stop_ids,
               "block_size": dcfg.block_size, "markov_rank": dcfg.markov_rank,
               "confidence_head": dcfg.enable_confidence_head}
     report: dict[str, Any] = {"config": config, "datasets": {}}
     all_results = {}
     for name, prompts in encoded.items():
-        common = dict(max_new_tokens=max_new_tokens, temperature=temperature, batch_size=batch_size,
-                      seed=seed, stop_token_ids=stops)
-        with tqdm(total=len(prompts), desc=f"eval {name}", unit="prompt", disable=not progress) as bar:
-            results = timed_decode(tcfg, tparams, prompts, draft_cfg=dcfg, draft_params=dparams,
-                                   policy=policy, confidence_temperatures=confidence_temperatures,
-                                   progress=bar.update, **common)
-        summ = decode_summary(results, dcfg.block_size)
-        if baseline:
-            with tqdm(total=len(prompts), desc=f"autoregressive {name}", unit="prompt",
-                      disable=not progress) as bar:
-                ar = timed_decode(tcfg, tparams, prompts, progress=bar.update, **common)
-            ar_summ = decode_summary(ar)
-            summ["autoregressive"] = {k: ar_summ[k] for k in ("output_tokens", "seconds", "tokens_per_second")}
-            summ["speedup"] = (summ["tokens_per_second"] / ar_summ["tokens_per_second"]
-                               if ar_summ["tokens_per_second"] else None)
-        report["datasets"][name] = summ
-        all_results[name] = results
-
-    table_rows = dict(report["datasets"])
-    printer(format_table(table_rows))
-    for name, s in report["datasets"].items():
-        cal = s.get("calibration")
-        if cal:
-            pp = cal["per_position"]
-            fmt = lambda key: " ".join("-" if p[key] is None else f"{p[key]:.3f}" for p in pp)
-            printer(f"{name} confidence per position: ECE {fmt('ece')} | AUROC {fmt('auroc')} | "
-                    f"Brier {fmt('brier')}")
-        if s.get("speedup") is not None:
-            printer(f"{name} speedup over autoregressive: {s['speedup']:.2f}x")
-
+        pair = (tcfg, tparams, dcfg, dparams)
+        report["datasets"][name], all_results[name] = _decode_dataset(
+            name, prompts, pair, options, settings, baseline=baseline, progress=progress)
+    _print_report(report["datasets"], printer)
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        files = {}
-        for name, results in all_results.items():
-            extra = [{"dataset": name, "index": p.index, "line": p.line} for p in prompts_by_ds[name]]
-            write_results_jsonl(out / "results" / f"{name}.jsonl", results, extra)
-            files[f"acceptance_{name}"] = str(plot_acceptance({name: report["datasets"][name]},
-                                                              out / f"acceptance_{name}.png", title=name))
-            rel = plot_reliability(results, out / f"reliability_{name}.png", title=f"{name}: confidence")
-            if rel is not None:
-                files[f"reliability_{name}"] = str(rel)
-        tensorboard_scalars(out / "tb", report["datasets"])
-        files["tensorboard"] = str(out / "tb")
-        report["files"] = files
+        report["files"] = _write_outputs(out, report, all_results, prompts_by_ds)
         write_json_atomic(out / RESULT_FILE, report)
     return _finite(report)

@@ -30,8 +30,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from dspark_jax.errors import ConfigError, InputError
-from dspark_jax.fileio import atomic_open
+from dspark_jax.errors import ConfigError, InputError, require_positive_int
+from dspark_jax.fileio import atomic_open, write_text
 
 STAGES = ("sample", "train", "decode", "report")
 DRAFTERS = ("dspark", "dflash")
@@ -82,8 +82,7 @@ class DemoConfig:
                      "sample_batch_size", "steps", "batch_size", "max_length", "num_draft_layers",
                      "block_size", "num_anchors", "num_eval_prompts", "max_new_tokens",
                      "decode_batch_size"):
-            v = getattr(self, name)
-            req(isinstance(v, int) and not isinstance(v, bool) and v > 0, f"{name} must be a positive int, got {v!r}")
+            require_positive_int(getattr(self, name), f"DemoConfig.{name}", ConfigError)
         req(isinstance(self.markov_rank, int) and self.markov_rank > 0,
             f"markov_rank must be > 0 (the DSpark drafter has a Markov head), got {self.markov_rank!r}")
         req(self.prompt_min_bytes <= self.prompt_max_bytes,
@@ -191,7 +190,7 @@ def prepare_out(cfg: DemoConfig, *, force: bool = False, stage: str = "all") -> 
                          "choose another --out")
     out.mkdir(parents=True, exist_ok=True)
     if not p["config"].is_file():
-        from dspark_jax.evaluate import write_json_atomic
+        from dspark_jax.pipelines.evaluate import write_json_atomic
         write_json_atomic(p["config"], {"recipe": cfg.recipe(), "out": str(out), "target_sha256": identity})
     return out
 
@@ -256,15 +255,15 @@ def stage_sample(cfg: DemoConfig, *, progress: bool = True, log: Callable[[str],
     from tqdm import tqdm
 
     from dspark_jax.convert.checkpoint import load_target
-    from dspark_jax.evaluate import encode_prompt, timed_decode, write_json_atomic
-    from dspark_jax.tokenizer import load_tokenizer
+    from dspark_jax.pipelines.evaluate import timed_decode, write_json_atomic
+    from dspark_jax.tokenizer import encode_prompt, load_tokenizer
 
     p = paths(cfg)
     tdir = target_dir(cfg)
     tok = load_tokenizer(tdir, required=True)
     records = train_prompt_texts(cfg.num_train_prompts, min_bytes=cfg.prompt_min_bytes,
                                  max_bytes=cfg.prompt_max_bytes, seed=cfg.seed)
-    prompts = [encode_prompt(tok, r["text"]) for r in records]
+    prompts = [encode_prompt(tok, r["text"], raw=True) for r in records]  # the target's pretraining text
     tcfg, tparams = load_target(tdir)
     t0 = time.time()
     with tqdm(total=len(prompts), desc="sample", unit="prompt", disable=not progress) as bar:
@@ -343,9 +342,7 @@ def write_train_config_file(cfg: DemoConfig, name: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     text = (f'"""The demo\'s {name} drafter run: dspark-jax train --config {path}"""\n\n'
             f"CONFIG = dict(\n{body},\n)\n")
-    tmp = path.parent / f".{path.name}.tmp"
-    tmp.write_text(text)
-    tmp.replace(path)
+    write_text(path, text)
     return path
 
 
@@ -387,18 +384,20 @@ def stage_decode(cfg: DemoConfig, *, modes=MODES, progress: bool = True,
     """Decode the held-out prompts with each mode -> ``decode/<mode>.jsonl``."""
     from tqdm import tqdm
 
-    from dspark_jax.convert.checkpoint import default_stop_ids, load_draft, load_target
-    from dspark_jax.evaluate import (decode_summary, encode_prompt, timed_decode,
-                                     write_results_jsonl)
-    from dspark_jax.tokenizer import load_tokenizer
+    from dspark_jax.convert.checkpoint import load_draft, load_target
+    from dspark_jax.decode.settings import DecodeOptions, resolve
+    from dspark_jax.pipelines.evaluate import decode_summary, timed_decode, write_results_jsonl
+    from dspark_jax.tokenizer import encode_prompt, load_tokenizer
 
     _require(cfg, "decode", "train")
     p = paths(cfg)
     tdir = target_dir(cfg)
     tok = load_tokenizer(tdir, required=True)
     records = eval_prompts(cfg)
-    prompts = [encode_prompt(tok, r.text) for r in records]
-    stops = default_stop_ids(tdir, tok)
+    options = DecodeOptions(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                            batch_size=cfg.decode_batch_size, seed=cfg.seed, raw_prompt=True)
+    prompts = [encode_prompt(tok, r.text, raw=options.raw_prompt) for r in records]
+    settings = resolve(options, tdir, tokenizer=tok)
     tcfg, tparams = load_target(tdir)
     extra = [{"dataset": r.dataset, "index": r.index, "line": r.line} for r in records]
     out = {}
@@ -408,9 +407,8 @@ def stage_decode(cfg: DemoConfig, *, modes=MODES, progress: bool = True,
             dcfg, dparams = load_draft(p[f"export_{mode}"])
         with tqdm(total=len(prompts), desc=f"decode {mode}", unit="prompt", disable=not progress) as bar:
             results = timed_decode(tcfg, tparams, prompts, draft_cfg=dcfg, draft_params=dparams,
-                                   max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                   batch_size=cfg.decode_batch_size, seed=cfg.seed, stop_token_ids=stops,
-                                   progress=bar.update)
+                                   progress=bar.update,
+                                   **settings.decode_kwargs(options, speculative=False))
         write_results_jsonl(p[f"decode_{mode}"], results, extra)
         s = decode_summary(results, dcfg.block_size if dcfg else None, calibration=False)
         out[mode] = s
@@ -424,7 +422,7 @@ def stage_decode(cfg: DemoConfig, *, modes=MODES, progress: bool = True,
 def stage_report(cfg: DemoConfig, *, log: Callable[[str], None] = print) -> dict:
     """The table (stdout, table.txt), report.json, acceptance.png, reliability_<name>.png, tb/."""
     from dspark_jax.convert.checkpoint import load_draft
-    from dspark_jax.evaluate import (decode_summary, format_table, plot_acceptance, plot_reliability,
+    from dspark_jax.pipelines.evaluate import (decode_summary, format_table, plot_acceptance, plot_reliability,
                                      read_results_jsonl, tensorboard_scalars, write_json_atomic)
 
     _require(cfg, "report", "decode")
@@ -471,9 +469,7 @@ def stage_report(cfg: DemoConfig, *, log: Callable[[str], None] = print) -> dict
         "files": files,
     }
     text = table + "\n"
-    tmp = p["table"].parent / f".{p['table'].name}.tmp"
-    tmp.write_text(text)
-    tmp.replace(p["table"])
+    write_text(p["table"], text)
     write_json_atomic(p["report"], report)
     log(table)
     log(f"DSpark tau - DFlash tau = {report['dspark_tau_minus_dflash_tau']:+.3f}; outputs equal to "
@@ -491,7 +487,7 @@ def reproduce_commands(cfg: DemoConfig, tdir: Path) -> dict[str, str]:
         out[f"eval_{m}"] = (f"dspark-jax eval --target {tdir} --draft {p[f'export_{m}']} "
                             f"--datasets {cfg.eval_dataset} --max-samples {cfg.num_eval_prompts} "
                             f"--max-new-tokens {cfg.max_new_tokens} --temperature {cfg.temperature} "
-                            f"--baseline --out {p['out'] / ('eval_' + m)}")
+                            f"--raw-prompt --baseline --out {p['out'] / ('eval_' + m)}")
     return out
 
 

@@ -1,4 +1,4 @@
-"""Sequential Temperature Scaling (SPEC section 10) and confidence-quality metrics.
+"""Sequential Temperature Scaling (STS: one temperature per block position, fitted left to right) and confidence-quality metrics.
 
 Input: decode rounds, each with the raw confidence logits of the block ``[G]`` (before any
 temperature), the number of accepted drafts and the proposal length (drafts sent to
@@ -19,12 +19,13 @@ All functions are numpy (calibration is offline, small, and runs once).
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import numpy as np
 
 from dspark_jax.errors import InputError
-from dspark_jax.fileio import iter_jsonl
+from dspark_jax.fileio import atomic_dir, iter_jsonl
 
 DEFAULT_GRID = np.geomspace(0.05, 20.0, 481)
 DEFAULT_BINS = 15
@@ -254,7 +255,7 @@ def summary(per_position: list[dict]) -> dict:
 
 
 def fit_sts(rounds: Rounds, grid=None, n_bins: int = DEFAULT_BINS, min_count: int = 20) -> np.ndarray:
-    """Per-position temperatures [G] (float64), left to right (SPEC 10).
+    """Per-position temperatures [G] (float64), left to right: position k on rounds that verified it.
 
     Positions with fewer than ``min_count`` verified rounds keep the previous position's
     temperature (1.0 at the first).
@@ -329,3 +330,68 @@ def reliability_diagram(rounds: Rounds, temperatures, path, n_bins: int = DEFAUL
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# --------------------------------------------------------------------------- the calibrate run
+
+
+def run_sts(logs, out, *, draft=None, holdout: float = 0.3, seed: int = 0, bins: int = DEFAULT_BINS,
+            refit_all: bool = False, write_draft: bool = False, force: bool = False) -> dict:
+    """Fit STS on decode ``logs`` and write ``out/`` (sts.json, reliability.png and, with
+    ``write_draft``, ``out/draft``: the drafter of ``draft`` with the temperatures in its
+    extras), atomically. Returns the sts.json report."""
+    import datetime
+    import json
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    rounds = load_decode_logs(logs)
+    fit, held = split_rounds(rounds, holdout, seed)
+    temps = fit_sts(fit, n_bins=bins)
+
+    def block(r, t):
+        per = position_metrics(r, t, bins)
+        return {"summary": summary(per), "positions": per}
+
+    report = {
+        "format": "dspark-jax/sts/v1",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "logs": str(logs),
+        "draft": draft,
+        "rounds": rounds.num_rounds, "fit_rounds": fit.num_rounds, "heldout_rounds": held.num_rounds,
+        "block_size": rounds.block_size, "bins": bins, "seed": seed,
+        "heldout": {"before": block(held, None), "after": block(held, temps)},
+        "fit": {"before": block(fit, None), "after": block(fit, temps)},
+        "fit_temperatures": [float(t) for t in temps],
+    }
+    if refit_all:
+        temps = fit_sts(rounds, n_bins=bins)
+    report["temperatures"] = [float(t) for t in temps]
+
+    with atomic_dir(out, force=force) as tmp:
+        (tmp / "sts.json").write_text(json.dumps(report, indent=1) + "\n")
+        reliability_diagram(held, temps, tmp / "reliability.png", bins,
+                            title="held-out rounds: raw vs STS")
+        if write_draft:
+            _save_draft_with_sts(draft, tmp / "draft", report["temperatures"])
+    return report
+
+
+def _save_draft_with_sts(draft, dst: Path, temperatures: list[float]) -> None:
+    """Copy the drafter ``draft`` (same format, sidecar files kept) to ``dst`` with
+    ``extras["sts_temperatures"]`` set; InputError when the block sizes differ."""
+    import shutil
+
+    from dspark_jax.convert import checkpoint
+
+    cfg, params = checkpoint.load_draft(draft)
+    if len(temperatures) != cfg.block_size:
+        raise InputError(f"logs have {len(temperatures)} confidence positions but --draft has "
+                         f"block_size {cfg.block_size}")
+    extras = {**checkpoint.read_extras(draft), "sts_temperatures": list(temperatures)}
+    checkpoint.save_draft(dst, cfg, params, format=checkpoint.detect_format(draft), extras=extras)
+    for name in checkpoint.SIDECAR_FILES:
+        src = Path(draft) / name
+        if src.is_file():
+            shutil.copy2(src, dst / name)

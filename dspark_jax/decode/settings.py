@@ -1,0 +1,94 @@
+"""Decode settings shared by generate, eval, the demo and the benchmarks, and their one resolver.
+
+``DecodeOptions`` is what a user chooses (flags or a pipeline's arguments);
+``resolve`` turns it into what the decoder needs for a target/drafter pair: the
+verification policy, the stop-token ids (the target's eos by default) and the
+STS temperatures (the drafter's saved ones by default).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+from dspark_jax.errors import InputError, require_positive_int
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeOptions:
+    """User-facing decode settings. ``None`` means "the checkpoint's default"."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    verify: str = "full"
+    confidence_threshold: float | None = None
+    confidence_temperatures: tuple[float, ...] | None = None
+    sps_table: str | None = None
+    batch_size: int = 1
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] | None = None
+    raw_prompt: bool = False
+    thinking: bool = False
+
+    def __post_init__(self):
+        require_positive_int(self.max_new_tokens, "max_new_tokens")
+        require_positive_int(self.batch_size, "batch_size")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (t >= 0 and math.isfinite(t)):
+            raise InputError(f"temperature must be a finite number >= 0, got {t!r}")
+
+    def replace(self, **changes) -> "DecodeOptions":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedDecode:
+    """policy (None without a drafter); stop_ids; confidence_temperatures (None: none);
+    sts_from_drafter: the temperatures were read from the drafter's extras."""
+
+    policy: Any
+    stop_ids: list[int]
+    confidence_temperatures: list[float] | None
+    sts_from_drafter: bool = False
+
+    def decode_kwargs(self, options: DecodeOptions, speculative: bool = True) -> dict:
+        """Keyword arguments of ``speculative_generate`` (or ``autoregressive_generate``)."""
+        kw = dict(max_new_tokens=options.max_new_tokens, temperature=options.temperature,
+                  batch_size=options.batch_size, seed=options.seed, stop_token_ids=self.stop_ids)
+        if speculative:
+            kw.update(policy=self.policy, confidence_temperatures=self.confidence_temperatures)
+        return kw
+
+
+def resolve(options: DecodeOptions, target_dir, draft_dir=None, tokenizer=None) -> ResolvedDecode:
+    """Policy, stop ids and STS temperatures of ``options`` for a target (and drafter) directory."""
+    from dspark_jax.convert.checkpoint import default_stop_ids, sts_temperatures
+    from dspark_jax.decode.policies import parse_policy
+
+    stops = (default_stop_ids(Path(target_dir), tokenizer) if options.stop_token_ids is None
+             else [int(t) for t in options.stop_token_ids])
+    if draft_dir is None:
+        return ResolvedDecode(None, stops, None)
+    policy = parse_policy(options.verify, confidence_threshold=options.confidence_threshold,
+                          sps_table=options.sps_table)
+    temps = sts_temperatures(draft_dir, options.confidence_temperatures)
+    return ResolvedDecode(policy, stops, temps,
+                          sts_from_drafter=temps is not None and options.confidence_temperatures is None)
+
+
+def options_from(values: dict, names: Sequence[str] | None = None) -> DecodeOptions:
+    """DecodeOptions from a dict of field values (missing or None -> the field's default,
+    except for the fields whose None means "the checkpoint's default")."""
+    fields = {f.name: f for f in dataclasses.fields(DecodeOptions)}
+    nullable = {"confidence_threshold", "confidence_temperatures", "sps_table", "stop_token_ids"}
+    kw = {}
+    for name in names or fields:
+        if name not in values or (values[name] is None and name not in nullable):
+            continue
+        v = values[name]
+        if name in ("confidence_temperatures", "stop_token_ids") and v is not None:
+            v = tuple(v)
+        kw[name] = v
+    return DecodeOptions(**kw)

@@ -1,0 +1,125 @@
+"""The drafter at decode time: its context cache and one block proposal per row.
+
+Shapes: B rows, L cache capacity, G block size, V vocab, Ld draft layers, Hkv KV
+heads, D head_dim, T new context positions, n*H concatenated target features.
+
+The context cache holds the drafter's keys/values of the committed positions
+(``backbone.context_kv`` of the projected target features). A block at anchor
+position p reads context rows < p and the whole block (paper section 3).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import chex
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from dspark_jax.config import DraftConfig
+from dspark_jax import sampling
+from dspark_jax.draft import backbone, confidence, markov
+from dspark_jax.draft import model as draft_model
+
+
+@flax.struct.dataclass
+class ContextCache:
+    """Draft context keys/values ``k, v [Ld, B, L, Hkv, D]``; row b holds positions < pos[b]."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    @classmethod
+    def from_prefix(cls, k_new: jax.Array, v_new: jax.Array, max_len: int) -> "ContextCache":
+        """A cache of capacity ``max_len`` holding k_new, v_new [Ld, B, P, Hkv, D] at slots 0..P-1."""
+        p = k_new.shape[2]
+        shape = (*k_new.shape[:2], max_len, *k_new.shape[3:])
+        return cls(jnp.zeros(shape, k_new.dtype).at[:, :, :p].set(k_new),
+                   jnp.zeros(shape, v_new.dtype).at[:, :, :p].set(v_new))
+
+    def scatter(self, k_new: jax.Array, v_new: jax.Array, slots: jax.Array) -> "ContextCache":
+        """Write k_new, v_new [Ld, B, T, Hkv, D] at ``slots [B, T]`` (slots >= L are dropped)."""
+        rows = jnp.arange(slots.shape[0])[:, None]
+        return self.replace(k=self.k.at[:, rows, slots].set(k_new.astype(self.k.dtype), mode="drop"),
+                            v=self.v.at[:, rows, slots].set(v_new.astype(self.v.dtype), mode="drop"))
+
+
+def context_kv(dparams: dict, dcfg: DraftConfig, taps: jax.Array, positions: jax.Array):
+    """Context k, v [Ld, B, T, Hkv, D] of target features taps [B, T, n*H] at positions [B, T]."""
+    ctx = backbone.project_context(dparams, dcfg, taps)
+    return backbone.context_kv(dparams, dcfg, ctx, positions)
+
+
+def init_context(dparams: dict, dcfg: DraftConfig, taps: jax.Array, max_len: int) -> ContextCache:
+    """Context cache after a prefill: taps [B, P, n*H] of positions 0..P-1, capacity ``max_len``."""
+    b, p = taps.shape[:2]
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    return ContextCache.from_prefix(*context_kv(dparams, dcfg, taps, positions), max_len)
+
+
+def extend_context(dparams: dict, dcfg: DraftConfig, cache: ContextCache, taps: jax.Array,
+                   positions: jax.Array, write: jax.Array) -> ContextCache:
+    """Add the features taps [B, T, n*H] of positions [B, T] for rows where ``write [B]``."""
+    k_new, v_new = context_kv(dparams, dcfg, taps, positions)
+    return cache.scatter(k_new, v_new, jnp.where(write[:, None], positions, cache.max_len))
+
+
+class Proposal(NamedTuple):
+    """One drafted block per row: drafts [B, G]; logits [B, G, V] (after the Markov bias,
+    the distribution the drafts were sampled from); conf_logits [B, G] (zeros without a
+    confidence head)."""
+
+    drafts: jax.Array
+    logits: jax.Array
+    conf_logits: jax.Array
+
+
+def propose(dparams: dict, dcfg: DraftConfig, anchor: jax.Array, pos: jax.Array,
+            ctx: ContextCache, key: jax.Array, temperature, greedy: bool) -> Proposal:
+    """Draft one block per row after ``anchor [B]`` (the last committed token, at ``pos [B]``).
+
+    The block [anchor, MASK, ..] at positions pos..pos+G-1 runs through the backbone
+    against context rows < pos; then tokens are sampled left to right (``lax.scan``),
+    each with the Markov bias of the previous one.
+    """
+    b = anchor.shape[0]
+    g = dcfg.block_size
+    chex.assert_shape(pos, (b,))
+    chex.assert_shape([ctx.k, ctx.v], (dcfg.num_hidden_layers, b, None, dcfg.num_key_value_heads,
+                                       dcfg.head_dim))
+    block_ids = jnp.concatenate(
+        [anchor[:, None], jnp.full((b, g - 1), dcfg.mask_token_id, jnp.int32)], axis=1)
+    embeds = dparams["embed_tokens"][block_ids][:, None]                     # [B,1,G,H]
+    block_pos = (pos[:, None] + jnp.arange(g, dtype=jnp.int32))[:, None]      # [B,1,G]
+    ctx_mask = jnp.arange(ctx.max_len)[None, None, :] < pos[:, None, None]    # [B,1,L]
+    hidden = backbone.block_forward(dparams, dcfg, embeds, block_pos, ctx.k, ctx.v,
+                                    ctx_mask, jnp.ones((b, 1), bool))[:, 0]  # [B,G,H]
+    base = draft_model.compute_logits(dparams, hidden)                        # [B,G,V]
+
+    def step(carry, xs):
+        prev, mstate = carry
+        u_k, h_k, key_k = xs
+        if dcfg.has_markov:
+            bias, mstate = markov.step(dparams["markov_head"], dcfg, mstate, prev, h_k)
+            logits_k = u_k + bias
+        else:
+            logits_k = u_k
+        x_k = sampling.sample_logits(key_k, logits_k, temperature, greedy)
+        return (x_k, mstate), (x_k, logits_k)
+
+    mstate0 = markov.init_state(dcfg, (b,), jnp.float32)
+    _, (drafts, logits) = jax.lax.scan(
+        step, (anchor, mstate0),
+        (jnp.moveaxis(base, 1, 0), jnp.moveaxis(hidden, 1, 0), jax.random.split(key, g)))
+    drafts, logits = jnp.moveaxis(drafts, 0, 1), jnp.moveaxis(logits, 0, 1)
+    if dcfg.enable_confidence_head:
+        prev = jnp.concatenate([anchor[:, None], drafts[:, :-1]], axis=1)
+        conf_logits = confidence.logits(dparams, dcfg, hidden, prev)
+    else:
+        conf_logits = jnp.zeros((b, g), jnp.float32)
+    return Proposal(drafts, logits, conf_logits)

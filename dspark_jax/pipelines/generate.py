@@ -1,0 +1,73 @@
+"""Generation of a JSONL prompt file: encode, decode (speculative or autoregressive), write.
+
+The ``generate`` command parses flags and prints; ``generate`` here does the work.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+from dspark_jax.decode.settings import DecodeOptions, resolve
+from dspark_jax.errors import InputError
+from dspark_jax.fileio import atomic_open
+
+
+def generate(target, prompts_file, out, *, draft=None, options: DecodeOptions = DecodeOptions(),
+             dtype: str | None = None, max_cache_len: int | None = None, force: bool = False,
+             progress: bool = True, log: Callable[[str], None] = print) -> dict:
+    """Decode every prompt of ``prompts_file`` and write one JSON line per prompt to ``out``.
+
+    Lines are the input record plus output_ids, acceptance_lengths, proposal_lengths,
+    accepted_drafts, confidence_logits and (with a tokenizer) output_text. Returns the
+    ``decode.summarize`` summary with "mode" and "verify".
+    """
+    from tqdm import tqdm
+
+    from dspark_jax.convert.checkpoint import load_draft, load_target
+    from dspark_jax.data.prompts import read_prompts
+    from dspark_jax.decode import autoregressive_generate, speculative_generate, summarize
+    from dspark_jax.tokenizer import encode_prompt, load_tokenizer
+
+    out = Path(out)
+    if out.exists() and not force:
+        raise InputError(f"--out {str(out)!r} exists; pass --force to overwrite")
+    target_dir = Path(target)
+    tokenizer = load_tokenizer(target_dir) if target_dir.is_dir() else None
+    encode = None
+    if tokenizer is not None:
+        encode = lambda t: encode_prompt(tokenizer, t, raw=options.raw_prompt, thinking=options.thinking)
+    records = read_prompts(prompts_file, encode, tokenizer_hint=f" (none found in {str(target_dir)!r})")
+    prompts = [ids for _, ids in records]
+    settings = resolve(options, target_dir, draft, tokenizer)
+
+    tcfg, tparams = load_target(target_dir, dtype)
+    bar = tqdm(total=len(prompts), desc="generate", unit="prompt", disable=not progress)
+    common = dict(max_cache_len=max_cache_len, progress=bar.update)
+    block = None
+    if draft:
+        dcfg, dparams = load_draft(draft, dtype)
+        block = dcfg.block_size
+        if settings.sts_from_drafter:
+            log(f"generate: STS temperatures from the drafter's extras: {settings.confidence_temperatures}")
+        results = speculative_generate(tcfg, tparams, dcfg, dparams, prompts,
+                                       **settings.decode_kwargs(options), **common)
+    else:
+        results = autoregressive_generate(tcfg, tparams, prompts,
+                                          **settings.decode_kwargs(options, speculative=False), **common)
+    bar.close()
+
+    with atomic_open(out) as f:
+        for (rec, _), res in zip(records, results):
+            line = dict(rec)
+            line.update(output_ids=res.output_ids, acceptance_lengths=res.acceptance_lengths,
+                        proposal_lengths=res.proposal_lengths, accepted_drafts=res.accepted_drafts,
+                        confidence_logits=res.confidence_logits)
+            if tokenizer is not None:
+                line["output_text"] = tokenizer.decode(res.output_ids)
+            f.write(json.dumps(line) + "\n")
+    summary = summarize(results, block)
+    summary["mode"] = "speculative" if draft else "autoregressive"
+    summary["verify"] = options.verify if draft else None
+    return summary

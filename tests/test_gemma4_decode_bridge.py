@@ -1,7 +1,8 @@
 """Greedy parity of the Gemma4 pair with decode_greedy.json through today's decode loop.
 
 TEMPORARY BRIDGE: the decode loop does not dispatch by model family yet, so this test swaps the
-Gemma4 functions into ``decode.loop`` (its ``qwen3`` / ``backbone`` / ``draft_model`` names) and
+Gemma4 functions into ``decode.loop`` (its ``qwen3`` name) and ``draft.decode`` (its ``backbone`` /
+``draft_model`` names) and
 pre-scales the drafter's embedding by sqrt(H) (the loop embeds block tokens without the scale).
 Once the loop takes the family's functions, replace this with a plain call like
 ``test_decode_parity.py`` and delete the patching.
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.decode import loop, speculative_generate, summarize
+from dspark_jax.draft import decode as draft_decode
 from dspark_jax.draft import gemma4 as draft_gemma4
 from dspark_jax.target import gemma4 as target_gemma4
 
@@ -42,10 +44,10 @@ def test_greedy_parity(pair, batch_size, ring, monkeypatch):
     monkeypatch.setattr(loop, "qwen3", types.SimpleNamespace(
         init_cache=lambda *a: target_gemma4.init_cache(*a, sliding_slots=slots), forward=target_gemma4.forward,
         compute_logits=lambda p, h: target_gemma4.compute_logits(p, tc, h)))
-    monkeypatch.setattr(loop, "backbone", types.SimpleNamespace(
+    monkeypatch.setattr(draft_decode, "backbone", types.SimpleNamespace(
         project_context=draft_gemma4.project_context, context_kv=draft_gemma4.context_kv,
         block_forward=draft_gemma4.block_forward))
-    monkeypatch.setattr(loop, "draft_model", types.SimpleNamespace(
+    monkeypatch.setattr(draft_decode, "draft_model", types.SimpleNamespace(
         compute_logits=lambda p, h: draft_gemma4.compute_logits(p, dc, h)))
     assert max(len(p) for p in ref["prompts"]) > tc.sliding_window
     res = speculative_generate(tc, tp, dc, dp, ref["prompts"], max_new_tokens=ref["max_new_tokens"],

@@ -140,14 +140,17 @@ def param_count(tree) -> int:
 
 
 def decode_programs(tcfg, tparams, dcfg, dparams, batch: int, prompt_len: int, max_new: int,
-                    temperature: float = 0.0, seed: int = 0):
+                    temperature: float = 0.0, seed: int = 0, abstract: bool = False):
     """ADAPTER -- the only code here that touches dspark_jax.decode.loop internals.
 
     Builds the shipped programs for B = ``batch`` random prompts of ``prompt_len`` tokens:
     returns a dict with ``round`` / ``ar_step`` (jitted functions of the donated state,
     ``lower(state)`` gives their lowering), the prefilled ``spec_state`` / ``ar_state``, and
-    ``max_len`` (cache capacity). Re-point this function when the loop internals move.
+    ``max_len`` (cache capacity). ``abstract=True``: params may be ShapeDtypeStructs and the
+    states are abstract too (``jax.eval_shape``; nothing runs, for lowering/cost analysis only).
+    Re-point this function when the loop internals move.
     """
+    import functools
     from dspark_jax.decode import loop
 
     rng = np.random.default_rng(seed)
@@ -165,12 +168,14 @@ def decode_programs(tcfg, tparams, dcfg, dparams, batch: int, prompt_len: int, m
     policy = FullPolicy()
     static = loop._Static(tcfg, dcfg, policy, sampling.is_greedy(temperature), max_new)
     pre_static = dataclasses.replace(static, policy=None)
-    spec_state = loop.spec_prefill_jit(tparams, dparams, arr, lens, valid, key, temp, stop,
-                                       static=pre_static, max_len=max_len)
+    call = ((lambda f, *a, **k: jax.eval_shape(functools.partial(f, **k), *a)) if abstract
+            else (lambda f, *a, **k: f(*a, **k)))
+    spec_state = call(loop.spec_prefill_jit, tparams, dparams, arr, lens, valid, key, temp, stop,
+                      static=pre_static, max_len=max_len)
     spec_state = dataclasses.replace(spec_state, policy_state=policy.init_state(batch, dcfg.block_size))
     ar_static = loop._Static(tcfg, None, None, sampling.is_greedy(temperature), max_new)
-    ar_state = loop.ar_prefill_jit(tparams, arr, lens, valid, key, temp, stop, static=ar_static,
-                                   max_len=max_len)
+    ar_state = call(loop.ar_prefill_jit, tparams, arr, lens, valid, key, temp, stop, static=ar_static,
+                    max_len=max_len)
 
     class _Prog:
         def __init__(self, jitted, args, kwargs):

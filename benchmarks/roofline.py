@@ -165,8 +165,9 @@ def _matmul_params(layers: dict) -> int:
     return int(sum(np.prod(v.shape) for v in jax.tree.leaves(layers) if len(v.shape) == 3))
 
 
-def model_flops(tcfg: TargetConfig, dcfg: DraftConfig, seq: int) -> float:
-    """Analytic FLOPs of one online train step on one sequence (no remat recompute counted).
+def model_flops(tcfg: TargetConfig, dcfg: DraftConfig, seq: int, online: bool = True) -> float:
+    """Analytic FLOPs of one train step on one sequence (no remat recompute counted); the
+    target forward only when ``online`` (cache mode reads precomputed features).
 
     Target forward: 2 x layer matmul params x S + causal attention 2 x S^2 x Hq x D per layer.
     Drafter (forward + backward = 3 forwards) over N x G block tokens: layer matmuls, the
@@ -184,7 +185,7 @@ def model_flops(tcfg: TargetConfig, dcfg: DraftConfig, seq: int) -> float:
     d_attn = dcfg.num_hidden_layers * 4 * (seq / 2 + dcfg.block_size) * dcfg.num_attention_heads * dcfg.head_dim
     kv = 2 * dcfg.num_key_value_heads * dcfg.head_dim * h * dcfg.num_hidden_layers
     d_ctx = 2 * (dcfg.num_context_features * h * h + kv) * seq
-    return float(t_fwd + 3 * (ng * (d_tok + d_attn) + d_ctx))
+    return float((t_fwd if online else 0) + 3 * (ng * (d_tok + d_attn) + d_ctx))
 
 
 def train_costs(fam: dict, seq: int) -> dict:

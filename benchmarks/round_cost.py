@@ -326,11 +326,8 @@ def build_programs(tcfg, tp, dcfg, dp, batch, prompt_len, max_new, temperature):
     c = jax.jit(lambda x: x + 1).lower(jnp.zeros((), jnp.int32)).compile()
     progs["dispatch"] = Program("dispatch", c, (jnp.zeros((), jnp.int32),))
 
-    # Shipped programs: state donated, fed back (rows that finish stay as masked no-ops, same cost).
-    c = a["ar_step"].lower(a["ar_state"]).compile()
-    tp_ar, (temp, stop) = a["ar_step"].args
-    progs["ar_step"] = Program("ar_step", c, (tp_ar, a["ar_state"], temp, stop),
-                               feed=lambda args, out: (args[0], out, *args[2:]))
+    progs["ar_step"] = shipped_programs(a, ("ar_step",))["ar_step"]
+    temp, stop = a["temperature"], a["stop_ids"]
     # Parts (from a copy of the prefilled state: the round donates its own).
     parts = make_parts(tcfg, dcfg, greedy)
     seq, pos = jnp.array(st.seq), jnp.array(st.pos)
@@ -365,11 +362,26 @@ def build_programs(tcfg, tp, dcfg, dp, batch, prompt_len, max_new, temperature):
         return (args[0], out[0], args[2], args[3], out[2], out[3], out[4], out[5], *args[8:])
     run("commit", parts["commit"], commit_args, donate=(1, 4, 5, 6, 7), feed=commit_feed)
 
-    c = a["round"].lower(st).compile()
-    tp_r, dp_r, extra = a["round"].args
-    progs["round"] = Program("round", c, (tp_r, dp_r, st, *extra),
-                             feed=lambda args, out: (args[0], args[1], out, *args[3:]))
+    progs["round"] = shipped_programs(a, ("round",))["round"]
     return progs, a["max_len"]
+
+
+def shipped_programs(a: dict, names=("ar_step", "round"), compiler_options=None) -> dict:
+    """Compiled shipped AR step / round (from ``decode_programs``) as Programs that feed their
+    donated state back (rows that finish stay in the batch as masked no-ops: same cost).
+    ``compiler_options`` go to ``Lowered.compile`` (e.g. fast CPU compiles for smoke runs)."""
+    out = {}
+    if "ar_step" in names:
+        tp, (temp, stop) = a["ar_step"].args
+        out["ar_step"] = Program("ar_step", a["ar_step"].lower(a["ar_state"]).compile(compiler_options),
+                                 (tp, a["ar_state"], temp, stop),
+                                 feed=lambda args, o: (args[0], o, *args[2:]))
+    if "round" in names:
+        tp, dp, extra = a["round"].args
+        out["round"] = Program("round", a["round"].lower(a["spec_state"]).compile(compiler_options),
+                               (tp, dp, a["spec_state"], *extra),
+                               feed=lambda args, o: (args[0], args[1], o, *args[3:]))
+    return out
 
 
 def time_programs(progs: dict, repeats: int, min_seconds: float, warmup: int = 2) -> dict:

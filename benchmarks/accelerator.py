@@ -145,23 +145,35 @@ def bench_sps(tcfg, tp, batches, cache_length) -> dict:
     return out
 
 
-def matmul_peak(n: int, dtype, repeats: int = 5) -> dict:
-    """Achieved FLOP/s of one large square ``jnp.dot`` (n x n @ n x n in ``dtype``): best of ``repeats``."""
+def matmul_fn(n: int, dtype, repeats: int):
+    """A function returning the best FLOP/s of ``repeats`` timed n x n @ n x n ``jnp.dot`` calls."""
     a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n), dtype=np.float32), dtype)
     dot = jax.jit(jnp.dot).lower(a, a).compile()
     jax.block_until_ready(dot(a, a))
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(dot(a, a))
-        best = min(best, time.perf_counter() - t0)
-    out = {"n": n, "dtype": str(np.dtype(dtype)), "seconds": best, "flops_per_s": 2 * n ** 3 / best}
-    print(f"matmul {n}x{n} {out['dtype']}: {out['flops_per_s'] / 1e9:.1f} GFLOP/s", flush=True)
+
+    def measure():
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(dot(a, a))
+            best = min(best, time.perf_counter() - t0)
+        return 2 * n ** 3 / best
+    return measure
+
+
+def matmul_peak(n: int, dtype, repeats: int = 5) -> dict:
+    """Achieved FLOP/s of one large square ``jnp.dot`` (n x n @ n x n in ``dtype``): best of ``repeats``."""
+    flops = matmul_fn(n, dtype, repeats)()
+    out = {"n": n, "dtype": str(np.dtype(dtype)), "seconds": 2 * n ** 3 / flops, "flops_per_s": flops}
+    print(f"matmul {n}x{n} {out['dtype']}: {flops / 1e9:.1f} GFLOP/s", flush=True)
     return out
 
 
 def bench_train(tcfg, dcfg, tp, seq, steps, options, peak, compiler_options=None, mode="online",
-                batch_rows=1, compute_dtype=jnp.bfloat16, measured_peak=None) -> dict:
+                batch_rows=1, compute_dtype=jnp.bfloat16, measured_peak=None, paired_matmul=None) -> dict:
+    """One train step's speed. ``paired_matmul`` (a function -> FLOP/s) is measured right before
+    every timed step, and each step's achieved FLOP/s is divided by it (a noisy, shared machine:
+    the pair sees the same load); the median of those ratios is ``paired_fraction_of_matmul``."""
     from dspark_jax.train import optim, step as step_lib
     from dspark_jax.train.config import TrainConfig
 
@@ -196,8 +208,10 @@ def bench_train(tcfg, dcfg, tp, seq, steps, options, peak, compiler_options=None
     jax.block_until_ready(m)
     compiles_build = COMPILES[0] - before
     before = COMPILES[0]
-    times = []
+    times, mm = [], []
     for _ in range(steps):
+        if paired_matmul is not None:
+            mm.append(paired_matmul())
         t0 = time.perf_counter()
         state, m = compiled(state, frozen, tp, batch)
         jax.block_until_ready(m)
@@ -213,6 +227,8 @@ def bench_train(tcfg, dcfg, tp, seq, steps, options, peak, compiler_options=None
            "hfu": (hlo_flops / step_s / peak) if peak and hlo_flops else None,
            "fraction_of_measured_matmul_peak": (mf / step_s / measured_peak) if measured_peak else None,
            "hlo_fraction_of_measured_matmul_peak": (hlo_flops / step_s / measured_peak) if measured_peak else None,
+           "paired_matmul_flops_per_s": mm or None,
+           "paired_fraction_of_matmul": (float(np.median([mf / t / f for t, f in zip(times, mm)])) if mm else None),
            "loss": float(m["loss"]), "compiles_build": compiles_build, "compiles_timed": COMPILES[0] - before}
     mfu = f"{out['mfu'] * 100:.1f}%" if out["mfu"] is not None else "n/a (unknown peak)"
     print(f"train {mode}: {step_s * 1e3:.1f} ms/step, {tokens / step_s:.0f} tokens/s, model {mf / step_s / 1e12:.3f} "
@@ -234,6 +250,9 @@ def main(argv=None) -> int:
     ap.add_argument("--train-seq", type=int, default=0, help="tokens per train sequence (0: shape default)")
     ap.add_argument("--train-batch", type=int, default=1, help="sequences per train step")
     ap.add_argument("--matmul-n", type=int, default=0, help="matmul size (0: shape default)")
+    ap.add_argument("--paired-matmul", action="store_true",
+                    help="measure the matmul right before every timed train step (shared machines)")
+    ap.add_argument("--train-steps", type=int, default=0, help="timed train steps (0: shape default)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip sections that would start later")
     args = ap.parse_args(argv)
     small = args.small or args.smoke
@@ -254,6 +273,7 @@ def main(argv=None) -> int:
             512, 512, 4096, 5, 5
         min_seconds, options, mm_n = 0.1, {"remat": "dots", "loss_chunk": 64}, 8192
     seq = args.train_seq or seq
+    steps = args.train_steps or steps
     mm_n = args.matmul_n or mm_n
     jax.monitoring.register_event_duration_secs_listener(_on_event)
     out = Path(args.out)
@@ -291,7 +311,8 @@ def main(argv=None) -> int:
         elif name in ("train", "train_cache"):
             res = bench_train(tcfg, dcfg, tp, seq, steps, options, info["peak_bf16_flops"], fast,
                               mode="online" if name == "train" else "cache", batch_rows=args.train_batch,
-                              compute_dtype=dtype, measured_peak=measured_peak)
+                              compute_dtype=dtype, measured_peak=measured_peak,
+                              paired_matmul=matmul_fn(mm_n, dtype, 3) if args.paired_matmul else None)
         else:
             raise SystemExit(f"unknown section {name!r}")
         report["sections"][name] = res

@@ -252,6 +252,8 @@ def main(argv=None) -> int:
     ap.add_argument("--matmul-n", type=int, default=0, help="matmul size (0: shape default)")
     ap.add_argument("--paired-matmul", action="store_true",
                     help="measure the matmul right before every timed train step (shared machines)")
+    ap.add_argument("--remat", default=None, choices=["none", "dots", "full"], help="override the train option")
+    ap.add_argument("--loss-chunk", type=int, default=None, help="override the train option (0: no chunking)")
     ap.add_argument("--train-steps", type=int, default=0, help="timed train steps (0: shape default)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip sections that would start later")
     args = ap.parse_args(argv)
@@ -274,6 +276,10 @@ def main(argv=None) -> int:
         min_seconds, options, mm_n = 0.1, {"remat": "dots", "loss_chunk": 64}, 8192
     seq = args.train_seq or seq
     steps = args.train_steps or steps
+    if args.remat is not None:
+        options = dict(options, remat=args.remat)
+    if args.loss_chunk is not None:
+        options = dict(options, loss_chunk=args.loss_chunk)
     mm_n = args.matmul_n or mm_n
     jax.monitoring.register_event_duration_secs_listener(_on_event)
     out = Path(args.out)

@@ -121,7 +121,7 @@ def declare(config) -> dict:
 
 def abstract_params(config, mesh, dtype, rules=None) -> tuple[Any, Any]:
     """(abstract params with shardings, shardings) for any registered config (the planner's
-    ``plan.abstract_params``, derived from the declaration)."""
+    derived from the declaration)."""
     return params_lib.planned(declare(config), mesh, dtype, rules)
 
 

@@ -223,7 +223,7 @@ def shardings(specs: Specs, mesh, rules=None) -> dict:
 
 
 def planned(specs: Specs, mesh, dtype, rules=None) -> tuple[dict, dict]:
-    """(abstract params with shardings, shardings): what ``plan.abstract_params`` returns."""
+    """(abstract params with shardings, shardings): what the planner compiles against."""
     sh = shardings(specs, mesh, rules)
     return abstract_params(specs, dtype, sh), sh
 

@@ -192,12 +192,16 @@ def test_logical_to_spec_refuses_a_mesh_axis_twice():
     assert sharding.logical_to_spec(("vocab", "embed"), shape=(3, 4), mesh=mesh) == P(None, "fsdp")
 
 
-def test_abstract_params_equal_the_planners():
-    from dspark_jax import plan
+def test_abstract_params_equal_init_shapes_and_axes():
+    """The planner's abstract params (from the declaration) equal eval_shape of init + axes."""
     mesh = sharding.make_mesh("data=2,fsdp=2,tensor=2")
     for cfg in CONFIGS.values():
+        module = families.for_config(cfg).module()
         ours, ours_sh = families.abstract_params(cfg, mesh, jnp.bfloat16)
-        theirs, theirs_sh = plan.abstract_params(cfg, mesh, jnp.bfloat16)
+        shapes = jax.eval_shape(lambda: module.init_params(cfg, jax.random.PRNGKey(0), jnp.bfloat16))
+        theirs_sh = sharding.param_shardings(module.param_axes(cfg), mesh, shapes)
+        theirs = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                              shapes, theirs_sh)
         assert jax.tree.structure(ours) == jax.tree.structure(theirs)
         for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
             assert (a.shape, a.dtype, a.sharding) == (b.shape, b.dtype, b.sharding)

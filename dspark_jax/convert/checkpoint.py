@@ -24,7 +24,6 @@ refused unless ``force=True``; a failure leaves nothing behind.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any, Mapping

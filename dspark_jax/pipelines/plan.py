@@ -11,13 +11,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from dspark_jax import families
 from dspark_jax import sharding as shard_lib
 from dspark_jax.config import DraftConfig, TargetConfig
 from dspark_jax.convert import mapping
@@ -121,18 +122,6 @@ def compile_plan(name: str, fn: Callable, *abstract_args, **jit_kwargs) -> Progr
                        get("generated_code_size_in_bytes"), collectives_in(compiled.as_text()), seconds)
 
 
-def abstract_params(cfg, mesh: Mesh, dtype) -> tuple[Any, Any]:
-    """(abstract params with shardings, shardings) for a target or drafter config."""
-    if isinstance(cfg, TargetConfig):
-        shapes = jax.eval_shape(lambda: qwen3.init_params(cfg, jax.random.PRNGKey(0), dtype))
-        axes = qwen3.param_axes(cfg)
-    else:
-        shapes = jax.eval_shape(lambda: draft_model.init_params(cfg, jax.random.PRNGKey(0), dtype))
-        axes = draft_model.param_axes(cfg)
-    sh = shard_lib.param_shardings(axes, mesh, shapes)
-    return abstract(shapes, sh), sh
-
-
 def plan_train_step(draft_cfg: DraftConfig, target_cfg: TargetConfig, train_cfg: TrainConfig,
                     mesh: Mesh, *, total_steps: int = 1000) -> tuple[ProgramPlan, dict]:
     """Compile the sharded train step of ``train_cfg`` (its features mode, batch, compute dtype,
@@ -189,8 +178,8 @@ def plan_decode_round(draft_cfg: DraftConfig, target_cfg: TargetConfig, mesh: Me
     from dspark_jax.decode import loop as decode_loop
     from dspark_jax.decode.policies import FullPolicy
 
-    t_abs, t_sh = abstract_params(target_cfg, mesh, dtype)
-    d_abs, d_sh = abstract_params(draft_cfg, mesh, dtype)
+    t_abs, t_sh = families.abstract_params(target_cfg, mesh, dtype)
+    d_abs, d_sh = families.abstract_params(draft_cfg, mesh, dtype)
     static = decode_loop._Static(target_cfg, draft_cfg, FullPolicy(), False, max_new_tokens)
     prompt_len = 64
     state_shapes = jax.eval_shape(

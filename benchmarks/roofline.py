@@ -1,0 +1,367 @@
+"""Roofline projection of the shipped decode round, the AR step and the online train step.
+
+    PYTHONPATH=$PWD nice -n 15 python benchmarks/roofline.py [--families qwen3-8b]
+        [--batch-sizes 1 8 64] [--out DIR] [--smoke]
+
+Nothing is materialised: params, states and batches are abstract (``jax.ShapeDtypeStruct``,
+random-bf16-weight shapes). Each program is lowered with ``jax.jit(...).lower(abstract
+args)`` with every ``lax.scan``/``lax.map`` unrolled (``unrolled_loops``: XLA's cost analysis
+counts a loop body once), and ``lowered.cost_analysis()`` gives its ``flops`` (the
+backend-independent HLO, every layer counted). Bytes: the compulsory traffic (every argument
+-- weights, KV caches, state -- read once; a donated decode state is updated in place), which
+is what a fused accelerator program moves at best; the unfused HLO's "bytes accessed"
+(``bytes_hlo``, every op to and from HBM) is kept as a pessimistic bound. This host's
+*compiled* cost analysis is not used for the projection (``--compile-cost`` records it): on
+CPU it reflects CPU code generation (bf16 dots upcast to f32, scatters as loops; measured for
+the Qwen3-8B AR step at B=1: 289 GFLOP / 579 GB compiled vs 16.4 GFLOP exact).
+Projected time on a chip = max(flops / peak FLOP/s, bytes / memory bandwidth) (``HARDWARE``);
+the projected round/AR ratio is the ratio of the two projections.
+
+Train step: ``dspark_jax.train.step.build_train_step`` in online mode (the frozen target
+runs inside the step) with the production options of the family's config (bf16 compute over
+fp32 masters, remat, chunked loss), one sequence of ``seq_len`` tokens per chip per
+micro-step. tokens/s per chip = seq_len / projected step time; MFU = analytic model FLOPs
+(``model_flops``: 2 x target matmul params x tokens for the frozen target forward, 6 x
+drafter matmul params x block tokens for the drafter, attention included) / (projected time x
+peak). The projection is an upper bound (perfect overlap, peak rates, no launch overheads).
+
+Families (``FAMILIES``, keyed by name) give the target, the drafter and the train options; add
+one entry per target family (a ``gemma4-12b`` hook is there, skipped until
+``dspark_jax.target.gemma4`` and a family-aware decode loop exist).
+
+Writes ``roofline.json`` to ``--out``; prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import round_cost  # noqa: E402  (the decode adapter lives there, once)
+
+from dspark_jax.config import DraftConfig, TargetConfig  # noqa: E402
+from dspark_jax.draft import model as draft_model  # noqa: E402
+from dspark_jax.target import qwen3  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# name: (peak dense bf16 FLOP/s, memory bandwidth bytes/s) per chip
+HARDWARE = {
+    "H200": (989e12, 4.8e12),
+    "TPU v5e": (197e12, 819e9),
+}
+
+
+# --------------------------------------------------------------------------- families
+
+
+def _load_config(path: Path) -> dict:
+    spec = importlib.util.spec_from_file_location(f"_roofline_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.CONFIG
+
+
+def qwen3_family(preset: str, config_file: str) -> Callable[[], dict]:
+    """A family entry: target preset + drafter/train options of a production config file."""
+    def build():
+        from dspark_jax.presets import TARGETS
+        cfg = _load_config(ROOT / config_file)
+        tcfg = TARGETS[preset]
+        dcfg = DraftConfig.for_target(tcfg, **cfg["draft"])
+        return {"target": tcfg, "draft": dcfg, "train": cfg, "config_file": config_file,
+                "init_target": lambda k: qwen3.init_params(tcfg, k, jnp.bfloat16)}
+    return build
+
+
+def gemma4_family() -> dict:
+    """Hook: Gemma4-12B, once dspark_jax.target.gemma4 exists and the decode loop dispatches on it."""
+    if importlib.util.find_spec("dspark_jax.target.gemma4") is None:
+        raise NotImplementedError("dspark_jax.target.gemma4 is not in this tree")
+    raise NotImplementedError("the decode loop runs qwen3.forward only; add the Gemma4 target "
+                              "(config, init_params) here once the loop dispatches on the family")
+
+
+def tiny_family() -> dict:
+    """Smoke-test family: the round_cost 'mid' shape scaled down (hidden 128, 2 layers)."""
+    tcfg = TargetConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096)
+    dcfg = DraftConfig.for_target(tcfg, num_hidden_layers=1, block_size=5, target_layer_ids=(0, 2),
+                                  mask_token_id=1023, num_anchors=16, markov_rank=16)
+    train = {"compute_dtype": "bfloat16", "remat": "dots", "loss_chunk": 8, "max_length": 256}
+    return {"target": tcfg, "draft": dcfg, "train": train, "config_file": None,
+            "init_target": lambda k: qwen3.init_params(tcfg, k, jnp.bfloat16)}
+
+
+FAMILIES: dict[str, Callable[[], dict]] = {
+    "qwen3-8b": qwen3_family("Qwen/Qwen3-8B", "configs/dspark_qwen3_8b_production.py"),
+    "qwen3-4b": qwen3_family("Qwen/Qwen3-4B", "configs/dspark_qwen3_4b.py"),
+    "gemma4-12b": gemma4_family,
+    "tiny": tiny_family,
+}
+
+
+# --------------------------------------------------------------------------- costs
+
+
+@contextlib.contextmanager
+def unrolled_loops():
+    """Lower with every ``lax.scan`` / ``lax.map`` fully unrolled.
+
+    XLA's HLO cost analysis counts a while loop's body once, whatever its trip count: the
+    36-layer scan of a Qwen3-8B forward would count as one layer. Inside this context
+    ``jax.lax.scan`` (and ``lax.map``, written as a scan) unroll completely, so the lowered
+    HLO holds every layer and its cost analysis counts all of them. Values are unchanged.
+    """
+    scan, lmap = jax.lax.scan, jax.lax.map
+
+    def scan_unrolled(f, init, xs=None, length=None, reverse=False, unroll=1, **kw):
+        return scan(f, init, xs, length=length, reverse=reverse, unroll=True, **kw)
+
+    def map_unrolled(f, xs, **kw):
+        return scan(lambda c, x: (c, f(x)), None, xs, unroll=True)[1]
+
+    jax.lax.scan, jax.lax.map = scan_unrolled, map_unrolled
+    try:
+        yield
+    finally:
+        jax.lax.scan, jax.lax.map = scan, lmap
+
+
+def tree_bytes(tree) -> int:
+    return int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+
+
+def _cost(obj) -> dict:
+    ca = obj.cost_analysis()
+    if isinstance(ca, (list, tuple)):
+        ca = ca[0] if ca else {}
+    ca = ca or {}
+    return {"flops": float(ca.get("flops", 0.0)), "bytes_hlo": float(ca.get("bytes accessed", 0.0))}
+
+
+COMPILE_COST = [False]  # --compile-cost
+
+
+def program_cost(lower: Callable, min_bytes: int, compile_cost: bool | None = None) -> dict:
+    """Cost of one program: ``lower()`` is called with all loops unrolled.
+
+    flops: the lowered HLO's cost analysis (exact matmul/elementwise counts, every layer).
+    bytes: ``min_bytes`` = the compulsory traffic (every argument read once, written state
+    counted by the caller), what a fused accelerator program moves at best; ``bytes_hlo``:
+    the unfused HLO's "bytes accessed" (every op reads and writes HBM: a pessimistic bound).
+    ``compile_cost`` adds this host backend's compiled numbers (``*_compiled``); on CPU they are
+    not a GPU/TPU estimate (bf16 dots are upcast, scatters become loops), so they are off by
+    default.
+    """
+    t0 = time.perf_counter()
+    with unrolled_loops():
+        lowered = lower()
+    out = _cost(lowered)
+    out["bytes"] = float(min_bytes)
+    if COMPILE_COST[0] if compile_cost is None else compile_cost:
+        c = _cost(lowered.compile())
+        out.update(flops_compiled=c["flops"], bytes_compiled=c["bytes_hlo"])
+    out["seconds_to_lower"] = time.perf_counter() - t0
+    return out
+
+
+def project(cost: dict) -> dict:
+    """Projected seconds per chip: max(flops / peak, bytes / bandwidth), and which bound holds;
+    ``seconds_hlo_bytes`` uses the unfused HLO bytes instead (pessimistic)."""
+    out = {}
+    for name, (peak, bw) in HARDWARE.items():
+        tc, tm = cost["flops"] / peak, cost["bytes"] / bw
+        out[name] = {"seconds": max(tc, tm), "compute_s": tc, "memory_s": tm,
+                     "bound": "compute" if tc >= tm else "memory",
+                     "seconds_hlo_bytes": max(tc, cost["bytes_hlo"] / bw)}
+    return out
+
+
+def abstract(tree, dtype=None):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dtype or a.dtype), tree)
+
+
+def decode_costs(fam: dict, batch: int, prompt_len: int, max_new: int) -> dict:
+    tcfg, dcfg = fam["target"], fam["draft"]
+    key = jax.random.PRNGKey(0)
+    tp = abstract(jax.eval_shape(fam["init_target"], key), jnp.bfloat16)
+    dp = abstract(jax.eval_shape(lambda k: draft_model.init_params(dcfg, k), key), jnp.bfloat16)
+    a = round_cost.decode_programs(tcfg, tp, dcfg, dp, batch, prompt_len, max_new, abstract=True)
+    # Compulsory traffic: params + state read once; the donated state is updated in place.
+    dp_own = {k: v for k, v in dp.items() if k not in draft_model.FROZEN_KEYS}  # embed / LM head: the target's
+    rnd = program_cost(lambda: a["round"].lower(a["spec_state"]), tree_bytes((tp, dp_own, a["spec_state"])))
+    ar = program_cost(lambda: a["ar_step"].lower(a["ar_state"]), tree_bytes((tp, a["ar_state"])))
+    proj_r, proj_a = project(rnd), project(ar)
+    return {"batch": batch, "prompt_len": prompt_len, "cache_len": a["max_len"],
+            "block_size": dcfg.block_size, "round": rnd, "ar_step": ar,
+            "projected": {hw: {"round_s": proj_r[hw]["seconds"], "ar_s": proj_a[hw]["seconds"],
+                               "round_over_ar": proj_r[hw]["seconds"] / proj_a[hw]["seconds"],
+                               "round_s_hlo_bytes": proj_r[hw]["seconds_hlo_bytes"],
+                               "ar_s_hlo_bytes": proj_a[hw]["seconds_hlo_bytes"],
+                               "round_over_ar_hlo_bytes": proj_r[hw]["seconds_hlo_bytes"]
+                               / proj_a[hw]["seconds_hlo_bytes"],
+                               "round_bound": proj_r[hw]["bound"], "ar_bound": proj_a[hw]["bound"]}
+                          for hw in HARDWARE}}
+
+
+def _matmul_params(layers: dict) -> int:
+    return int(sum(np.prod(v.shape) for v in jax.tree.leaves(layers) if len(v.shape) == 3))
+
+
+def model_flops(tcfg: TargetConfig, dcfg: DraftConfig, seq: int, online: bool = True) -> float:
+    """Analytic FLOPs of one train step on one sequence (no remat recompute counted); the
+    target forward only when ``online`` (cache mode reads precomputed features).
+
+    Target forward: 2 x layer matmul params x S + causal attention 2 x S^2 x Hq x D per layer.
+    Drafter (forward + backward = 3 forwards) over N x G block tokens: layer matmuls, the
+    [H, V] LM head and Markov [r, V] projection per block token, attention over <= S context
+    + G block keys; context fc + k/v projections over the S context tokens.
+    """
+    key = jax.random.PRNGKey(0)
+    tl = jax.eval_shape(lambda k: qwen3.init_params(tcfg, k), key)["layers"]
+    dpar = jax.eval_shape(lambda k: draft_model.init_params(dcfg, k), key)
+    t_fwd = 2 * _matmul_params(tl) * seq + tcfg.num_hidden_layers * 2 * seq * seq * tcfg.num_attention_heads * tcfg.head_dim
+    ng = dcfg.num_anchors * dcfg.block_size
+    h, v = dcfg.hidden_size, dcfg.vocab_size
+    d_layers = _matmul_params(dpar["layers"])
+    d_tok = 2 * (d_layers + h * v + (dcfg.markov_rank * v if dcfg.has_markov else 0))
+    d_attn = dcfg.num_hidden_layers * 4 * (seq / 2 + dcfg.block_size) * dcfg.num_attention_heads * dcfg.head_dim
+    kv = 2 * dcfg.num_key_value_heads * dcfg.head_dim * h * dcfg.num_hidden_layers
+    d_ctx = 2 * (dcfg.num_context_features * h * h + kv) * seq
+    return float((t_fwd if online else 0) + 3 * (ng * (d_tok + d_attn) + d_ctx))
+
+
+def train_costs(fam: dict, seq: int) -> dict:
+    import optax  # noqa: F401
+    from dspark_jax.train import optim, step as step_lib
+    from dspark_jax.train.config import TrainConfig
+
+    tcfg, dcfg, tr = fam["target"], fam["draft"], fam["train"]
+    cfg = TrainConfig(target="x", data="x", batch_size=1, max_length=seq, steps=1000)
+    opt, sched = optim.make_optimizer(cfg, cfg.steps)
+    compute = jnp.bfloat16 if tr.get("compute_dtype", "bfloat16") == "bfloat16" else jnp.float32
+    fn = step_lib.build_train_step(dcfg, cfg.loss_config(), opt, sched, target_cfg=tcfg, compute_dtype=compute,
+                                   remat=tr.get("remat", "none"), loss_chunk=int(tr.get("loss_chunk", 0)))
+    key = jax.random.PRNGKey(0)
+    dshape = jax.eval_shape(lambda k: draft_model.init_params(dcfg, k), key)
+    trainable, frozen = optim.split_params(dshape)
+    state = jax.eval_shape(lambda p: step_lib.init_state(p, opt, 0), abstract(trainable, jnp.float32))
+    frozen = abstract(frozen, jnp.bfloat16)
+    tp = abstract(jax.eval_shape(fam["init_target"], key), jnp.bfloat16)
+    batch = {"input_ids": jax.ShapeDtypeStruct((1, 1, seq), jnp.int32),
+             "loss_mask": jax.ShapeDtypeStruct((1, 1, seq), jnp.float32)}
+    # Compulsory traffic: everything read once, the train state (params + Adam moments) written once.
+    cost = program_cost(lambda: jax.jit(fn, donate_argnums=(0,)).lower(state, frozen, tp, batch),
+                        tree_bytes((state, frozen, tp, batch)) + tree_bytes(state))
+    mf = model_flops(tcfg, dcfg, seq)
+    proj = project(cost)
+    return {"seq_len": seq, "sequences_per_chip": 1, "options": {k: tr.get(k) for k in
+                                                                  ("compute_dtype", "remat", "loss_chunk")},
+            "cost": cost, "model_flops": mf,
+            "projected": {hw: {"step_s": p["seconds"], "bound": p["bound"], "tokens_per_s": seq / p["seconds"],
+                               "mfu": mf / (p["seconds"] * HARDWARE[hw][0]),
+                               "hlo_flops_over_model": cost["flops"] / mf,
+                               "step_s_hlo_bytes": p["seconds_hlo_bytes"]}
+                          for hw, p in proj.items()}}
+
+
+# --------------------------------------------------------------------------- main
+
+
+def print_tables(report: dict) -> None:
+    for name, fam in report["families"].items():
+        if "skipped" in fam:
+            print(f"{name}: skipped ({fam['skipped']})")
+            continue
+        print(f"\n{name}: decode (cache {fam['decode'][0]['cache_len']} slots, block {fam['decode'][0]['block_size']})")
+        print(f"{'B':>4} {'round GFLOP':>12} {'round GB':>9} {'AR GFLOP':>10} {'AR GB':>7}  "
+              + "  ".join(f"{hw + ' rnd/AR ms':>22} {'ratio':>6}" for hw in HARDWARE))
+        for d in fam["decode"]:
+            cells = "  ".join(
+                f"{d['projected'][hw]['round_s'] * 1e3:>10.3f}/{d['projected'][hw]['ar_s'] * 1e3:<11.3f} "
+                f"{d['projected'][hw]['round_over_ar']:>6.2f}" for hw in HARDWARE)
+            print(f"{d['batch']:>4} {d['round']['flops'] / 1e9:>12.1f} {d['round']['bytes'] / 1e9:>9.2f} "
+                  f"{d['ar_step']['flops'] / 1e9:>10.1f} {d['ar_step']['bytes'] / 1e9:>7.2f}  {cells}")
+        t = fam.get("train")
+        if t:
+            print(f"train step (online, {t['options']}, 1 x {t['seq_len']} tokens/chip): "
+                  f"HLO {t['cost']['flops'] / 1e12:.2f} TFLOP, {t['cost']['bytes'] / 1e9:.1f} GB, "
+                  f"model {t['model_flops'] / 1e12:.2f} TFLOP")
+            for hw, p in t["projected"].items():
+                print(f"  {hw:<8} step {p['step_s'] * 1e3:8.1f} ms ({p['bound']}-bound)  "
+                      f"{p['tokens_per_s']:9.0f} tokens/s/chip  MFU <= {p['mfu'] * 100:5.1f}%")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--families", default="qwen3-8b,gemma4-12b", help=f"comma list of {','.join(FAMILIES)}")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--max-new-tokens", type=int, default=1024)
+    ap.add_argument("--train-seq", type=int, default=0, help="train tokens per chip (0: the config's max_length)")
+    ap.add_argument("--no-train", action="store_true")
+    ap.add_argument("--compile-cost", action="store_true", help="also record this host's compiled cost analysis")
+    ap.add_argument("--out", default=None, help="folder for roofline.json")
+    ap.add_argument("--smoke", action="store_true", help="a tiny family, B=1,2 (seconds)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.families, args.batch_sizes, args.prompt_len, args.max_new_tokens = "tiny", [1, 2], 64, 64
+        args.train_seq = 128
+    COMPILE_COST[0] = args.compile_cost
+    compiles = [0]
+
+    def on_event(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles[0] += 1
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    report = {"benchmark": "roofline",
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "backend": jax.default_backend(), "jax": jax.__version__,
+              "hardware": {k: {"peak_flops": p, "bandwidth": b} for k, (p, b) in HARDWARE.items()},
+              "assumptions": "random bf16 weights (abstract), static cache of cache_len slots read in full, "
+                             "greedy decoding, FullPolicy; time = max(flops/peak, bytes/bandwidth)",
+              "families": {}}
+    for name in args.families.split(","):
+        if name not in FAMILIES:
+            raise SystemExit(f"unknown family {name!r}; known: {sorted(FAMILIES)}")
+        try:
+            fam = FAMILIES[name]()
+        except NotImplementedError as e:
+            report["families"][name] = {"skipped": str(e)}
+            continue
+        entry = {"target": dict(vars(fam["target"])), "draft": {k: (list(v) if isinstance(v, tuple) else v)
+                                                                for k, v in vars(fam["draft"]).items()},
+                 "config_file": fam["config_file"], "decode": []}
+        for b in args.batch_sizes:
+            entry["decode"].append(decode_costs(fam, b, args.prompt_len, args.max_new_tokens))
+            print(f"{name} B={b}: done", flush=True)
+        if not args.no_train:
+            entry["train"] = train_costs(fam, args.train_seq or int(fam["train"].get("max_length", 4096)))
+        report["families"][name] = entry
+    report["compiles"] = compiles[0]
+    print_tables(report)
+    print(f"compiles: {compiles[0]} (costs come from lowered programs; nothing is timed)")
+    if args.out:
+        round_cost.write_json(Path(args.out) / "roofline.json", report)
+        print(f"wrote {Path(args.out) / 'roofline.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

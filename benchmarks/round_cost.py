@@ -1,0 +1,542 @@
+"""Where a speculative round's time goes: the round, the AR step and the round's parts, timed apart.
+
+    PYTHONPATH=$PWD nice -n 15 python benchmarks/round_cost.py [--sizes tiny,mid,large]
+        [--batch-sizes 1 8 32] [--repeats 7] [--out DIR] [--smoke]
+
+For each target size and batch size B this compiles (once, ahead of time) and times:
+
+- ``ar_step``: the shipped autoregressive step (one target token per row);
+- ``round``: the shipped speculative round (draft block, Markov scan, confidence, policy,
+  target verification of G+1 tokens, rejection sampling, commits), state donated;
+- its parts, each its own jitted program built from the public component APIs:
+  ``draft_backbone`` (block embedding + draft layers), ``draft_lm_head`` (base logits
+  [B, G, V]), ``markov_scan`` (sequential Markov bias + sampling, ``lax.scan``),
+  ``confidence`` (head + sigmoid + policy lengths), ``target_verify`` (target extend over
+  G+1 tokens + LM head, cache donated), ``rejection`` (``verify.rejection_sample``),
+  ``commit`` (token / position / record scatters, context projection and the draft
+  context cache scatter);
+- ``dispatch``: an empty jitted program (the per-call floor every part pays once).
+
+Sizes: ``tiny`` is the test fixture (hidden 64, 6 layers, vocab 512, drafter 2 layers);
+``mid`` a random Qwen3 target of hidden 1024, 8 layers, vocab 32000 (162M parameters) with
+a 1-layer block-7 drafter; ``large`` hidden 2048, 10 layers, vocab 32000 (634M, ~3.9x mid).
+
+Timing: every program is compiled and warmed up first; then ``--repeats`` passes go
+round-robin over all programs of one (size, B), each pass timing a chunk of calls of at
+least ``--min-seconds``; the reported time per call is the median over passes (a noisy,
+shared machine slows single chunks down; interleaving spreads that over all programs).
+Compile counts: total, and during the timed passes (must be 0).
+Each program's XLA op count is the number of HLO instructions in ``compiled.as_text()``
+(``hlo_ops``: all, fusion bodies included; ``hlo_top``: instructions outside fusion bodies,
+about the number of kernels/loops the backend runs).
+
+Writes ``round_cost.json`` (and ``round_cost.png``, a stacked bar of the parts per
+(size, B) in units of one AR step) to ``--out``; prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.monitoring
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dspark_jax.config import DraftConfig, TargetConfig  # noqa: E402
+from dspark_jax.decode import sampling  # noqa: E402
+from dspark_jax.decode.policies import FullPolicy  # noqa: E402
+from dspark_jax.decode.verify import rejection_sample  # noqa: E402
+from dspark_jax.draft import backbone, confidence, markov  # noqa: E402
+from dspark_jax.draft import model as draft_model  # noqa: E402
+from dspark_jax.target import qwen3  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURE = ROOT / "tests/fixtures/dspark_qwen3_tiny"
+PARTS = ("draft_backbone", "draft_lm_head", "markov_scan", "confidence", "target_verify",
+         "rejection", "commit")
+COMPILES = [0]
+
+
+def _on_event(event, duration, **kwargs):
+    if event == "/jax/core/compile/backend_compile_duration":
+        COMPILES[0] += 1
+
+
+# --------------------------------------------------------------------------- models
+
+SIZES = {
+    # name: (TargetConfig kwargs, DraftConfig kwargs); "tiny" loads the test fixture instead.
+    "mid": (dict(vocab_size=32000, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=64, rope_theta=1e6,
+                 max_position_embeddings=4096),
+            dict(num_hidden_layers=1, block_size=7, target_layer_ids=(1, 4, 6), mask_token_id=31999,
+                 num_anchors=64, markov_rank=256)),
+    "large": (dict(vocab_size=32000, hidden_size=2048, intermediate_size=6144, num_hidden_layers=10,
+                   num_attention_heads=16, num_key_value_heads=8, head_dim=128, rope_theta=1e6,
+                   max_position_embeddings=4096),
+              dict(num_hidden_layers=1, block_size=7, target_layer_ids=(1, 5, 8), mask_token_id=31999,
+                   num_anchors=64, markov_rank=256)),
+}
+
+
+def random_like(tree, seed: int, dtype=np.float32) -> dict:
+    """numpy init of an abstract params tree (norms 1, biases 0, rest N(0, 0.02^2)); no XLA compile."""
+    rng = np.random.default_rng(seed)
+
+    def leaf(path, a):
+        name = jax.tree_util.keystr(path)
+        if "norm" in name:
+            x = np.ones(a.shape, np.float32)
+        elif "bias" in name:
+            x = np.zeros(a.shape, np.float32)
+        else:
+            x = rng.standard_normal(a.shape, dtype=np.float32) * np.float32(0.02)
+        return jnp.asarray(x, dtype)
+    return jax.tree_util.tree_map_with_path(leaf, tree)
+
+
+def random_pair(tkw: dict, dkw: dict, dtype=jnp.float32, seed: int = 0):
+    """(tcfg, tparams, dcfg, dparams): random target and drafter sharing embedding / LM head."""
+    tcfg = TargetConfig(**tkw)
+    dcfg = DraftConfig.for_target(tcfg, **dkw)
+    key = jax.random.PRNGKey(0)  # eval_shape only: nothing runs
+    tp = random_like(jax.eval_shape(lambda k: qwen3.init_params(tcfg, k), key), seed, dtype)
+    dshape = jax.eval_shape(lambda k: draft_model.init_params(dcfg, k), key)
+    dshape = {k: v for k, v in dshape.items() if k not in draft_model.FROZEN_KEYS}
+    dp = random_like(dshape, seed + 1, dtype)
+    dp["embed_tokens"], dp["lm_head"] = tp["embed_tokens"], qwen3.lm_head_kernel(tp)
+    return tcfg, tp, dcfg, dp
+
+
+def load_size(name: str):
+    if name == "tiny":
+        from dspark_jax.convert.checkpoint import load_draft, load_target
+        tc, tp = load_target(FIXTURE / "target")
+        dc, dp = load_draft(FIXTURE / "draft")
+        return tc, tp, dc, dp
+    if name not in SIZES:
+        raise SystemExit(f"unknown size {name!r}; choose from tiny,{','.join(SIZES)}")
+    return random_pair(*SIZES[name])
+
+
+def param_count(tree) -> int:
+    return int(sum(np.prod(a.shape) for a in jax.tree.leaves(tree)))
+
+
+# --------------------------------------------------------------------------- adapter
+
+
+def decode_programs(tcfg, tparams, dcfg, dparams, batch: int, prompt_len: int, max_new: int,
+                    temperature: float = 0.0, seed: int = 0, abstract: bool = False):
+    """ADAPTER -- the only code here that touches dspark_jax.decode.loop internals.
+
+    Builds the shipped programs for B = ``batch`` random prompts of ``prompt_len`` tokens:
+    returns a dict with ``round`` / ``ar_step`` (jitted functions of the donated state,
+    ``lower(state)`` gives their lowering), the prefilled ``spec_state`` / ``ar_state``, and
+    ``max_len`` (cache capacity). ``abstract=True``: params may be ShapeDtypeStructs and the
+    states are abstract too (``jax.eval_shape``; nothing runs, for lowering/cost analysis only).
+    Re-point this function when the loop internals move.
+    """
+    import functools
+    from dspark_jax.decode import loop
+
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(0, tcfg.vocab_size - 1, (batch, prompt_len)).tolist()
+    p_len, max_len = loop.plan_shapes(prompts, max_new, dcfg.block_size,
+                                      min(tcfg.max_position_embeddings, dcfg.max_position_embeddings), None)
+    arr = jnp.asarray(prompts, jnp.int32)
+    arr = jnp.pad(arr, ((0, 0), (0, p_len - prompt_len)))
+    lens = jnp.full((batch,), prompt_len, jnp.int32)
+    valid = jnp.ones((batch,), bool)
+    key = jax.random.PRNGKey(seed)
+    temp = jnp.float32(max(float(temperature), sampling.GREEDY_EPS))
+    stop = jnp.full((loop.MAX_STOP_IDS,), -1, jnp.int32)
+    conf_temps = jnp.ones((dcfg.block_size,), jnp.float32)
+    policy = FullPolicy()
+    static = loop._Static(tcfg, dcfg, policy, sampling.is_greedy(temperature), max_new)
+    pre_static = dataclasses.replace(static, policy=None)
+    call = ((lambda f, *a, **k: jax.eval_shape(functools.partial(f, **k), *a)) if abstract
+            else (lambda f, *a, **k: f(*a, **k)))
+    spec_state = call(loop.spec_prefill_jit, tparams, dparams, arr, lens, valid, key, temp, stop,
+                      static=pre_static, max_len=max_len)
+    spec_state = dataclasses.replace(spec_state, policy_state=policy.init_state(batch, dcfg.block_size))
+    ar_static = loop._Static(tcfg, None, None, sampling.is_greedy(temperature), max_new)
+    ar_state = call(loop.ar_prefill_jit, tparams, arr, lens, valid, key, temp, stop, static=ar_static,
+                    max_len=max_len)
+
+    class _Prog:
+        def __init__(self, jitted, args, kwargs):
+            self.jitted, self.args, self.kwargs = jitted, args, kwargs
+
+        def lower(self, state):
+            return self.jitted.lower(*self.args[:-1], state, *self.args[-1], **self.kwargs)
+
+    rnd = _Prog(loop.spec_round_jit, (tparams, dparams, (temp, stop, conf_temps)), {"static": static})
+    ar = _Prog(loop.ar_step_jit, (tparams, (temp, stop)), {"static": ar_static})
+    return {"round": rnd, "ar_step": ar, "spec_state": spec_state, "ar_state": ar_state,
+            "max_len": max_len, "temperature": temp, "stop_ids": stop, "conf_temps": conf_temps}
+
+
+# --------------------------------------------------------------------------- parts
+
+
+def make_parts(tcfg: TargetConfig, dcfg: DraftConfig, greedy: bool):
+    """The round's parts as pure functions of public component APIs (shapes as in decode.loop)."""
+    g = dcfg.block_size
+
+    def draft_backbone(dp, seq, pos, ctx_k, ctx_v):
+        b, max_len = seq.shape
+        anchor = seq[jnp.arange(b), pos]
+        ids = jnp.concatenate([anchor[:, None], jnp.full((b, g - 1), dcfg.mask_token_id, jnp.int32)], 1)
+        embeds = dp["embed_tokens"][ids][:, None]
+        block_pos = (pos[:, None] + jnp.arange(g, dtype=jnp.int32))[:, None]
+        ctx_mask = jnp.arange(max_len)[None, None, :] < pos[:, None, None]
+        hidden = backbone.block_forward(dp, dcfg, embeds, block_pos, ctx_k, ctx_v, ctx_mask,
+                                        jnp.ones((b, 1), bool))[:, 0]
+        return hidden, anchor
+
+    def draft_lm_head(dp, hidden):
+        return draft_model.compute_logits(dp, hidden)
+
+    def markov_scan(dp, base, hidden, anchor, key, temperature):
+        b = anchor.shape[0]
+
+        def step(carry, xs):
+            prev, mstate = carry
+            u_k, h_k, key_k = xs
+            if dcfg.has_markov:
+                bias, mstate = markov.step(dp["markov_head"], dcfg, mstate, prev, h_k)
+                u_k = u_k + bias
+            x_k = sampling.sample_logits(key_k, u_k, temperature, greedy)
+            return (x_k, mstate), (x_k, u_k)
+
+        _, (drafts, logits) = jax.lax.scan(
+            step, (anchor, markov.init_state(dcfg, (b,), jnp.float32)),
+            (jnp.moveaxis(base, 1, 0), jnp.moveaxis(hidden, 1, 0), jax.random.split(key, g)))
+        return jnp.moveaxis(drafts, 0, 1), jnp.moveaxis(logits, 0, 1)
+
+    def conf_and_policy(dp, hidden, anchor, drafts, conf_temps):
+        b = anchor.shape[0]
+        if dcfg.enable_confidence_head:
+            prev = jnp.concatenate([anchor[:, None], drafts[:, :-1]], axis=1)
+            c_logits = confidence.logits(dp, dcfg, hidden, prev)
+            conf = jax.nn.sigmoid(c_logits / conf_temps)
+        else:
+            c_logits = conf = jnp.ones((b, g), jnp.float32)
+        lengths, _ = FullPolicy()((), conf, jnp.ones((b,), bool))
+        return c_logits, jnp.clip(lengths.astype(jnp.int32), 0, g)
+
+    def target_verify(tp, cache, tokens):
+        start = cache.lengths
+        hidden, taps, cache = qwen3.forward(tp, tcfg, tokens, cache, tap_layer_ids=dcfg.target_layer_ids)
+        return qwen3.compute_logits(tp, hidden), taps, cache.with_lengths(start)  # roll back
+
+    def rejection(key, target_logits, draft_logits, drafts, lengths, temperature, stop_ids):
+        return rejection_sample(key, target_logits, draft_logits, drafts, lengths, temperature, greedy,
+                                stop_ids)
+
+    def commit(dp, seq, pos, active, ctx_k, ctx_v, rec, conf_rec, drafts, accepted, next_token, stopped,
+               prop_len, conf_logits, taps):
+        b, max_len = seq.shape
+        rows = jnp.arange(b)
+        k_idx = jnp.arange(g + 1, dtype=jnp.int32)[None, :]
+        acc_len = jnp.where(stopped, accepted, accepted + 1)
+        padded = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
+        new_tokens = jnp.where(k_idx == accepted[:, None], next_token[:, None], padded)
+        slots = jnp.where(active[:, None], pos[:, None] + 1 + k_idx, max_len)
+        seq = seq.at[rows[:, None], slots].set(new_tokens, mode="drop")
+        new_pos = jnp.where(active, pos + acc_len, pos)
+        ctx = backbone.project_context(dp, dcfg, taps)
+        ctx_pos = pos[:, None] + k_idx
+        k_new, v_new = backbone.context_kv(dp, dcfg, ctx, ctx_pos)
+        ctx_slots = jnp.where(active[:, None], ctx_pos, max_len)
+        ctx_k = ctx_k.at[:, rows[:, None], ctx_slots].set(k_new.astype(ctx_k.dtype), mode="drop")
+        ctx_v = ctx_v.at[:, rows[:, None], ctx_slots].set(v_new.astype(ctx_v.dtype), mode="drop")
+        r = jnp.zeros((b,), jnp.int32)
+        rec = rec.at[:, rows, r].set(jnp.stack([acc_len, prop_len, accepted]), mode="drop")
+        conf_rec = conf_rec.at[rows, r].set(conf_logits, mode="drop")
+        return seq, new_pos, ctx_k, ctx_v, rec, conf_rec
+
+    return {"draft_backbone": draft_backbone, "draft_lm_head": draft_lm_head, "markov_scan": markov_scan,
+            "confidence": conf_and_policy, "target_verify": target_verify, "rejection": rejection,
+            "commit": commit}
+
+
+# --------------------------------------------------------------------------- programs
+
+
+def hlo_counts(compiled) -> tuple[int, int]:
+    """(all HLO instructions, instructions outside fusion bodies) of a compiled program."""
+    total = top = 0
+    in_fused = False
+    for line in compiled.as_text().splitlines():
+        s = line.strip()
+        if s.endswith("{") and ("->" in s or s.startswith("ENTRY")):
+            name = s.split()[1] if s.startswith("ENTRY") else s.split()[0]
+            in_fused = "fused" in name or "fusion" in name
+            continue
+        if re.match(r"^(ROOT\s+)?%?[\w.\-]+\s*=\s", s):
+            total += 1
+            top += 0 if in_fused else 1
+    return total, top
+
+
+class Program:
+    """An AOT-compiled program and the way to call it repeatedly.
+
+    ``step(args) -> args`` feeds outputs back (donated buffers) or returns the same args.
+    """
+
+    def __init__(self, name, compiled, args, feed=None):
+        self.name, self.compiled, self.args, self.feed = name, compiled, args, feed
+        self.hlo_ops, self.hlo_top = hlo_counts(compiled)
+        self.out = None
+
+    def call(self):
+        out = self.compiled(*self.args)
+        if self.feed is not None:
+            self.args = self.feed(self.args, out)
+        self.out = out
+        return out
+
+
+def build_programs(tcfg, tp, dcfg, dp, batch, prompt_len, max_new, temperature):
+    """All programs of one (size, B), compiled and called once (their outputs feed the next part)."""
+    greedy = sampling.is_greedy(temperature)
+    progs = {}
+    a = decode_programs(tcfg, tp, dcfg, dp, batch, prompt_len, max_new, temperature)
+    st = a["spec_state"]
+
+    def aot(fn, args, donate=()):
+        return jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+
+    c = jax.jit(lambda x: x + 1).lower(jnp.zeros((), jnp.int32)).compile()
+    progs["dispatch"] = Program("dispatch", c, (jnp.zeros((), jnp.int32),))
+
+    progs["ar_step"] = shipped_programs(a, ("ar_step",))["ar_step"]
+    temp, stop = a["temperature"], a["stop_ids"]
+    # Parts (from a copy of the prefilled state: the round donates its own).
+    parts = make_parts(tcfg, dcfg, greedy)
+    seq, pos = jnp.array(st.seq), jnp.array(st.pos)
+    ctx_k, ctx_v = jnp.array(st.ctx_k), jnp.array(st.ctx_v)
+    cache = jax.tree.map(jnp.array, st.cache)
+    key = jax.random.PRNGKey(1)
+
+    def run(name, fn, args, donate=(), feed=None):
+        p = Program(name, aot(fn, args, donate), args, feed)
+        p.call()
+        jax.block_until_ready(p.out)
+        progs[name] = p
+        return p.out
+
+    hidden, anchor = run("draft_backbone", parts["draft_backbone"], (dp, seq, pos, ctx_k, ctx_v))
+    base = run("draft_lm_head", parts["draft_lm_head"], (dp, hidden))
+    drafts, dlogits = run("markov_scan", parts["markov_scan"], (dp, base, hidden, anchor, key, temp))
+    c_logits, lengths = run("confidence", parts["confidence"], (dp, hidden, anchor, drafts, a["conf_temps"]))
+    tokens = jnp.concatenate([anchor[:, None], drafts], axis=1)
+    tlogits, taps, _ = run("target_verify", parts["target_verify"], (tp, cache, tokens), donate=(1,),
+                           feed=lambda args, out: (args[0], out[2], args[2]))
+    v = run("rejection", parts["rejection"], (key, tlogits, dlogits, drafts, lengths, temp, stop))
+    b, r = batch, max_new
+    rec = jnp.zeros((3, b, r), jnp.int32)
+    conf_rec = jnp.zeros((b, r, dcfg.block_size), jnp.float32)
+    active = jnp.ones((b,), bool)
+    own = jnp.array  # commit donates its buffers: give it copies the other parts do not hold
+    commit_args = (dp, own(seq), pos, active, own(ctx_k), own(ctx_v), rec, conf_rec, drafts, v.accepted, v.next_token,
+                   v.stopped, v.proposal_length, c_logits, taps)
+
+    def commit_feed(args, out):  # donated buffers come back; the position stays (same slots each call)
+        return (args[0], out[0], args[2], args[3], out[2], out[3], out[4], out[5], *args[8:])
+    run("commit", parts["commit"], commit_args, donate=(1, 4, 5, 6, 7), feed=commit_feed)
+
+    progs["round"] = shipped_programs(a, ("round",))["round"]
+    return progs, a["max_len"]
+
+
+def shipped_programs(a: dict, names=("ar_step", "round"), compiler_options=None) -> dict:
+    """Compiled shipped AR step / round (from ``decode_programs``) as Programs that feed their
+    donated state back (rows that finish stay in the batch as masked no-ops: same cost).
+    ``compiler_options`` go to ``Lowered.compile`` (e.g. fast CPU compiles for smoke runs)."""
+    out = {}
+    if "ar_step" in names:
+        tp, (temp, stop) = a["ar_step"].args
+        out["ar_step"] = Program("ar_step", a["ar_step"].lower(a["ar_state"]).compile(compiler_options),
+                                 (tp, a["ar_state"], temp, stop),
+                                 feed=lambda args, o: (args[0], o, *args[2:]))
+    if "round" in names:
+        tp, dp, extra = a["round"].args
+        out["round"] = Program("round", a["round"].lower(a["spec_state"]).compile(compiler_options),
+                               (tp, dp, a["spec_state"], *extra),
+                               feed=lambda args, o: (args[0], args[1], o, *args[3:]))
+    return out
+
+
+def time_programs(progs: dict, repeats: int, min_seconds: float, warmup: int = 2) -> dict:
+    """Median seconds per call of each program over ``repeats`` interleaved passes."""
+    iters = {}
+    for name, p in progs.items():
+        for _ in range(warmup):
+            p.call()
+        jax.block_until_ready(p.out)
+        t0 = time.perf_counter()
+        p.call()
+        jax.block_until_ready(p.out)
+        one = max(time.perf_counter() - t0, 1e-6)
+        iters[name] = max(1, int(min_seconds / one))
+    samples = {name: [] for name in progs}
+    for _ in range(repeats):
+        for name, p in progs.items():
+            t0 = time.perf_counter()
+            for _ in range(iters[name]):
+                p.call()
+            jax.block_until_ready(p.out)
+            samples[name].append((time.perf_counter() - t0) / iters[name])
+    return {name: {"median_s": statistics.median(s), "min_s": min(s), "calls_per_pass": iters[name]}
+            for name, s in samples.items()}
+
+
+# --------------------------------------------------------------------------- report
+
+
+def measure(size: str, batches, repeats, min_seconds, prompt_len, max_new, temperature) -> list[dict]:
+    tcfg, tp, dcfg, dp = load_size(size)
+    rows = []
+    for b in batches:
+        before = COMPILES[0]
+        t0 = time.perf_counter()
+        progs, max_len = build_programs(tcfg, tp, dcfg, dp, b, prompt_len, max_new, temperature)
+        build_s = time.perf_counter() - t0
+        compiles_build = COMPILES[0] - before
+        before = COMPILES[0]
+        times = time_programs(progs, repeats, min_seconds)
+        compiles_timed = COMPILES[0] - before
+        ar = times["ar_step"]["median_s"]
+        rnd = times["round"]["median_s"]
+        parts_sum = sum(times[p]["median_s"] for p in PARTS)
+        row = {
+            "size": size, "batch": b, "prompt_len": prompt_len, "cache_len": max_len,
+            "block_size": dcfg.block_size, "draft_layers": dcfg.num_hidden_layers,
+            "target_params": param_count(tp),
+            "target": {"hidden": tcfg.hidden_size, "layers": tcfg.num_hidden_layers, "vocab": tcfg.vocab_size,
+                       "intermediate": tcfg.intermediate_size},
+            "seconds": {k: v["median_s"] for k, v in times.items()},
+            "seconds_min": {k: v["min_s"] for k, v in times.items()},
+            "calls_per_pass": {k: v["calls_per_pass"] for k, v in times.items()},
+            "hlo_ops": {k: p.hlo_ops for k, p in progs.items()},
+            "hlo_top": {k: p.hlo_top for k, p in progs.items()},
+            "round_over_ar": rnd / ar,
+            "parts_sum_s": parts_sum,
+            "non_target_share_of_parts": 1.0 - times["target_verify"]["median_s"] / parts_sum,
+            "verify_over_ar": times["target_verify"]["median_s"] / ar,
+            "build_seconds": build_s, "compiles_build": compiles_build, "compiles_timed": compiles_timed,
+        }
+        rows.append(row)
+        print_row(row)
+        del progs
+    return rows
+
+
+COLS = ("ar_step", "round", "target_verify", "draft_backbone", "draft_lm_head", "markov_scan", "confidence",
+        "rejection", "commit", "dispatch")
+HEADER = (f"{'size':<6}{'B':>4}" + "".join(f"{c[:9]:>10}" for c in COLS) + f"{'rnd/AR':>7}{'ops rnd/AR':>12}"
+          f"{'compiles':>10}   (ms per call, medians)")
+
+
+def print_row(r: dict) -> None:
+    cells = "".join(f"{r['seconds'][c] * 1e3:>10.4g}" for c in COLS)
+    print(f"{r['size']:<6}{r['batch']:>4}{cells}{r['round_over_ar']:>7.2f}"
+          f"{r['hlo_ops']['round']:>6}/{r['hlo_ops']['ar_step']:<5}"
+          f"{r['compiles_build']:>5}/{r['compiles_timed']:<4}", flush=True)
+
+
+def plot(rows: list[dict], path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    labels = [f"{r['size']}\nB={r['batch']}" for r in rows]
+    x = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows) + 2), 5))
+    bottom = np.zeros(len(rows))
+    for part in PARTS:
+        h = np.array([r["seconds"][part] / r["seconds"]["ar_step"] for r in rows])
+        ax.bar(x - 0.2, h, 0.4, bottom=bottom, label=part)
+        bottom += h
+    ax.bar(x + 0.2, [r["round_over_ar"] for r in rows], 0.4, color="black", alpha=0.6,
+           label="shipped round")
+    ax.axhline(1.0, color="red", lw=1, ls="--", label="1 AR step")
+    ax.set_xticks(x)
+    ax.set_xticklabels(labels)
+    ax.set_ylabel("time / AR step")
+    ax.set_title("Speculative round: parts (left, timed apart) vs the shipped round (right)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    os.replace(tmp, path)
+    plt.close(fig)
+    return True
+
+
+def write_json(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="tiny,mid", help="comma list of tiny,mid,large")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--min-seconds", type=float, default=0.2, help="per timed chunk")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--max-new-tokens", type=int, default=256, help="sets the cache capacity")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--out", default=None, help="folder for round_cost.json / round_cost.png")
+    ap.add_argument("--smoke", action="store_true", help="tiny fixture, B=1,2, few repeats (seconds)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.sizes, args.batch_sizes, args.repeats, args.min_seconds = "tiny", [1, 2], 2, 0.01
+        args.prompt_len, args.max_new_tokens = 16, 32
+    jax.monitoring.register_event_duration_secs_listener(_on_event)
+    print(HEADER, flush=True)
+    rows = []
+    for size in args.sizes.split(","):
+        rows += measure(size, args.batch_sizes, args.repeats, args.min_seconds, args.prompt_len,
+                        args.max_new_tokens, args.temperature)
+    report = {
+        "benchmark": "round_cost",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": str(jax.devices()[0]), "backend": jax.default_backend(), "machine": platform.machine(),
+        "cpu_count": os.cpu_count(), "jax": jax.__version__, "temperature": args.temperature,
+        "repeats": args.repeats, "min_seconds": args.min_seconds, "parts": list(PARTS),
+        "total_compiles": COMPILES[0], "compiles_timed": sum(r["compiles_timed"] for r in rows),
+        "rows": rows,
+    }
+    if args.out:
+        out = Path(args.out)
+        write_json(out / "round_cost.json", report)
+        if plot(rows, out / "round_cost.png"):
+            print(f"wrote {out / 'round_cost.json'} and {out / 'round_cost.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -23,14 +23,17 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from dspark_jax import params as params_lib
+from dspark_jax.draft import gemma4 as draft_gemma4
 from dspark_jax.draft import model as draft_model
 from dspark_jax.errors import CheckpointError, ConfigError
 from dspark_jax.params import Family
-from dspark_jax.target import qwen3
+from dspark_jax.target import gemma4, qwen3
 
 _BUILTIN: tuple[Family, ...] = (
     qwen3.FAMILY,
     draft_model.FAMILY,
+    gemma4.FAMILY,
+    draft_gemma4.FAMILY,
 )
 
 FAMILIES: dict[str, Family] = {}

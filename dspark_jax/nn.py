@@ -49,26 +49,29 @@ def masked_softmax(scores: jax.Array, visible: jax.Array, scale: float) -> jax.A
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-              prefix: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> jax.Array:
+              prefix: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+              scale: float | None = None) -> jax.Array:
     """Masked GQA attention, optionally jointly over a read-only prefix (a KV cache).
 
     q [B, Q, Hq, D]; k, v [B, K, Hkv, D]; mask [B, Q, K] (True = visible).
     ``prefix = (k_pre, v_pre, pre_mask)`` with k_pre, v_pre [B, S, Hkv, D] and
     pre_mask [B, Q, S]: one softmax over [prefix ; k] without materialising their
-    concatenation. Rows with no visible key return zeros. Returns [B, Q, Hq, D].
+    concatenation. Rows with no visible key return zeros. ``scale`` multiplies the scores
+    (default D^-0.5; Gemma4 uses 1.0). Returns [B, Q, Hq, D].
     """
     b, nq, hq, d = q.shape
+    scale = d ** -0.5 if scale is None else scale
     hkv = k.shape[2]
     qg = q.reshape(b, nq, hkv, hq // hkv, d)
     scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32)
     if prefix is None:
-        probs = masked_softmax(scores, mask[:, None, None, :, :], d ** -0.5).astype(v.dtype)
+        probs = masked_softmax(scores, mask[:, None, None, :, :], scale).astype(v.dtype)
         out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v)
         return out.reshape(b, nq, hq, d)
     k_pre, v_pre, pre_mask = prefix
     s_pre = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k_pre, preferred_element_type=jnp.float32)
     m = jnp.concatenate([pre_mask, mask], axis=-1)[:, None, None]
-    probs = masked_softmax(jnp.concatenate([s_pre, scores], axis=-1), m, d ** -0.5).astype(v.dtype)
+    probs = masked_softmax(jnp.concatenate([s_pre, scores], axis=-1), m, scale).astype(v.dtype)
     s = k_pre.shape[1]
     out = (jnp.einsum("bhgqk,bkhd->bqhgd", probs[..., :s], v_pre)
            + jnp.einsum("bhgqk,bkhd->bqhgd", probs[..., s:], v))

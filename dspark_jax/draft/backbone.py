@@ -39,8 +39,11 @@ def context_kv(params: dict, config: DraftConfig, ctx: jax.Array, positions: jax
     return jax.lax.map(one_layer, params["layers"])
 
 
-def _block_attention(q, k_blk, v_blk, k_ctx, v_ctx, ctx_mask, block_valid):
-    """q, k_blk, v_blk [B,N,G,H*,D]; k_ctx, v_ctx [B,S,Hkv,D]; ctx_mask [B,N,S]; block_valid [B,N]."""
+def _block_attention(q, k_blk, v_blk, k_ctx, v_ctx, ctx_mask, block_valid, scale=None):
+    """q, k_blk, v_blk [B,N,G,H*,D]; k_ctx, v_ctx [B,S,Hkv,D]; ctx_mask [B,N,S]; block_valid [B,N].
+
+    ``scale`` multiplies the scores (default D^-0.5; Gemma4 uses 1.0).
+    """
     b, n, g, hq, d = q.shape
     hkv = k_ctx.shape[2]
     q = q.reshape(b, n, g, hkv, hq // hkv, d)
@@ -50,7 +53,7 @@ def _block_attention(q, k_blk, v_blk, k_ctx, v_ctx, ctx_mask, block_valid):
     vis_blk = jnp.broadcast_to(block_valid[:, :, None], (b, n, g))
     visible = jnp.concatenate([vis_ctx, vis_blk], axis=-1)[:, None, None, :, None, :]
     probs = nn.masked_softmax(jnp.concatenate([s_ctx, s_blk], axis=-1), visible,
-                              d ** -0.5).astype(v_ctx.dtype)
+                              d ** -0.5 if scale is None else scale).astype(v_ctx.dtype)
     s = k_ctx.shape[1]
     out = (jnp.einsum("bjrngs,bsjd->bngjrd", probs[..., :s], v_ctx)
            + jnp.einsum("bjrngk,bnkjd->bngjrd", probs[..., s:], v_blk))

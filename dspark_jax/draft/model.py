@@ -10,6 +10,7 @@ Params (names follow the PyTorch state dict; kernels are [in, out])::
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import jax
@@ -94,18 +95,20 @@ def training_forward(
     block_keep_mask: jax.Array,
     target_last_hidden_states: jax.Array | None = None,
     compute_dtype=None,
+    ops=None,
 ) -> TrainForward:
     """All anchors' blocks in one backbone call (paper section 3: blocks, Markov head, confidence head).
 
     input_ids [B, S]; target_hidden_states [B, S, n*H] (raw layer outputs,
     concatenated in target_layer_ids order); loss_mask [B, S];
     anchor_positions, block_keep_mask [B, N]; target_last_hidden_states
-    [B, S, H] (post final norm) for the aligned target logits.
+    [B, S, H] (post final norm) for the aligned target logits. ``ops``: the family's
+    backbone functions (see ``QWEN3_OPS``; None = Qwen3).
     """
     th = training_hidden(params, config, input_ids, target_hidden_states, loss_mask, anchor_positions,
-                         block_keep_mask, target_last_hidden_states, compute_dtype)
+                         block_keep_mask, target_last_hidden_states, compute_dtype, ops=ops)
     p = cast_params(params, compute_dtype or params["fc"].dtype)
-    logits, conf, aligned = block_heads(p, config, th.hidden, th.prev_ids, th.target_hidden)
+    logits, conf, aligned = block_heads(p, config, th.hidden, th.prev_ids, th.target_hidden, ops=ops)
     return TrainForward(logits, conf, th.target_ids, th.eval_mask, aligned, th.block_keep_mask)
 
 
@@ -142,6 +145,7 @@ def training_hidden(
     compute_dtype=None,
     remat: bool | str = False,
     constrain=None,
+    ops=None,
 ) -> TrainHidden:
     """``training_forward`` up to (not including) the [.., V] heads; same arguments.
 
@@ -150,6 +154,7 @@ def training_hidden(
     ``backbone.block_forward``; ``constrain`` (optional, x -> x) pins the
     sharding of [B, ...] activations (batch-sharded).
     """
+    ops = ops or QWEN3_OPS
     dtype = compute_dtype or params["fc"].dtype
     p = cast_params(params, dtype)
     pin = constrain or (lambda x: x)
@@ -161,13 +166,13 @@ def training_hidden(
     labels, eval_mask, safe = blocks.block_targets(input_ids, loss_mask, anchors, keep, g)
     block_ids = blocks.block_input_ids(input_ids, anchors, keep, g, config.mask_token_id)
 
-    ctx = pin(backbone.project_context(p, config, pin(target_hidden_states.astype(dtype))))
+    ctx = pin(ops.project_context(p, config, pin(target_hidden_states.astype(dtype))))
     ctx_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    ctx_k, ctx_v = backbone.context_kv(p, config, ctx, ctx_pos)
+    ctx_k, ctx_v = ops.context_kv(p, config, ctx, ctx_pos)
     ctx_mask = jnp.arange(s)[None, None, :] < anchors[:, :, None]
     block_pos = anchors[:, :, None] + jnp.arange(g, dtype=jnp.int32)
-    hidden = pin(backbone.block_forward(p, config, pin(p["embed_tokens"][block_ids]), block_pos,
-                                        ctx_k, ctx_v, ctx_mask, keep, remat=remat))
+    hidden = pin(ops.block_forward(p, config, pin(ops.embed_block(p, config, block_ids)), block_pos,
+                                   ctx_k, ctx_v, ctx_mask, keep, remat=remat))
 
     anchor_tok = jnp.take_along_axis(input_ids, anchors, axis=1)
     prev = jnp.concatenate([anchor_tok[..., None], labels[..., :-1]], axis=-1)
@@ -180,16 +185,28 @@ def training_hidden(
 
 
 def block_heads(p: dict, config: DraftConfig, hidden: jax.Array, prev_ids: jax.Array,
-                target_hidden: jax.Array | None = None):
+                target_hidden: jax.Array | None = None, ops=None):
     """The [.., V] heads of ``training_forward`` on (a chunk of) backbone outputs.
 
     p: compute-dtype params (``cast_params``); hidden [..., G, H]; prev_ids [..., G];
     target_hidden [..., G, H] or None. Returns (draft logits [..., G, V] after the Markov
     bias, confidence logits [..., G] or None, aligned target logits [..., G, V] or None).
     """
-    logits = compute_logits(p, hidden)
+    ops = ops or QWEN3_OPS
+    logits = ops.compute_logits(p, config, hidden)
     if config.has_markov:
         logits = markov.teacher_forced(p["markov_head"], config, logits, prev_ids, hidden)
     conf = confidence.logits(p, config, hidden, prev_ids) if config.enable_confidence_head else None
-    aligned = compute_logits(p, target_hidden) if target_hidden is not None else None
+    aligned = ops.compute_logits(p, config, target_hidden) if target_hidden is not None else None
     return logits, conf, aligned
+
+
+# A family's drafter backbone functions, as ``training_forward``/``training_hidden``/``block_heads``
+# call them (``ops`` argument). Gemma4 passes its module ``dspark_jax.draft.gemma4``.
+QWEN3_OPS = SimpleNamespace(
+    project_context=backbone.project_context,          # (params, config, features [B,S,n*H]) -> ctx
+    context_kv=backbone.context_kv,                    # (params, config, ctx, positions) -> k, v
+    block_forward=backbone.block_forward,              # (params, config, embeds, positions, ...) -> h
+    embed_block=lambda p, config, ids: p["embed_tokens"][ids],        # block input embeddings
+    compute_logits=lambda p, config, hidden: compute_logits(p, hidden),  # [..., H] -> [..., V] f32
+)

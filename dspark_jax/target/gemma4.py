@@ -1,0 +1,650 @@
+"""Gemma4 text decoder (``gemma4_text`` / ``gemma4_unified_text``) as pure functions.
+
+Params (kernels ``[in, out]``)::
+
+    {"embed_tokens": [V, H], "norm": [H], "lm_head": [H, V] (absent when tied),
+     "sliding": {stacked params of the sliding-window layers, leading axis Ls},
+     "full":    {stacked params of the full-attention layers, leading axis Lf}}
+
+Sliding and full layers differ in head size and KV-head count, so each type is its own
+stack; a group absent from ``layer_types`` is absent from the tree. Full layers with
+``attention_k_eq_v`` have no ``v_proj``: V is a weightless RMS norm of the K projection.
+
+Layer (SPEC section 13)::
+
+    h = x + post_attention_layernorm(attn(input_layernorm(x)))
+    h = h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))
+    out = h * layer_scalar
+
+KV cache (``Gemma4Cache``): static, per layer type, K and V ``[L_type, B, slots, Hkv_type,
+D_type]`` plus per-row ``lengths [B]``; rolling back is setting ``lengths`` (nothing is copied).
+Full layers hold ``max_len`` slots (position p in slot p, as Qwen3). Sliding layers hold a
+ring of R slots (position p in slot p mod R; key j visible to query i iff i - window < j <= i):
+R = max_len by default (then any rollback is fine), or ``ring_slots(cfg, max_extend)`` =
+window - 1 + max_extend, which stays exact as long as every extend of T tokens is at most
+``max_extend`` long *if it is later rolled back*, and rollbacks go no further back than the
+length before the last extend (or to 0). Prefill extends of any length are fine (only the
+last R of each row's ``num_new`` tokens are kept). That is what speculative decoding does:
+verify G+1 tokens, keep a prefix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dspark_jax import nn
+from dspark_jax import params as params_lib
+from dspark_jax.errors import CheckpointError, ConfigError
+from dspark_jax.params import ParamSpec
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+GROUPS = (("sliding", SLIDING), ("full", FULL))
+MODEL_TYPES = ("gemma4_text", "gemma4_unified_text")
+TEXT_ARCHITECTURES = {"gemma4_text": "Gemma4ForCausalLM", "gemma4_unified_text": "Gemma4UnifiedForCausalLM"}
+# Multimodal wrappers whose text weights sit under ``model.language_model.``.
+MULTIMODAL = {"gemma4": "Gemma4ForConditionalGeneration",
+              "gemma4_unified": "Gemma4UnifiedForConditionalGeneration"}
+TEXT_PREFIX, MULTIMODAL_PREFIX = "model.", "model.language_model."
+ACTIVATIONS = ("gelu_pytorch_tanh",)
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemma4TargetConfig:
+    """A Gemma4 text decoder.
+
+    Sliding layers: ``head_dim``, ``num_key_value_heads``, default rotary (``sliding_rope_theta``).
+    Full layers: ``global_head_dim``, ``full_num_key_value_heads`` (the global count under
+    ``attention_k_eq_v``, as transformers), rotary ``full_rope_type`` ("proportional": only the
+    first ``int(partial_rotary_factor * global_head_dim / 2)`` frequencies rotate).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    global_head_dim: int
+    layer_types: tuple[str, ...]
+    sliding_window: int
+    num_global_key_value_heads: int | None = None
+    attention_k_eq_v: bool = False
+    sliding_rope_theta: float = 1e4
+    full_rope_theta: float = 1e6
+    full_rope_type: str = "proportional"
+    partial_rotary_factor: float = 0.25
+    final_logit_softcapping: float | None = None
+    hidden_activation: str = "gelu_pytorch_tanh"
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 131072
+    model_type: str = "gemma4_unified_text"
+    pad_token_id: int | None = 0
+    bos_token_id: int | None = 2
+    eos_token_id: Any = 1
+
+    def __post_init__(self):
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "global_head_dim",
+                     "sliding_window", "max_position_embeddings"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and not isinstance(value, bool) and value > 0,
+                     f"Gemma4TargetConfig.{name} must be a positive int, got {value!r}")
+        _require(len(self.layer_types) == self.num_hidden_layers,
+                 f"layer_types has {len(self.layer_types)} entries, num_hidden_layers is {self.num_hidden_layers}")
+        bad = sorted(set(self.layer_types) - {SLIDING, FULL})
+        _require(not bad, f"layer_types: unknown {bad}; expected {SLIDING!r} or {FULL!r}")
+        for kind, heads, dim in (("sliding", self.num_key_value_heads, self.head_dim),
+                                 ("full", self.full_num_key_value_heads, self.global_head_dim)):
+            _require(heads > 0 and self.num_attention_heads % heads == 0,
+                     f"{kind} layers: num_attention_heads={self.num_attention_heads} is not a multiple "
+                     f"of {heads} KV heads")
+            _require(dim % 2 == 0, f"{kind} layers: head size {dim} must be even for rotary")
+        _require(self.full_rope_type in ("default", "proportional"),
+                 f"rope_parameters.full_attention.rope_type={self.full_rope_type!r} is not supported "
+                 "('default' or 'proportional')")
+        _require(0.0 <= self.partial_rotary_factor <= 1.0,
+                 f"partial_rotary_factor={self.partial_rotary_factor} must be in [0, 1]")
+        _require(self.hidden_activation in ACTIVATIONS,
+                 f"hidden_activation={self.hidden_activation!r} is not supported; expected one of {ACTIVATIONS}")
+        _require(self.final_logit_softcapping is None or self.final_logit_softcapping > 0,
+                 "final_logit_softcapping must be > 0 or null")
+        _require(self.rms_norm_eps > 0, "rms_norm_eps must be > 0")
+        _require(self.model_type in MODEL_TYPES, f"model_type={self.model_type!r}; expected one of {MODEL_TYPES}")
+
+    @property
+    def full_num_key_value_heads(self) -> int:
+        """KV heads of full layers: num_global_key_value_heads under k = v (transformers' rule)."""
+        if self.attention_k_eq_v and self.num_global_key_value_heads is not None:
+            return self.num_global_key_value_heads
+        return self.num_key_value_heads
+
+    def layer_ids(self, layer_type: str) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == layer_type)
+
+    def group_shape(self, group: str) -> tuple[int, int, bool]:
+        """(KV heads, head size, has v_proj) of the ``"sliding"`` or ``"full"`` layers."""
+        if group == "sliding":
+            return self.num_key_value_heads, self.head_dim, True
+        return self.full_num_key_value_heads, self.global_head_dim, not self.attention_k_eq_v
+
+    def replace(self, **changes) -> "Gemma4TargetConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any]) -> "Gemma4TargetConfig":
+        """From a ``gemma4_text`` / ``gemma4_unified_text`` config.json (or a multimodal one's text_config)."""
+        if "text_config" in hf:
+            hf = hf["text_config"]
+        return cls(**gemma4_text_kwargs(hf, "target config.json"))
+
+    def to_hf(self, architecture: str | None = None) -> dict[str, Any]:
+        """The Hugging Face text config (``architectures``: the text CausalLM by default)."""
+        return gemma4_text_fields(self, architecture or TEXT_ARCHITECTURES[self.model_type])
+
+
+def _get(hf: Mapping[str, Any], key: str, where: str) -> Any:
+    if key not in hf:
+        raise ConfigError(f"{where}: required field {key!r} is missing")
+    return hf[key]
+
+
+def gemma4_text_kwargs(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """Gemma4TargetConfig arguments from a Gemma4 text config dict; refuses unsupported features."""
+    model_type = hf.get("model_type", "gemma4_unified_text")
+    if model_type not in MODEL_TYPES:
+        raise ConfigError(f"{where}: model_type={model_type!r} is not a Gemma4 text config; "
+                          f"expected one of {MODEL_TYPES}")
+    # transformers' gemma4_text defaults to per-layer inputs of size 256; unified has none.
+    ple = hf.get("hidden_size_per_layer_input", 256 if model_type == "gemma4_text" else 0)
+    for key, value, ok in (("hidden_size_per_layer_input", ple, not ple),
+                           ("enable_moe_block", hf.get("enable_moe_block", False), not hf.get("enable_moe_block")),
+                           ("num_kv_shared_layers", hf.get("num_kv_shared_layers", 0),
+                            not hf.get("num_kv_shared_layers")),
+                           ("attention_bias", hf.get("attention_bias", False), not hf.get("attention_bias")),
+                           ("use_bidirectional_attention", hf.get("use_bidirectional_attention"),
+                            hf.get("use_bidirectional_attention") != "all")):
+        if not ok:
+            raise ConfigError(f"{where}: {key}={value!r} is not supported for Gemma4")
+    layers = int(_get(hf, "num_hidden_layers", where))
+    layer_types = hf.get("layer_types")
+    if layer_types is None:  # transformers' default: 5 sliding : 1 full
+        layer_types = [SLIDING if (i + 1) % 6 else FULL for i in range(layers)]
+    rope = hf.get("rope_parameters") or {}
+    sliding_rope = rope.get(SLIDING) or {"rope_type": "default", "rope_theta": 1e4}
+    full_rope = rope.get(FULL) or {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                   "rope_theta": 1e6}
+    if sliding_rope.get("rope_type", "default") != "default":
+        raise ConfigError(f"{where}: rope_parameters.sliding_attention.rope_type="
+                          f"{sliding_rope.get('rope_type')!r} is not supported (only 'default')")
+    for name, params in (("sliding_attention", sliding_rope), ("full_attention", full_rope)):
+        if float(params.get("factor", 1.0)) != 1.0:
+            raise ConfigError(f"{where}: rope_parameters.{name}.factor={params['factor']} is not supported")
+    softcap = hf.get("final_logit_softcapping")
+    heads = int(_get(hf, "num_attention_heads", where))
+    global_kv = hf.get("num_global_key_value_heads")
+    return dict(
+        vocab_size=int(_get(hf, "vocab_size", where)),
+        hidden_size=int(_get(hf, "hidden_size", where)),
+        intermediate_size=int(_get(hf, "intermediate_size", where)),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=int(hf.get("num_key_value_heads", heads)),
+        head_dim=int(hf.get("head_dim", 256)),
+        global_head_dim=int(hf.get("global_head_dim", 512)),
+        num_global_key_value_heads=None if global_kv is None else int(global_kv),
+        attention_k_eq_v=bool(hf.get("attention_k_eq_v", False)),
+        layer_types=tuple(layer_types),
+        sliding_window=int(_get(hf, "sliding_window", where)),
+        sliding_rope_theta=float(sliding_rope.get("rope_theta", 1e4)),
+        full_rope_theta=float(full_rope.get("rope_theta", 1e6)),
+        full_rope_type=str(full_rope.get("rope_type", "default")),
+        partial_rotary_factor=float(full_rope.get("partial_rotary_factor", 1.0)),
+        final_logit_softcapping=None if softcap is None else float(softcap),
+        hidden_activation=str(hf.get("hidden_activation", "gelu_pytorch_tanh")),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 131072)),
+        model_type=model_type,
+        pad_token_id=hf.get("pad_token_id", 0),
+        bos_token_id=hf.get("bos_token_id", 2),
+        eos_token_id=_hashable(hf.get("eos_token_id", 1)),
+    )
+
+
+def _hashable(value):
+    """Lists (e.g. several eos ids) as tuples, so configs stay hashable (jit static arguments)."""
+    return tuple(value) if isinstance(value, list) else value
+
+
+def gemma4_text_fields(cfg, architecture: str) -> dict[str, Any]:
+    """The Hugging Face Gemma4 text-config fields of ``cfg`` (a target or drafter config)."""
+    full_rope = {"rope_type": cfg.full_rope_type, "rope_theta": cfg.full_rope_theta}
+    if cfg.full_rope_type == "proportional":
+        full_rope["partial_rotary_factor"] = cfg.partial_rotary_factor
+    hf = {
+        "architectures": [architecture],
+        "model_type": cfg.model_type,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "global_head_dim": cfg.global_head_dim,
+        "num_global_key_value_heads": cfg.num_global_key_value_heads,
+        "attention_k_eq_v": cfg.attention_k_eq_v,
+        "layer_types": list(cfg.layer_types),
+        "sliding_window": cfg.sliding_window,
+        "rope_parameters": {SLIDING: {"rope_type": "default", "rope_theta": cfg.sliding_rope_theta},
+                            FULL: full_rope},
+        "final_logit_softcapping": cfg.final_logit_softcapping,
+        "hidden_activation": cfg.hidden_activation,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "enable_moe_block": False,
+        "hidden_size_per_layer_input": 0,
+        "num_kv_shared_layers": 0,
+        "use_double_wide_mlp": False,
+        "pad_token_id": cfg.pad_token_id,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else cfg.eos_token_id,
+    }
+    if cfg.model_type == "gemma4_unified_text":
+        hf["use_bidirectional_attention"] = "vision"
+    return hf
+
+
+def checkpoint_prefix(hf: Mapping[str, Any]) -> str:
+    """Torch-name prefix of the text weights: ``model.language_model.`` for multimodal checkpoints."""
+    arch = (hf.get("architectures") or [""])[0]
+    if "text_config" in hf or arch in MULTIMODAL.values() or hf.get("model_type") in MULTIMODAL:
+        return MULTIMODAL_PREFIX
+    return TEXT_PREFIX
+
+
+# ----------------------------------------------------------------------------- declaration
+
+
+def layer_declaration(cfg, group: str, layer_ids: Sequence[int], name: str) -> dict[tuple, ParamSpec]:
+    """Stacked Gemma4 decoder-layer leaves ``(group, leaf)`` of one head shape.
+
+    ``name`` is the torch name of layer ``{i}`` without the leaf (``model.layers.{i}.``).
+    """
+    n, h, inter, hq = len(layer_ids), cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
+    kv, d, has_v = cfg.group_shape(group)
+    ids = tuple(layer_ids)
+
+    def leaf(shape, axes, torch, **kw):
+        return ParamSpec((n, *shape), ("layers", *axes), name + torch, layer_ids=ids, **kw)
+
+    decl = {
+        "q_proj": leaf((h, hq * d), ("embed", "heads"), "self_attn.q_proj.weight", transpose=True),
+        "k_proj": leaf((h, kv * d), ("embed", "kv_heads"), "self_attn.k_proj.weight", transpose=True),
+        "o_proj": leaf((hq * d, h), ("heads", "embed"), "self_attn.o_proj.weight", transpose=True),
+        "q_norm": leaf((d,), (None,), "self_attn.q_norm.weight", init="ones"),
+        "k_norm": leaf((d,), (None,), "self_attn.k_norm.weight", init="ones"),
+        "gate_proj": leaf((h, inter), ("embed", "mlp"), "mlp.gate_proj.weight", transpose=True),
+        "up_proj": leaf((h, inter), ("embed", "mlp"), "mlp.up_proj.weight", transpose=True),
+        "down_proj": leaf((inter, h), ("mlp", "embed"), "mlp.down_proj.weight", transpose=True),
+        "layer_scalar": leaf((1,), (None,), "layer_scalar", init="ones"),
+    }
+    if has_v:
+        decl["v_proj"] = leaf((h, kv * d), ("embed", "kv_heads"), "self_attn.v_proj.weight", transpose=True)
+    for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm"):
+        decl[norm] = leaf((h,), (None,), f"{norm}.weight", init="ones")
+    return {(group, k): v for k, v in decl.items()}
+
+
+def declare(cfg: Gemma4TargetConfig, prefix: str = TEXT_PREFIX) -> dict[tuple, ParamSpec]:
+    """Every parameter: our path -> ParamSpec. ``prefix``: ``model.`` or ``model.language_model.``."""
+    v, h = cfg.vocab_size, cfg.hidden_size
+    decl = {
+        ("embed_tokens",): ParamSpec((v, h), ("vocab", "embed"), f"{prefix}embed_tokens.weight"),
+        ("norm",): ParamSpec((h,), (None,), f"{prefix}norm.weight", init="ones"),
+    }
+    if not cfg.tie_word_embeddings:
+        decl[("lm_head",)] = ParamSpec((h, v), ("embed", "vocab"), "lm_head.weight", transpose=True)
+    for group, layer_type in GROUPS:
+        ids = cfg.layer_ids(layer_type)
+        if ids:
+            decl.update(layer_declaration(cfg, group, ids, f"{prefix}layers.{{i}}."))
+    return decl
+
+
+def init_params(cfg: Gemma4TargetConfig, rng: jax.Array, dtype=jnp.float32) -> dict:
+    """Random params (std 0.02, norms and layer_scalar 1), for tests and from-scratch runs."""
+    return params_lib.init_params(declare(cfg), rng, dtype)
+
+
+def param_axes(cfg: Gemma4TargetConfig) -> dict:
+    """Logical axis names, same tree structure as ``init_params``."""
+    return params_lib.param_axes(declare(cfg))
+
+
+# ----------------------------------------------------------------------------- shared math
+
+
+def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
+    """Gemma4 RMSNorm: in float32 ``x * rsqrt(mean(x^2) + eps) * weight`` (no 1 +), cast back."""
+    xf = x.astype(jnp.float32)
+    out = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if weight is not None:
+        out = out * weight.astype(jnp.float32)
+    return out.astype(x.dtype)
+
+
+def inv_freq(head_dim: int, theta: float, rope_type: str = "default", partial: float = 1.0) -> np.ndarray:
+    """[head_dim / 2] rotary frequencies; "proportional" zeroes those past int(partial * head_dim / 2)."""
+    half = head_dim // 2
+    rotated = int(partial * head_dim // 2) if rope_type == "proportional" else half
+    freq = np.zeros((half,), np.float32)
+    freq[:rotated] = 1.0 / (theta ** (np.arange(0, 2 * rotated, 2, dtype=np.float32) / head_dim))
+    return freq
+
+
+def rope_cos_sin(positions: jax.Array, freq: np.ndarray, dtype) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [*positions.shape, 2 * len(freq)] (rotate-half layout), in ``dtype``."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(freq)
+    emb = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def group_rope(cfg, group: str) -> np.ndarray:
+    if group == "sliding":
+        return inv_freq(cfg.head_dim, cfg.sliding_rope_theta)
+    return inv_freq(cfg.global_head_dim, cfg.full_rope_theta, cfg.full_rope_type, cfg.partial_rotary_factor)
+
+
+def gelu_mlp(x: jax.Array, p: dict) -> jax.Array:
+    """down(gelu_tanh(gate(x)) * up(x))."""
+    return (jax.nn.gelu(x @ p["gate_proj"], approximate=True) * (x @ p["up_proj"])) @ p["down_proj"]
+
+
+def embed(embed_tokens: jax.Array, ids: jax.Array, dtype=None) -> jax.Array:
+    """Scaled embeddings ``E[ids] * sqrt(H)``, the scale cast to the weight dtype first (as transformers)."""
+    scale = jnp.asarray(math.sqrt(embed_tokens.shape[-1]), embed_tokens.dtype)
+    x = embed_tokens[ids] * scale
+    return x if dtype is None else x.astype(dtype)
+
+
+def softcap(logits: jax.Array, cap: float | None) -> jax.Array:
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
+def project_qkv(h: jax.Array, p: dict, num_heads: int, num_kv: int, head_dim: int, eps: float):
+    """q [B,S,Hq,D] (q-normed), k [B,S,Hkv,D] (k-normed), v [B,S,Hkv,D] (v-normed), all before rotary.
+
+    Without ``v_proj`` (k = v) V is the raw K projection through the weightless v norm.
+    """
+    b, s, _ = h.shape
+    q = rms_norm((h @ p["q_proj"]).reshape(b, s, num_heads, head_dim), p["q_norm"], eps)
+    k_raw = (h @ p["k_proj"]).reshape(b, s, num_kv, head_dim)
+    v_raw = (h @ p["v_proj"]).reshape(b, s, num_kv, head_dim) if "v_proj" in p else k_raw
+    return q, rms_norm(k_raw, p["k_norm"], eps), rms_norm(v_raw, None, eps)
+
+
+def sandwich(x: jax.Array, attn_out: jax.Array, p: dict, eps: float) -> jax.Array:
+    """The rest of a Gemma4 layer after attention: post-attn norm, residual, MLP sandwich, layer_scalar."""
+    h = x + rms_norm(attn_out, p["post_attention_layernorm"], eps)
+    mlp = gelu_mlp(rms_norm(h, p["pre_feedforward_layernorm"], eps), p)
+    h = h + rms_norm(mlp, p["post_feedforward_layernorm"], eps)
+    return h * p["layer_scalar"].astype(h.dtype)
+
+
+# ----------------------------------------------------------------------------- cache and forward
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Gemma4Cache:
+    """Static cache. k/v: {"sliding": [Ls, B, R, Hkv, D] (ring), "full": [Lf, B, max_len, Hkv_g, D_g]};
+    lengths [B]; ``max_len`` (static): the position capacity."""
+
+    k: dict
+    v: dict
+    lengths: jax.Array
+    max_len: int = dataclasses.field(metadata=dict(static=True), default=0)
+
+    def with_lengths(self, lengths: jax.Array) -> "Gemma4Cache":
+        return dataclasses.replace(self, lengths=lengths.astype(jnp.int32))
+
+
+def ring_slots(cfg: Gemma4TargetConfig, max_extend: int) -> int:
+    """Sliding-layer ring size that keeps rolled-back extends of up to ``max_extend`` tokens exact."""
+    return cfg.sliding_window - 1 + max_extend
+
+
+def init_cache(cfg: Gemma4TargetConfig, batch: int, max_len: int, dtype=jnp.float32,
+               sliding_slots: int | None = None) -> Gemma4Cache:
+    """Empty cache for ``max_len`` positions; ``sliding_slots`` (default max_len): the sliding ring size."""
+    slots = {"sliding": min(sliding_slots or max_len, max_len), "full": max_len}
+    k, v = {}, {}
+    for group, layer_type in GROUPS:
+        n = len(cfg.layer_ids(layer_type))
+        if n:
+            kv, d, _ = cfg.group_shape(group)
+            k[group] = jnp.zeros((n, batch, slots[group], kv, d), dtype)
+            v[group] = jnp.zeros((n, batch, slots[group], kv, d), dtype)
+    return Gemma4Cache(k, v, jnp.zeros((batch,), jnp.int32), max_len)
+
+
+def lm_head_kernel(params: dict) -> jax.Array:
+    """[H, V] output projection (the embedding's transpose when tied)."""
+    return params["lm_head"] if "lm_head" in params else params["embed_tokens"].T
+
+
+def compute_logits(params: dict, cfg: Gemma4TargetConfig, hidden: jax.Array) -> jax.Array:
+    """hidden [..., H] (after the final norm) -> softcapped logits [..., V] float32."""
+    logits = jnp.einsum("...h,hv->...v", hidden, lm_head_kernel(params).astype(hidden.dtype),
+                        preferred_element_type=jnp.float32)
+    return softcap(logits, cfg.final_logit_softcapping)
+
+
+def _period(layer_types: tuple[str, ...]) -> int:
+    """Smallest P such that layer_types is its first P entries repeated."""
+    n = len(layer_types)
+    for p in range(1, n + 1):
+        if n % p == 0 and layer_types == layer_types[:p] * (n // p):
+            return p
+    return n
+
+
+def forward(
+    params: dict,
+    cfg: Gemma4TargetConfig,
+    tokens: jax.Array,
+    cache: Gemma4Cache | None = None,
+    *,
+    num_new: jax.Array | None = None,
+    tap_layer_ids: Sequence[int] = (),
+    compute_dtype=None,
+):
+    """Run the decoder over ``tokens [B, T]``; same contract as ``target.qwen3.forward``.
+
+    Without a cache: a causal pass over positions 0..T-1. With one: an extend at positions
+    ``lengths[b] + t`` that sees the committed slots (and, on sliding layers, only those
+    inside the window); the returned cache has ``lengths + num_new`` (default T).
+    Returns ``(hidden [B, T, H] after the final norm, taps [B, T, n*H] or None, cache or None)``;
+    taps are decoder-layer outputs after ``layer_scalar`` (-1 = the scaled embedding).
+    """
+    b, t = tokens.shape
+    dtype = compute_dtype or params["embed_tokens"].dtype
+    eps, hq = cfg.rms_norm_eps, cfg.num_attention_heads
+    x = embed(params["embed_tokens"], tokens, dtype)
+    if cache is None:
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    else:
+        positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    offset = jnp.arange(t)[:, None] - jnp.arange(t)[None, :]          # query - key, new tokens
+    new_mask = {"full": jnp.broadcast_to(offset >= 0, (b, t, t)),
+                "sliding": jnp.broadcast_to((offset >= 0) & (offset < cfg.sliding_window), (b, t, t))}
+    cache_mask = {}
+    if cache is not None:
+        lengths = cache.lengths[:, None, None]
+        if "full" in cache.k:
+            slots = jnp.arange(cache.k["full"].shape[2], dtype=jnp.int32)[None, None, :]
+            cache_mask["full"] = jnp.broadcast_to(slots < lengths, (b, t, slots.shape[-1]))
+        if "sliding" in cache.k:  # ring: slot s holds the last position < lengths that is s mod R
+            ring = cache.k["sliding"].shape[2]
+            slots = jnp.arange(ring, dtype=jnp.int32)[None, None, :]
+            held = slots + ring * jnp.floor_divide(lengths - 1 - slots, ring)
+            cache_mask["sliding"] = (held >= 0) & (held > positions[:, :, None] - cfg.sliding_window)
+    rope = {g: rope_cos_sin(positions, group_rope(cfg, g), dtype) for g, _ in GROUPS}
+
+    tap_ids = tuple(tap_layer_ids)
+    n_taps = max(len(tap_ids), 1)
+    taps = jnp.zeros((n_taps, b, t, cfg.hidden_size), dtype)
+    if -1 in tap_ids:
+        taps = taps.at[tap_ids.index(-1)].set(x)
+    tap_slot = np.full((cfg.num_hidden_layers,), -1, np.int32)
+    for n, layer_id in enumerate(tap_ids):
+        if layer_id >= 0:
+            tap_slot[layer_id] = n
+
+    # Scan over repeats of the layer-type pattern; each step runs one period unrolled.
+    period = _period(cfg.layer_types)
+    reps = cfg.num_hidden_layers // period
+    pattern = ["sliding" if lt == SLIDING else "full" for lt in cfg.layer_types[:period]]
+    per_rep = {g: pattern.count(g) for g, _ in GROUPS}
+    regroup = lambda a, g: a.reshape(reps, per_rep[g], *a.shape[1:])
+    layers = {g: jax.tree.map(lambda a: regroup(a.astype(dtype), g), params[g])
+              for g, _ in GROUPS if per_rep[g]}
+    xs = {"p": layers, "tap": jnp.asarray(tap_slot.reshape(reps, period))}
+    if cache is not None:
+        xs["k"] = {g: regroup(a, g) for g, a in cache.k.items()}
+        xs["v"] = {g: regroup(a, g) for g, a in cache.v.items()}
+
+    def body(carry, xs):
+        x, taps = carry
+        new_k = {g: [] for g in layers}
+        new_v = {g: [] for g in layers}
+        seen = {g: 0 for g in layers}
+        for j, g in enumerate(pattern):
+            p = jax.tree.map(lambda a: a[seen[g]], xs["p"][g])
+            kv, d, _ = cfg.group_shape(g)
+            q, k, v = project_qkv(rms_norm(x, p["input_layernorm"], eps), p, hq, kv, d, eps)
+            cos, sin = rope[g]
+            q, k = nn.apply_rope(q, cos, sin), nn.apply_rope(k, cos, sin)
+            prefix = None
+            if cache is not None:
+                prefix = (xs["k"][g][seen[g]].astype(dtype), xs["v"][g][seen[g]].astype(dtype), cache_mask[g])
+            attn = nn.attention(q, k, v, new_mask[g], prefix, scale=1.0).reshape(b, t, -1) @ p["o_proj"]
+            x = sandwich(x, attn, p, eps)
+            slot = xs["tap"][j]
+            taps = jnp.where(slot >= 0, jax.lax.dynamic_update_index_in_dim(taps, x, jnp.maximum(slot, 0), 0),
+                             taps)
+            new_k[g].append(k)
+            new_v[g].append(v)
+            seen[g] += 1
+        out = None
+        if cache is not None:
+            out = ({g: jnp.stack(a) for g, a in new_k.items()}, {g: jnp.stack(a) for g, a in new_v.items()})
+        return (x, taps), out
+
+    (x, taps), new_kv = jax.lax.scan(body, (x, taps), xs)
+    hidden = rms_norm(x, params["norm"].astype(dtype), eps)
+    features = None
+    if tap_ids:
+        features = jnp.moveaxis(taps, 0, 2).reshape(b, t, len(tap_ids) * cfg.hidden_size)
+    new_cache = None
+    if cache is not None:
+        rows = jnp.arange(b)[:, None]
+        step = jnp.full((b,), t, jnp.int32) if num_new is None else num_new.astype(jnp.int32)
+        end = (cache.lengths + step)[:, None]
+        slots = {"full": positions}                               # past max_len: dropped
+        if "sliding" in cache.k:  # the last R of each row's num_new tokens, at p mod R
+            ring = cache.k["sliding"].shape[2]
+            keep = (positions >= end - ring) & (positions < end)
+            slots["sliding"] = jnp.where(keep, positions % ring, ring)
+
+        def write(buf, new, g):  # new [reps, per_rep, B, T, ...]
+            new = new.reshape(-1, *new.shape[2:]).astype(buf.dtype)
+            return buf.at[:, rows, slots[g]].set(new, mode="drop")
+
+        k_all = {g: write(cache.k[g], new_kv[0][g], g) for g in cache.k}
+        v_all = {g: write(cache.v[g], new_kv[1][g], g) for g in cache.v}
+        new_cache = Gemma4Cache(k_all, v_all, cache.lengths + step, cache.max_len)
+    return hidden, features, new_cache
+
+
+def _tied_head(cfg: Gemma4TargetConfig) -> tuple[str, str] | None:
+    return ("lm_head.weight", "model.embed_tokens.weight") if cfg.tie_word_embeddings else None
+
+
+# Registered in families.py. Text checkpoints only through convert so far: a multimodal
+# one needs its text weights read under MULTIMODAL_PREFIX (declare(cfg, checkpoint_prefix(hf))
+# or params.rename_torch) and its vision/audio towers ignored.
+FAMILY = params_lib.Family(
+    name="gemma4", kind="target", architectures=tuple(TEXT_ARCHITECTURES.values()), model_types=MODEL_TYPES,
+    config_cls=Gemma4TargetConfig, declare=declare, forward=__name__, tied_head=_tied_head)
+
+
+def read_state(directory, decl: Mapping[tuple, ParamSpec], ignore: tuple[str, ...] = ()) -> dict:
+    """Torch-named numpy tensors of ``directory/*.safetensors`` that ``decl`` declares, checked
+    for presence and shape (CheckpointError); others must start with an ``ignore`` prefix.
+
+    TODO(merge): the convert package's loader (families + mapping.check_tensors) replaces this.
+    """
+    from pathlib import Path
+
+    from safetensors.numpy import load_file
+
+    directory = Path(directory)
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory}: no *.safetensors files")
+    state: dict = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    expected = params_lib.torch_shapes(decl)
+    for name, shape in expected.items():
+        if name not in state:
+            raise CheckpointError(f"{directory}: tensor {name!r} is missing")
+        if tuple(state[name].shape) != tuple(shape):
+            raise CheckpointError(f"{directory}: tensor {name!r} has shape {tuple(state[name].shape)}, "
+                                  f"expected {tuple(shape)}")
+    extra = [k for k in state if k not in expected and not k.startswith(ignore or ("\0",))]
+    if extra:
+        raise CheckpointError(f"{directory}: unexpected tensor {extra[0]!r} for this config")
+    return {k: state[k] for k in expected}
+
+
+def load_params(directory, cfg: Gemma4TargetConfig | None = None, prefix: str | None = None):
+    """(config, numpy params) of a Hugging Face Gemma4 checkpoint directory (text or multimodal layout)."""
+    import json
+    from pathlib import Path
+
+    path = Path(directory) / "config.json"
+    try:
+        hf = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    cfg = cfg or Gemma4TargetConfig.from_hf(hf)
+    prefix = prefix or checkpoint_prefix(hf)
+    decl = declare(cfg, prefix)
+    ignore = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
+    if prefix == MULTIMODAL_PREFIX:
+        ignore += ("model.vision", "model.audio", "model.embed_vision", "model.embed_audio")
+    return cfg, params_lib.from_torch(decl, read_state(directory, decl, ignore))

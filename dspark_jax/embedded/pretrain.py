@@ -74,6 +74,9 @@ class PretrainConfig:
     eval_windows: int = 64
     eval_every: int = 100
     seed: int = 0
+    short_seq_len: int | None = None
+    short_fraction: float = 0.0
+    max_minutes: float | None = None
 
     def __post_init__(self):
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -91,6 +94,39 @@ class PretrainConfig:
             raise InputError(f"pretrain: heldout_fraction={self.heldout_fraction} must be in (0, 1)")
         if self.warmup_steps < 0 or self.warmup_steps >= self.steps:
             raise InputError(f"pretrain: warmup_steps={self.warmup_steps} must be in [0, steps={self.steps})")
+        if not 0 <= self.short_fraction < 1:
+            raise InputError(f"pretrain: short_fraction={self.short_fraction} must be in [0, 1)")
+        if self.short_fraction > 0 and (not isinstance(self.short_seq_len, int)
+                                        or not 0 < self.short_seq_len <= self.seq_len):
+            raise InputError(f"pretrain: short_seq_len={self.short_seq_len!r} must be an int in "
+                             f"(0, seq_len={self.seq_len}] when short_fraction > 0")
+        if self.max_minutes is not None and not self.max_minutes > 0:
+            raise InputError(f"pretrain: max_minutes={self.max_minutes} must be > 0")
+
+    def progress(self, step: int, seconds: float) -> float:
+        """Fraction of the budget spent after ``step`` steps and ``seconds`` of training.
+
+        Step-bounded runs: ``step / steps``. With ``max_minutes`` the larger of
+        that and the fraction of the time budget, so the schedule always anneals
+        before the run stops, however loaded the machine is.
+        """
+        p = step / self.steps
+        if self.max_minutes is not None:
+            p = max(p, seconds / (60.0 * self.max_minutes))
+        return min(p, 1.0)
+
+    def learning_rate(self, step: int, progress: float) -> float:
+        """Linear warm-up over ``warmup_steps``, then cosine from ``peak_lr`` to 5% of it over progress."""
+        if step <= self.warmup_steps:
+            return self.peak_lr * step / max(self.warmup_steps, 1)
+        floor = 0.05 * self.peak_lr
+        return floor + (self.peak_lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    def shape_at(self, progress: float) -> tuple[int, int]:
+        """(batch, seq_len) of a step: the short stage first (same tokens per step), then full length."""
+        if self.short_fraction > 0 and progress < self.short_fraction:
+            return max(1, self.batch_size * self.seq_len // self.short_seq_len), self.short_seq_len
+        return self.batch_size, self.seq_len
 
     def target_config(self, vocab_size: int) -> TargetConfig:
         return TargetConfig(
@@ -214,15 +250,17 @@ def heldout_prompts(count: int, *, root: Path | None = None, max_bytes: int = 32
 
 # ------------------------------------------------------------------------- training
 def _make_fns(cfg: TargetConfig, pc: PretrainConfig):
+    """(optimizer, jitted step(params, opt_state, windows, lr), jitted eval_bits(params, windows)).
+
+    AdamW (b1 0.9, b2 0.95, decoupled weight decay off the norms) after
+    global-norm clipping at 1.0; the learning rate is a step argument so the
+    schedule can follow wall time (``PretrainConfig.learning_rate``).
+    """
     import jax
     import jax.numpy as jnp
     import optax
 
     from dspark_jax.target import qwen3
-
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=pc.peak_lr, warmup_steps=pc.warmup_steps,
-        decay_steps=pc.steps, end_value=pc.peak_lr * 0.05)
 
     def decay_mask(params):
         def leaf_mask(path, _):
@@ -231,7 +269,8 @@ def _make_fns(cfg: TargetConfig, pc: PretrainConfig):
 
     optimizer = optax.chain(
         optax.clip_by_global_norm(1.0),
-        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=pc.weight_decay, mask=decay_mask))
+        optax.scale_by_adam(b1=0.9, b2=0.95),
+        optax.add_decayed_weights(pc.weight_decay, mask=decay_mask))
 
     def token_losses(params, windows):
         """windows [B, T+1] -> per-token CE in nats [B, T]."""
@@ -246,19 +285,24 @@ def _make_fns(cfg: TargetConfig, pc: PretrainConfig):
     def eval_bits(params, windows):
         return jnp.mean(token_losses(params, windows)) / math.log(2.0)
 
-    def step(params, opt_state, windows):
+    def step(params, opt_state, windows, lr):
         loss, grads = jax.value_and_grad(loss_fn)(params, windows)
         updates, opt_state = optimizer.update(grads, opt_state, params)
+        updates = jax.tree.map(lambda u: -lr * u, updates)
         return optax.apply_updates(params, updates), opt_state, loss
 
     return optimizer, jax.jit(step, donate_argnums=(0, 1)), eval_bits
 
 
 def train(pc: PretrainConfig, *, root: Path | None = None, progress: bool = True,
-          max_train_files: int | None = None, init_params=None):
+          max_train_files: int | None = None, init_params=None, on_eval=None):
     """Train from scratch, or continue from ``init_params`` (same model shape).
 
-    Returns (TargetConfig, numpy params, metadata dict).
+    Stops after ``pc.steps`` steps or ``pc.max_minutes`` of training, whichever
+    comes first (the LR schedule follows ``pc.progress``). ``on_eval(cfg,
+    numpy params, partial metadata)`` is called after each held-out evaluation
+    (e.g. to save a usable partial checkpoint). Returns (TargetConfig, numpy
+    params, metadata dict).
     """
     import jax
     from tqdm.auto import tqdm
@@ -285,23 +329,51 @@ def train(pc: PretrainConfig, *, root: Path | None = None, progress: bool = True
     opt_state = optimizer.init(params)
     rng = np.random.default_rng(pc.seed)
 
+    data_info = {
+        "stdlib_dir": str(root),
+        "python_version": platform.python_version(),
+        "heldout_salt": HELDOUT_SALT,
+        "num_train_files": len(train_files),
+        "train_bytes": int(stream.size),
+        "num_heldout_files": len(heldout_files),
+        "heldout_bytes": int(held_stream.size),
+        "heldout_files": heldout_files,
+    }
     history = []
+    tokens_seen, steps_done, frac = 0, 0, 0.0
+    stage_steps: dict[str, int] = {}
     t0 = time.perf_counter()
     bar = tqdm(range(1, pc.steps + 1), desc="pretrain default target", disable=not progress,
                unit="step", dynamic_ncols=True)
     ema = None
     for i in bar:
-        windows = sample_batch(rng, stream, doc_starts, tok, pc.batch_size, pc.seq_len, pc.chat_fraction)
-        params, opt_state, loss = step(params, opt_state, windows)
-        if i % 10 == 0 or i == pc.steps:
+        batch, seq_len = pc.shape_at(frac)
+        lr = pc.learning_rate(i, frac)
+        windows = sample_batch(rng, stream, doc_starts, tok, batch, seq_len, pc.chat_fraction)
+        params, opt_state, loss = step(params, opt_state, windows, np.float32(lr))
+        tokens_seen += batch * seq_len
+        steps_done = i
+        key = f"{batch}x{seq_len}"
+        stage_steps[key] = stage_steps.get(key, 0) + 1
+        frac = pc.progress(i, time.perf_counter() - t0)
+        last = i == pc.steps or frac >= 1.0
+        if i % 10 == 0 or last:
             bits = float(loss) / math.log(2.0)
             ema = bits if ema is None else 0.8 * ema + 0.2 * bits
-            bar.set_postfix(train_bpb=f"{ema:.3f}")
-        if i % pc.eval_every == 0 or i == pc.steps:
+            bar.set_postfix(train_bpb=f"{ema:.3f}", lr=f"{lr:.2e}", seq=seq_len)
+        if i % pc.eval_every == 0 or last:
             held = float(eval_bits(params, held_eval))
             history.append({"step": i, "heldout_bits_per_byte": round(held, 4),
-                            "seconds": round(time.perf_counter() - t0, 1)})
-            bar.write(f"step {i}: held-out {held:.3f} bits/byte")
+                            "seconds": round(time.perf_counter() - t0, 1), "tokens_seen": tokens_seen,
+                            "lr": float(f"{lr:.3g}")})
+            bar.write(f"step {i}: held-out {held:.3f} bits/byte ({tokens_seen} tokens, "
+                      f"{time.perf_counter() - t0:.0f} s)")
+            if on_eval is not None and not last:
+                on_eval(cfg, jax.tree.map(np.asarray, params),
+                        {"partial": True, "pretrain_config": dataclasses.asdict(pc), "history": history,
+                         "tokens_seen": tokens_seen, "steps_done": i, "data": data_info})
+        if last:
+            break
     train_seconds = time.perf_counter() - t0
     train_bpb = float(eval_bits(params, train_eval))
     held_bpb = float(eval_bits(params, held_eval))
@@ -318,17 +390,10 @@ def train(pc: PretrainConfig, *, root: Path | None = None, progress: bool = True
                               f"plain windows of {pc.seq_len} tokens (bytes plus rare <|bos|>/<|eos|>)",
         "train_seconds": round(train_seconds, 1),
         "history": history,
-        "tokens_seen": pc.steps * pc.batch_size * pc.seq_len,
-        "data": {
-            "stdlib_dir": str(root),
-            "python_version": platform.python_version(),
-            "heldout_salt": HELDOUT_SALT,
-            "num_train_files": len(train_files),
-            "train_bytes": int(stream.size),
-            "num_heldout_files": len(heldout_files),
-            "heldout_bytes": int(held_stream.size),
-            "heldout_files": heldout_files,
-        },
+        "tokens_seen": tokens_seen,
+        "steps_done": steps_done,
+        "steps_per_shape": stage_steps,
+        "data": data_info,
         "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
                     "jax_backend": jax.default_backend(), "jax_version": jax.__version__},
     }
@@ -392,6 +457,12 @@ def _load_init(directory: Path, pc: PretrainConfig):
     return jax_free_tree(params), previous
 
 
+def partial_dir(out) -> Path:
+    """Where ``run(..., checkpoints=True)`` keeps the latest partial checkpoint of ``out``."""
+    out = Path(out)
+    return out.parent / f"{out.name}.partial"
+
+
 def jax_free_tree(tree):
     if isinstance(tree, dict):
         return {k: jax_free_tree(v) for k, v in tree.items()}
@@ -400,8 +471,12 @@ def jax_free_tree(tree):
 
 def run(out, pc: PretrainConfig, *, force: bool = False, progress: bool = True,
         command: str | None = None, max_train_files: int | None = None, root: Path | None = None,
-        init_from=None) -> dict:
+        init_from=None, checkpoints: bool = False) -> dict:
     """Train and save. Returns the metadata (with ``command`` and ``output_dir``).
+
+    ``checkpoints``: after each held-out evaluation, write the weights so far to
+    ``partial_dir(out)`` (a complete, loadable checkpoint marked ``"partial"``),
+    removed once ``out`` is written; continue an interrupted run with ``--init-from`` it.
 
     ``init_from``: a directory written by this module whose weights to continue
     from (its model shape must match ``pc``); its metadata is kept under
@@ -413,14 +488,21 @@ def run(out, pc: PretrainConfig, *, force: bool = False, progress: bool = True,
     init_params, previous = None, []
     if init_from is not None:
         init_params, previous = _load_init(Path(init_from), pc)
+    partial = partial_dir(out)
+    cmd = command or f"python -m dspark_jax.embedded.pretrain --out {out} --steps {pc.steps} --seed {pc.seed}"
+
+    def save_partial(cfg, params, meta):
+        save_checkpoint(partial, cfg, params, {**meta, "command": cmd}, force=True)
+
     cfg, params, metadata = train(pc, root=root, progress=progress, max_train_files=max_train_files,
-                                  init_params=init_params)
+                                  init_params=init_params, on_eval=save_partial if checkpoints else None)
     if previous:
         metadata["previous_stages"] = previous
         metadata["train_seconds_all_stages"] = round(
             metadata["train_seconds"] + sum(st.get("train_seconds", 0) for st in previous), 1)
-    metadata["command"] = command or f"python -m dspark_jax.embedded.pretrain --out {out} --steps {pc.steps} --seed {pc.seed}"
+    metadata["command"] = cmd
     save_checkpoint(out, cfg, params, metadata, force=force)
+    shutil.rmtree(partial, ignore_errors=True)
     metadata["output_dir"] = str(out)
     return metadata
 
@@ -484,6 +566,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=int, default=d.head_dim, help="per-head width")
     p.add_argument("--chat-fraction", type=float, default=d.chat_fraction,
                    help="share of sequences in the <|user|>..<|assistant|> chat format")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay")
+    p.add_argument("--short-seq-len", type=int, default=d.short_seq_len,
+                   help="sequence length of the first --short-fraction of training (same tokens per step)")
+    p.add_argument("--short-fraction", type=float, default=d.short_fraction,
+                   help="share of the budget (steps or time) spent at --short-seq-len")
+    p.add_argument("--max-minutes", type=float, default=d.max_minutes,
+                   help="time budget: stop after this many minutes of training; the cosine schedule "
+                        "follows the larger of the step and time fractions, so it anneals in time")
+    p.add_argument("--checkpoints", action="store_true",
+                   help="after each held-out evaluation write the weights so far to OUT.partial")
     p.add_argument("--eval-every", type=int, default=d.eval_every, help="held-out evaluation interval (steps)")
     p.add_argument("--max-train-files", type=int, default=None,
                    help="use only the first N training files (quick experiments and tests)")
@@ -508,7 +600,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             num_key_value_heads=args.kv_heads, head_dim=args.head_dim, steps=args.steps,
             batch_size=args.batch_size, seq_len=args.seq_len, peak_lr=args.lr,
             warmup_steps=min(args.warmup_steps, args.steps - 1), chat_fraction=args.chat_fraction,
-            eval_every=args.eval_every, seed=args.seed)
+            eval_every=args.eval_every, seed=args.seed, weight_decay=args.weight_decay,
+            short_seq_len=args.short_seq_len, short_fraction=args.short_fraction,
+            max_minutes=args.max_minutes)
         command = "python -m dspark_jax.embedded.pretrain " + " ".join(
             sys.argv[1:] if argv is None else list(argv))
         if args.recipe == "default":
@@ -516,7 +610,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             meta = run(args.out, pc, force=args.force, progress=not args.no_progress, command=command,
                        max_train_files=args.max_train_files, root=args.stdlib_dir,
-                       init_from=args.init_from)
+                       init_from=args.init_from, checkpoints=args.checkpoints)
     except DSparkError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -155,6 +155,48 @@ def test_sample_batch_chat_rows():
         assert np.where(row == assistant)[0][0] == np.where(row == end)[0][0] + 1
 
 
+def test_schedule_progress_and_short_stage():
+    pc = pretrain.PretrainConfig(steps=100, warmup_steps=10, peak_lr=1e-3, seq_len=512, batch_size=8,
+                                 short_seq_len=128, short_fraction=0.5, max_minutes=1.0)
+    assert pc.progress(10, 0.0) == 0.1 and pc.progress(10, 45.0) == 0.75  # the larger of steps and time
+    assert pc.progress(100, 0.0) == 1.0 and pc.progress(1, 600.0) == 1.0
+    assert pc.learning_rate(5, 0.0) == pytest.approx(5e-4)  # linear warm-up
+    assert pc.learning_rate(11, 0.0) == pytest.approx(1e-3)
+    assert pc.learning_rate(50, 1.0) == pytest.approx(5e-5)  # cosine down to 5% of the peak
+    assert pc.shape_at(0.2) == (32, 128) and pc.shape_at(0.5) == (8, 512)  # same tokens per step
+    assert dataclasses.replace(pc, short_fraction=0.0).shape_at(0.0) == (8, 512)
+    with pytest.raises(InputError, match="short_seq_len"):
+        pretrain.PretrainConfig(seq_len=64, short_fraction=0.5, short_seq_len=128)
+    with pytest.raises(InputError, match="max_minutes"):
+        pretrain.PretrainConfig(max_minutes=0)
+    recipe = pretrain.default_recipe()
+    assert recipe.short_fraction > 0 and recipe.seq_len >= 512 and recipe.max_minutes is None
+    assert f"--steps {recipe.steps}" in pretrain.DEFAULT_RECIPE_FLAGS
+
+
+def test_pretrain_time_bound_and_partial_checkpoints(tmp_path):
+    root = _fake_stdlib(tmp_path / "lib")
+    pc = pretrain.PretrainConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                 max_position_embeddings=64, steps=6, batch_size=2, seq_len=32,
+                                 short_seq_len=16, short_fraction=0.5, warmup_steps=1, eval_windows=2,
+                                 eval_every=2, heldout_fraction=0.2, peak_lr=1e-2)
+    seen = []
+    _, _, meta = pretrain.train(pc, root=root, progress=False,
+                                on_eval=lambda cfg, params, m: seen.append((m["steps_done"], m["partial"])))
+    assert seen == [(2, True), (4, True)]  # after each evaluation but the last
+    assert meta["steps_done"] == 6 and meta["steps_per_shape"] == {"4x16": 3, "2x32": 3}
+    assert meta["tokens_seen"] == 6 * 64
+    # a time budget ends the run early, after the schedule has annealed
+    quick = dataclasses.replace(pc, steps=10_000, max_minutes=1e-6)
+    _, _, meta = pretrain.train(quick, root=root, progress=False)
+    assert meta["steps_done"] == 1 and meta["history"][-1]["step"] == 1
+    # run(checkpoints=True) leaves no partial directory behind once the final one is written
+    out = tmp_path / "t"
+    pretrain.run(out, pc, root=root, progress=False, checkpoints=True)
+    assert default.is_complete(out) and not pretrain.partial_dir(out).exists()
+
+
 def test_split_is_deterministic_and_disjoint():
     files = [f"m{i}.py" for i in range(200)]
     a = pretrain.split_files(files, 0.1)

@@ -17,10 +17,14 @@ Hugging Face / PyTorch directory that ``transformers.Qwen3ForCausalLM`` and
 
     config.json  model.safetensors  dspark_tokenizer.json  pretrain_metadata.json
 
-The shipped checkpoint's recipe has two stages (``--recipe default`` runs both):
-400 steps of 16 x 256 tokens from scratch, then 150 steps of 8 x 512 tokens
-continuing from those weights (``--init-from``) so positions up to 512 are
-trained. Run ``python -m dspark_jax.embedded.pretrain --help``.
+The shipped checkpoint's recipe (``--recipe default``, ``DEFAULT_RECIPE``): a
+~2.5M-parameter model (4 layers, width 256), 70% of the budget on 32 x 128-token
+rows, then 8 x 512-token rows so positions up to 512 are trained, under one
+warm-up + cosine schedule. ``--max-minutes`` bounds a run by wall time (the
+schedule then follows the time spent, so it anneals before the stop);
+``--checkpoints`` keeps a loadable partial checkpoint in ``OUT.partial`` after
+each held-out evaluation (continue from it with ``--init-from``). Run
+``python -m dspark_jax.embedded.pretrain --help``.
 """
 
 from __future__ import annotations
@@ -400,6 +404,43 @@ def train(pc: PretrainConfig, *, root: Path | None = None, progress: bool = True
     return cfg, params, metadata
 
 
+# ---------------------------------------------------------------------- continuations
+def measure_continuations(cfg: TargetConfig, params, *, dataset: str = "stdlib-heldout",
+                          num_prompts: int = 50, max_new_tokens: int = 96,
+                          temperatures: Sequence[float] = (1.0, 0.0), seed: int = 0,
+                          batch_size: int = 10, num_samples: int = 3) -> dict:
+    """Autoregressive continuations of the packaged held-out prompts, and how degenerate they are.
+
+    Prompts are ``<|bos|>`` + the UTF-8 bytes of each record (as the demo
+    encodes them); decoding stops at ``<|eos|>``. Returns ``{"dataset",
+    "num_prompts", "max_new_tokens", "by_temperature": {"1.0": degeneracy
+    summary + "seconds" + "samples" [{"prompt_tail", "continuation"}]}}``.
+    """
+    from dspark_jax import degeneracy
+    from dspark_jax.data.eval_datasets import load_dataset
+    from dspark_jax.decode.loop import autoregressive_generate
+
+    tok = ByteTokenizer()
+    records = load_dataset(dataset, max_samples=num_prompts)
+    prompts = [tok.encode(r.text, add_bos=True) for r in records]
+    out = {"dataset": dataset, "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
+           "by_temperature": {}}
+    for temp in temperatures:
+        t0 = time.perf_counter()
+        results = autoregressive_generate(cfg, params, prompts, max_new_tokens=max_new_tokens,
+                                          temperature=temp, batch_size=batch_size, seed=seed,
+                                          stop_token_ids=[tok.eos_token_id])
+        seconds = time.perf_counter() - t0
+        outputs = [[t for t in r.output_ids if t != tok.eos_token_id] for r in results]
+        summary = degeneracy.summarize(outputs)
+        summary["seconds"] = round(seconds, 1)
+        summary["samples"] = [{"prompt_tail": records[i].text[-80:],
+                               "continuation": tok.decode(outputs[i], skip_special_tokens=True)}
+                              for i in range(min(num_samples, len(outputs)))]
+        out["by_temperature"][f"{float(temp):g}"] = summary
+    return out
+
+
 # --------------------------------------------------------------------------- saving
 def save_checkpoint(out: Path, cfg: TargetConfig, params, metadata: dict, *, force: bool = False) -> Path:
     """Write the HF/PyTorch directory atomically (temp dir next to ``out``, then rename)."""
@@ -507,33 +548,30 @@ def run(out, pc: PretrainConfig, *, force: bool = False, progress: bool = True,
     return metadata
 
 
-# Stage 2 of the default recipe: continue at 512 tokens per row (context extension) with a lower LR.
-STAGE2_OVERRIDES = dict(seq_len=512, batch_size=8, steps=150, peak_lr=1e-3, warmup_steps=10, eval_every=50)
-STAGE2_FLAGS = "--seq-len 512 --batch-size 8 --steps 150 --lr 1e-3 --warmup-steps 10 --eval-every 50"
+# The shipped checkpoint's recipe: ~2.5M parameters, 70% of the steps on 128-token rows (x 32),
+# then 512-token rows (x 8), one warm-up + cosine schedule. The shipped run was time-bounded
+# (--max-minutes, schedule over wall time); ``steps`` is the number of steps it completed.
+DEFAULT_RECIPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=32, seq_len=512,
+                      batch_size=8, short_seq_len=128, short_fraction=0.7, peak_lr=3e-3,
+                      warmup_steps=100, eval_every=250, steps=3000)
+DEFAULT_RECIPE_FLAGS = ("--hidden-size 256 --intermediate-size 512 --layers 4 --heads 8 --kv-heads 4 "
+                        "--head-dim 32 --seq-len 512 --batch-size 8 --short-seq-len 128 "
+                        "--short-fraction 0.7 --lr 3e-3 --warmup-steps 100 --eval-every 250 "
+                        f"--steps {DEFAULT_RECIPE['steps']}")
 
 
-def default_stages() -> list[PretrainConfig]:
-    """The shipped checkpoint's recipe: 400 steps at 256 tokens, then 150 at 512 tokens."""
-    base = PretrainConfig()
-    return [base, dataclasses.replace(base, **STAGE2_OVERRIDES)]
+def default_recipe(**changes) -> PretrainConfig:
+    """The shipped checkpoint's ``PretrainConfig`` (``changes`` override fields, e.g. ``max_minutes``)."""
+    return dataclasses.replace(PretrainConfig(**DEFAULT_RECIPE), **changes)
 
 
-def build_default(out, *, force: bool = False, progress: bool = True) -> dict:
-    """Run both stages of the default recipe into ``out`` (stage 1 in a temp dir beside it)."""
-    out = Path(out)
-    if out.exists() and not force:
-        raise InputError(f"output directory {str(out)!r} already exists; pass --force to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    s1, s2 = default_stages()
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.stage1-", dir=out.parent))
-    try:
-        stage1 = work / "stage1"
-        run(stage1, s1, progress=progress, command=f"python -m dspark_jax.embedded.pretrain --out {stage1}")
-        return run(out, s2, force=force, progress=progress, init_from=stage1,
-                   command=f"python -m dspark_jax.embedded.pretrain --init-from {stage1} --out {out} "
-                           f"{STAGE2_FLAGS}")
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+def build_default(out, *, force: bool = False, progress: bool = True, max_minutes: float | None = None) -> dict:
+    """Train the default recipe into ``out`` (partial checkpoints in ``partial_dir(out)`` meanwhile)."""
+    pc = default_recipe(max_minutes=max_minutes)
+    flags = DEFAULT_RECIPE_FLAGS + (f" --max-minutes {max_minutes:g}" if max_minutes else "")
+    return run(out, pc, force=force, progress=progress, checkpoints=True,
+               command=f"python -m dspark_jax.embedded.pretrain --out {out} {flags} --checkpoints")
 
 
 # ------------------------------------------------------------------------------ CLI
@@ -547,9 +585,8 @@ def build_parser() -> argparse.ArgumentParser:
             "files held out and listed in pretrain_metadata.json). Writes a Hugging Face / "
             "PyTorch directory (config.json, model.safetensors, dspark_tokenizer.json, "
             "pretrain_metadata.json) that transformers' Qwen3ForCausalLM and dspark-jax load. "
-            "The shipped checkpoint is `--recipe default`: these defaults (stage 1), then "
-            "--init-from the result with " + STAGE2_FLAGS + " (stage 2); about 10 minutes on "
-            "2 idle CPU cores."),
+            "The shipped checkpoint is `--recipe default` (" + DEFAULT_RECIPE_FLAGS + "; about "
+            "45 minutes on 2 CPU cores; add --max-minutes to bound it)."),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", required=True, help="output directory (must not exist unless --force)")
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
@@ -580,8 +617,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-train-files", type=int, default=None,
                    help="use only the first N training files (quick experiments and tests)")
     p.add_argument("--recipe", choices=["default"], default=None,
-                   help="'default': run both stages of the shipped checkpoint's recipe (the defaults "
-                        "here, then " + STAGE2_FLAGS + " from its weights); other training flags are ignored")
+                   help="'default': the shipped checkpoint's recipe (" + DEFAULT_RECIPE_FLAGS + "); "
+                        "other training flags except --max-minutes are ignored")
     p.add_argument("--init-from", default=None,
                    help="continue training from this checkpoint directory (same model size flags)")
     p.add_argument("--stdlib-dir", default=None,
@@ -606,7 +643,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = "python -m dspark_jax.embedded.pretrain " + " ".join(
             sys.argv[1:] if argv is None else list(argv))
         if args.recipe == "default":
-            meta = build_default(args.out, force=args.force, progress=not args.no_progress)
+            meta = build_default(args.out, force=args.force, progress=not args.no_progress,
+                                 max_minutes=args.max_minutes)
         else:
             meta = run(args.out, pc, force=args.force, progress=not args.no_progress, command=command,
                        max_train_files=args.max_train_files, root=args.stdlib_dir,

@@ -90,6 +90,20 @@ def test_shipped_matches_transformers(shipped):
     assert np.isfinite(ours).all() and ours.std() > 1.0  # a trained model, not near-uniform logits
 
 
+def test_shipped_continuations_are_not_loops(shipped):
+    """Temperature-1 continuations of held-out prompts are text, not whitespace loops (issue 17)."""
+    _, cfg, params, meta = shipped
+    m = pretrain.measure_continuations(cfg, params, num_prompts=6, max_new_tokens=64,
+                                       temperatures=(1.0,), batch_size=6, num_samples=1)
+    s = m["by_temperature"]["1"]
+    assert m["num_prompts"] == 6 and s["num_outputs"] == 6
+    assert s["num_degenerate"] <= 1 and s["whitespace_fraction"] < 0.5, s
+    assert len(s["samples"][0]["continuation"]) > 0
+    # the shipped metadata records the same measure on all 50 prompts x 96 tokens
+    full = meta["continuations"]["by_temperature"]
+    assert full["1"]["num_outputs"] == 50 and full["1"]["degenerate_fraction"] < 0.1
+
+
 def _fake_stdlib(root):
     rng = np.random.default_rng(1)
     words = ["def", "return", "self", "import", "class", "if", "else", "for", "in", "None", "x", "y"]
@@ -116,7 +130,7 @@ def test_pretrain_smoke(tmp_path):
     meta = pretrain.run(out, pc, root=root, progress=False)
     assert default.is_complete(out) and not list(tmp_path.glob(".target.tmp-*"))
     assert out.stat().st_mode & 0o777 == 0o755  # readable when shipped as a package asset
-    assert (out / "dspark_tokenizer.json").stat().st_mode & 0o444 == 0o444
+    assert all(f.stat().st_mode & 0o444 == 0o444 for f in out.iterdir())
     cfg, params = load_target(out)
     assert cfg.hidden_size == 32 and cfg.vocab_size == 264
     saved = json.loads((out / pretrain.METADATA_FILE).read_text())
@@ -169,9 +183,12 @@ def test_schedule_progress_and_short_stage():
         pretrain.PretrainConfig(seq_len=64, short_fraction=0.5, short_seq_len=128)
     with pytest.raises(InputError, match="max_minutes"):
         pretrain.PretrainConfig(max_minutes=0)
-    recipe = pretrain.default_recipe()
-    assert recipe.short_fraction > 0 and recipe.seq_len >= 512 and recipe.max_minutes is None
-    assert f"--steps {recipe.steps}" in pretrain.DEFAULT_RECIPE_FLAGS
+    stages = pretrain.default_stages()
+    assert len(stages) == len(pretrain.STAGE_FLAGS) == 3
+    assert len({(s.hidden_size, s.num_hidden_layers, s.intermediate_size) for s in stages}) == 1
+    last = stages[-1]
+    assert last.short_fraction > 0 and last.seq_len >= 512 and last.max_minutes is None
+    assert f"--steps {last.steps}" in pretrain.STAGE_FLAGS[-1]
 
 
 def test_pretrain_time_bound_and_partial_checkpoints(tmp_path):

@@ -5,7 +5,7 @@ The package ships the checkpoint under ``dspark_jax/assets/default_target``
 (e.g. a stripped install), ``default_target_dir()`` looks in the user cache
 (``$DSPARK_JAX_CACHE``, else ``$XDG_CACHE_HOME/dspark_jax``, else
 ``~/.cache/dspark_jax``) and, failing that, trains it there with
-``dspark_jax.embedded.pretrain``'s default recipe (about 45 minutes on 2 CPU cores).
+``dspark_jax.embedded.pretrain``'s default recipe (about 75 minutes on 2 idle CPU cores).
 """
 
 from __future__ import annotations

@@ -560,7 +560,7 @@ STAGE_OVERRIDES = (
     {},
     dict(seq_len=512, batch_size=8, steps=150, peak_lr=1e-3, warmup_steps=10, eval_every=50),
     dict(seq_len=512, batch_size=8, short_seq_len=128, short_fraction=0.7, peak_lr=2e-3,
-         warmup_steps=30, eval_every=100, steps=3000),
+         warmup_steps=30, eval_every=100, steps=1251),
 )
 STAGE_FLAGS = (
     "",

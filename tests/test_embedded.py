@@ -43,6 +43,8 @@ def test_shipped_layout(shipped):
     held = meta["data"]["heldout_files"]
     assert held and meta["data"]["num_train_files"] > 10 * len(held) // 2
     assert meta["heldout_bits_per_byte"] < 2.5
+    # stage 3 (issue 17): well below the 2.349 of the two-stage checkpoint it continued
+    assert meta["heldout_bits_per_byte"] < 1.9 and len(meta["previous_stages"]) == 2
 
 
 def test_shipped_heldout_split_is_reproducible(shipped):
@@ -90,6 +92,20 @@ def test_shipped_matches_transformers(shipped):
     assert np.isfinite(ours).all() and ours.std() > 1.0  # a trained model, not near-uniform logits
 
 
+def test_shipped_continuations_are_not_loops(shipped):
+    """Temperature-1 continuations of held-out prompts are text, not whitespace loops (issue 17)."""
+    _, cfg, params, meta = shipped
+    m = pretrain.measure_continuations(cfg, params, num_prompts=6, max_new_tokens=64,
+                                       temperatures=(1.0,), batch_size=6, num_samples=1)
+    s = m["by_temperature"]["1"]
+    assert m["num_prompts"] == 6 and s["num_outputs"] == 6
+    assert s["num_degenerate"] <= 1 and s["whitespace_fraction"] < 0.5, s
+    assert len(s["samples"][0]["continuation"]) > 0
+    # the shipped metadata records the same measure on all 50 prompts x 96 tokens
+    full = meta["continuations"]["by_temperature"]
+    assert full["1"]["num_outputs"] == 50 and full["1"]["degenerate_fraction"] < 0.1
+
+
 def _fake_stdlib(root):
     rng = np.random.default_rng(1)
     words = ["def", "return", "self", "import", "class", "if", "else", "for", "in", "None", "x", "y"]
@@ -116,7 +132,7 @@ def test_pretrain_smoke(tmp_path):
     meta = pretrain.run(out, pc, root=root, progress=False)
     assert default.is_complete(out) and not list(tmp_path.glob(".target.tmp-*"))
     assert out.stat().st_mode & 0o777 == 0o755  # readable when shipped as a package asset
-    assert (out / "dspark_tokenizer.json").stat().st_mode & 0o444 == 0o444
+    assert all(f.stat().st_mode & 0o444 == 0o444 for f in out.iterdir())
     cfg, params = load_target(out)
     assert cfg.hidden_size == 32 and cfg.vocab_size == 264
     saved = json.loads((out / pretrain.METADATA_FILE).read_text())
@@ -153,6 +169,51 @@ def test_sample_batch_chat_rows():
         assert row[0] == tok.bos_token_id and row[1] == user
         assert (row == end).sum() == 1 and (row == assistant).sum() == 1
         assert np.where(row == assistant)[0][0] == np.where(row == end)[0][0] + 1
+
+
+def test_schedule_progress_and_short_stage():
+    pc = pretrain.PretrainConfig(steps=100, warmup_steps=10, peak_lr=1e-3, seq_len=512, batch_size=8,
+                                 short_seq_len=128, short_fraction=0.5, max_minutes=1.0)
+    assert pc.progress(10, 0.0) == 0.1 and pc.progress(10, 45.0) == 0.75  # the larger of steps and time
+    assert pc.progress(100, 0.0) == 1.0 and pc.progress(1, 600.0) == 1.0
+    assert pc.learning_rate(5, 0.0) == pytest.approx(5e-4)  # linear warm-up
+    assert pc.learning_rate(11, 0.0) == pytest.approx(1e-3)
+    assert pc.learning_rate(50, 1.0) == pytest.approx(5e-5)  # cosine down to 5% of the peak
+    assert pc.shape_at(0.2) == (32, 128) and pc.shape_at(0.5) == (8, 512)  # same tokens per step
+    assert dataclasses.replace(pc, short_fraction=0.0).shape_at(0.0) == (8, 512)
+    with pytest.raises(InputError, match="short_seq_len"):
+        pretrain.PretrainConfig(seq_len=64, short_fraction=0.5, short_seq_len=128)
+    with pytest.raises(InputError, match="max_minutes"):
+        pretrain.PretrainConfig(max_minutes=0)
+    stages = pretrain.default_stages()
+    assert len(stages) == len(pretrain.STAGE_FLAGS) == 3
+    assert len({(s.hidden_size, s.num_hidden_layers, s.intermediate_size) for s in stages}) == 1
+    last = stages[-1]
+    assert last.short_fraction > 0 and last.seq_len >= 512 and last.max_minutes is None
+    assert f"--steps {last.steps}" in pretrain.STAGE_FLAGS[-1]
+
+
+def test_pretrain_time_bound_and_partial_checkpoints(tmp_path):
+    root = _fake_stdlib(tmp_path / "lib")
+    pc = pretrain.PretrainConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                 max_position_embeddings=64, steps=6, batch_size=2, seq_len=32,
+                                 short_seq_len=16, short_fraction=0.5, warmup_steps=1, eval_windows=2,
+                                 eval_every=2, heldout_fraction=0.2, peak_lr=1e-2)
+    seen = []
+    _, _, meta = pretrain.train(pc, root=root, progress=False,
+                                on_eval=lambda cfg, params, m: seen.append((m["steps_done"], m["partial"])))
+    assert seen == [(2, True), (4, True)]  # after each evaluation but the last
+    assert meta["steps_done"] == 6 and meta["steps_per_shape"] == {"4x16": 3, "2x32": 3}
+    assert meta["tokens_seen"] == 6 * 64
+    # a time budget ends the run early, after the schedule has annealed
+    quick = dataclasses.replace(pc, steps=10_000, max_minutes=1e-6)
+    _, _, meta = pretrain.train(quick, root=root, progress=False)
+    assert meta["steps_done"] == 1 and meta["history"][-1]["step"] == 1
+    # run(checkpoints=True) leaves no partial directory behind once the final one is written
+    out = tmp_path / "t"
+    pretrain.run(out, pc, root=root, progress=False, checkpoints=True)
+    assert default.is_complete(out) and not pretrain.partial_dir(out).exists()
 
 
 def test_split_is_deterministic_and_disjoint():

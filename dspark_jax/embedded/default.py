@@ -1,11 +1,11 @@
 """Where the embedded default target lives, and how to get it.
 
 The package ships the checkpoint under ``dspark_jax/assets/default_target``
-(a Hugging Face / PyTorch directory, < 10 MB). If that copy is missing (e.g. a
-stripped install), ``default_target_dir()`` looks in the user cache
+(a Hugging Face / PyTorch directory, float32, < 10 MB). If that copy is missing
+(e.g. a stripped install), ``default_target_dir()`` looks in the user cache
 (``$DSPARK_JAX_CACHE``, else ``$XDG_CACHE_HOME/dspark_jax``, else
 ``~/.cache/dspark_jax``) and, failing that, trains it there with
-``dspark_jax.embedded.pretrain`` (about 10 minutes on 2 CPU cores).
+``dspark_jax.embedded.pretrain``'s default recipe (about 75 minutes on 2 idle CPU cores).
 """
 
 from __future__ import annotations

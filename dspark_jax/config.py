@@ -285,20 +285,26 @@ class DraftConfig:
 
     def to_hf(self) -> dict[str, Any]:
         hf = _qwen3_hf_fields(self, "Qwen3DSparkModel", tie_word_embeddings=False)
-        hf.update({
-            "num_target_layers": self.num_target_layers,
-            "block_size": self.block_size,
-            "mask_token_id": self.mask_token_id,
-            "target_layer_ids": list(self.target_layer_ids),
-            "num_anchors": self.num_anchors,
-            "enable_confidence_head": self.enable_confidence_head,
-            "markov_rank": self.markov_rank,
-        })
-        if self.enable_confidence_head:
-            hf["confidence_head_with_markov"] = self.confidence_head_with_markov
-        if self.markov_rank > 0:
-            hf["markov_head_type"] = self.markov_head_type
+        hf.update(dspark_hf_fields(self))
         return hf
+
+
+def dspark_hf_fields(cfg) -> dict[str, Any]:
+    """The DSpark keys of a drafter's ``config.json`` (any family), as the reference writes them."""
+    hf = {
+        "num_target_layers": cfg.num_target_layers,
+        "block_size": cfg.block_size,
+        "mask_token_id": cfg.mask_token_id,
+        "target_layer_ids": list(cfg.target_layer_ids),
+        "num_anchors": cfg.num_anchors,
+        "enable_confidence_head": cfg.enable_confidence_head,
+        "markov_rank": cfg.markov_rank,
+    }
+    if cfg.enable_confidence_head:
+        hf["confidence_head_with_markov"] = cfg.confidence_head_with_markov
+    if cfg.markov_rank > 0:
+        hf["markov_head_type"] = cfg.markov_head_type
+    return hf
 
 
 @dataclasses.dataclass(frozen=True)

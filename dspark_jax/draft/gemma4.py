@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from dspark_jax import nn
 from dspark_jax import params as params_lib
-from dspark_jax.config import DraftConfig
+from dspark_jax.config import DraftConfig, dspark_hf_fields
 from dspark_jax.draft import backbone, confidence
 from dspark_jax.draft import model as draft_model
 from dspark_jax.errors import ConfigError
@@ -149,18 +149,8 @@ class Gemma4DraftConfig:
             "tie_word_embeddings": False,
             "target_model_type": self.target_model_type,
             "target_text_model_type": self.text.model_type,
-            "num_target_layers": self.num_target_layers,
-            "block_size": self.block_size,
-            "mask_token_id": self.mask_token_id,
-            "target_layer_ids": list(self.target_layer_ids),
-            "num_anchors": self.num_anchors,
-            "enable_confidence_head": self.enable_confidence_head,
-            "markov_rank": self.markov_rank,
         })
-        if self.enable_confidence_head:
-            hf["confidence_head_with_markov"] = self.confidence_head_with_markov
-        if self.markov_rank > 0:
-            hf["markov_head_type"] = self.markov_head_type
+        hf.update(dspark_hf_fields(self))
         return hf
 
 

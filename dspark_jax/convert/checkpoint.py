@@ -192,13 +192,22 @@ def _config_from_hf(kind: str, hf: Mapping[str, Any], where: str):
 def _load_torch(kind: str, p: Path, *, allow_pickle: bool):
     hf = _read_json(p / "config.json", "config.json")
     cfg = _config_from_hf(kind, hf, str(p / "config.json"))
+    family = families.for_config(cfg)
     reader = safetensors_io.TensorReader(p, allow_pickle=allow_pickle)
     what = f"{p}"
     specs = families.declare(cfg)
-    infos = mapping.checkpoint_tensors(cfg, reader.infos, what)  # tied head: compared on the data below
+    names = family.stored_names(hf, reader.infos)  # declared -> stored (multimodal layouts)
+    infos = mapping.checkpoint_tensors(cfg, {d: reader.infos[s] for d, s in names.items()}, what)
     mapping.check_tensors(infos, params_lib.torch_shapes(specs), what)  # headers only: no data read yet
-    tensors = reader.read_all()
-    return cfg, hf, mapping.from_torch(cfg, tensors)
+    ignored = family.ignored_tensors or ("\0",)
+    tensors = {d: reader.get(s) for d, s in names.items() if not d.startswith(ignored)}
+    return cfg, _text_config(hf), mapping.from_torch(cfg, tensors)
+
+
+def _text_config(hf: Mapping[str, Any]) -> dict:
+    """The config a checkpoint is written back with: a multimodal wrapper's ``text_config`` (its
+    towers are not read, so the copy is the text model), else ``hf`` itself."""
+    return dict(hf["text_config"]) if isinstance(hf.get("text_config"), dict) else dict(hf)
 
 
 def _write_torch(tmp: Path, kind: str, config, params, *, hf_base, extras, max_shard_size) -> None:

@@ -123,7 +123,8 @@ def build_program(draft_cfg: DraftConfig, target_cfg: TargetConfig, train_cfg: T
     the drafter's and target's family declarations (``families.declare``); a drafter of another
     family than the target's (e.g. Gemma4 on Qwen3) is a ConfigError before anything compiles.
     """
-    families.check_pair(draft_cfg, target_cfg)
+    if target_cfg is not None:
+        families.check_pair(draft_cfg, target_cfg)
     _check_batch_divides(train_cfg, mesh)
     optimizer, schedule = optim.make_optimizer(train_cfg.optimizer, total_steps)
     seed = train_cfg.seed

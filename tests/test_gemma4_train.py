@@ -77,3 +77,18 @@ def test_family_mismatch_is_refused_before_compiling(target, draft, tmp_path, mo
                                                                           draft_init=str(draft)))
     with pytest.raises(ConfigError, match="drafter family"):
         _train(cfg, fast_compile=True)
+
+
+def test_fresh_gemma4_drafter_shares_the_targets_embedding(tmp_path):
+    """Without draft_init the drafter is the Gemma4 family's, built on the target's shape."""
+    from dspark_jax.draft.gemma4 import Gemma4DraftConfig
+    from dspark_jax.target import gemma4
+    from dspark_jax.train.config import load_config
+    from dspark_jax.train.loop import load_drafter
+    cfg = load_config(REPO / "configs" / "tiny_gemma4.py")
+    tcfg, tparams = load_target(cfg.target)
+    dcfg, params = load_drafter(cfg, tcfg, tparams)
+    assert isinstance(dcfg, Gemma4DraftConfig) and dcfg.target_layer_ids == (0, 2, 4)
+    assert dcfg.head_dim == tcfg.global_head_dim and "v_proj" not in params["layers"]
+    np.testing.assert_array_equal(np.asarray(params["lm_head"]), np.asarray(gemma4.lm_head_kernel(tparams)))
+    np.testing.assert_array_equal(np.asarray(params["layers"]["layer_scalar"]), 1.0)

@@ -293,7 +293,8 @@ def load_draft(path, dtype=None, *, allow_pickle: bool = False) -> tuple[DraftCo
 
 
 def load_target(path, dtype=None, *, allow_pickle: bool = False) -> tuple[TargetConfig, dict]:
-    """(config, params with jnp leaves) from a Qwen3 target directory (torch or jax format)."""
+    """(config, params with jnp leaves) from a target directory of any registered family (Qwen3,
+    Gemma4 text or multimodal; torch or jax format)."""
     cfg, _, params = _load("target", path, dtype, allow_pickle)
     return cfg, params
 
@@ -364,14 +365,15 @@ def save_draft(path, config: DraftConfig, params, *, format: str = "torch", forc
 
 def save_target(path, config: TargetConfig, params, *, format: str = "torch", force: bool = False,
                 extras: Mapping | None = None, max_shard_size=None) -> Path:
-    """Write a Qwen3 target: 'torch' (HF Qwen3ForCausalLM directory) or 'jax'."""
+    """Write a target: 'torch' (HF directory of the family's CausalLM, e.g. Qwen3ForCausalLM,
+    Gemma4UnifiedForCausalLM) or 'jax'."""
     return _save("target", path, config, params, format=format, force=force, extras=extras,
                  max_shard_size=max_shard_size)
 
 
 def convert(src, dst, *, to: str | None = None, force: bool = False, allow_pickle: bool = False,
             dtype=None, max_shard_size=None) -> str:
-    """Convert a drafter or Qwen3 target between formats; returns the format written.
+    """Convert a drafter or target of any registered family between formats; returns the format written.
 
     ``to`` defaults to the other format (torch -> jax, jax -> torch). Unknown
     config.json fields, extras and tokenizer/generation files are carried over.

@@ -166,3 +166,16 @@ def test_kind_and_family_errors(tmp_path):
     (bad / "config.json").write_text(json.dumps(dict(hf, architectures=["Gemma5ForCausalLM"])))
     with pytest.raises(ConfigError, match="unknown architecture 'Gemma5ForCausalLM'.*Gemma4UnifiedForCausalLM"):
         load_target(bad)
+
+
+def test_foreign_import_refuses_a_gemma4_target(tmp_path, capsys):
+    """`convert --from specforge --target` with a Gemma4 target: the SpecForge drafter is a Qwen3
+    one, refused (exit 2) before anything is read or written."""
+    from test_foreign import write_specforge
+    qwen = REPO / "tests/fixtures/dspark_qwen3_tiny/draft"
+    write_specforge(tmp_path / "sf", json.loads((qwen / "config.json").read_text()),
+                    load_file(str(qwen / "model.safetensors")))
+    rc = cli_main(["convert", str(tmp_path / "sf"), str(tmp_path / "ours"), "--from", "specforge",
+                   "--target", str(FIXTURE / "target")])
+    assert rc == 2 and not (tmp_path / "ours").exists()
+    assert "'qwen3_dspark' reads 'qwen3' targets" in capsys.readouterr().err

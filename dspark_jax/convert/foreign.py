@@ -215,7 +215,10 @@ def load_foreign(path, fmt: str | None = None, *, target=None, num_target_layers
         tp = Path(target)
         thf = _read_config(tp)
         from dspark_jax import families
-        t_family = families.for_hf(thf, str(tp / "config.json"))
+        try:  # a config naming another family is refused; a bare one (layer count only) is read as before
+            t_family = families.for_hf(thf, str(tp / "config.json"))
+        except families.UnknownArchitectureError:
+            t_family = families.FAMILIES["qwen3"]
         if t_family.kind != "target" or t_family.name != families.FAMILIES["qwen3_dspark"].pairs_with:
             raise ConfigError(f"{tp / 'config.json'}: --target is a {t_family.name} {t_family.kind} "
                               f"({(thf.get('architectures') or ['?'])[0]}); {fmt} drafters are DSpark "

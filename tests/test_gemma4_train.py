@@ -92,3 +92,21 @@ def test_fresh_gemma4_drafter_shares_the_targets_embedding(tmp_path):
     assert dcfg.head_dim == tcfg.global_head_dim and "v_proj" not in params["layers"]
     np.testing.assert_array_equal(np.asarray(params["lm_head"]), np.asarray(gemma4.lm_head_kernel(tparams)))
     np.testing.assert_array_equal(np.asarray(params["layers"]["layer_scalar"]), 1.0)
+
+
+def test_family_level_compute_logits_is_one_signature():
+    """``families.compute_logits(cfg, params, hidden)`` for every target and drafter family."""
+    import jax.numpy as jnp
+    from dspark_jax.draft import gemma4 as draft_gemma4
+    from dspark_jax.draft import model as draft_model
+    from dspark_jax.target import gemma4, qwen3
+    h = jnp.linspace(-3.0, 3.0, 2 * 64).reshape(2, 64)
+    for path, logits_of in ((QWEN3 / "target", lambda c, p: qwen3.compute_logits(p, h)),
+                            (FIXTURE / "target", lambda c, p: gemma4.compute_logits(p, c, h))):
+        cfg, params = load_target(path)
+        np.testing.assert_array_equal(families.compute_logits(cfg, params, h), logits_of(cfg, params))
+    for path, logits_of in ((QWEN3 / "draft", lambda c, p: draft_model.compute_logits(p, h)),
+                            (FIXTURE / "draft", lambda c, p: draft_gemma4.compute_logits(p, c, h))):
+        cfg, params = load_draft(path)
+        np.testing.assert_array_equal(families.compute_logits(cfg, params, h), logits_of(cfg, params))
+    assert float(jnp.abs(families.compute_logits(*load_target(FIXTURE / "target"), h * 100)).max()) <= 30.0

@@ -155,7 +155,7 @@ def run(args) -> int:
     print(f"mesh {dict(mesh.shape)} on {mesh.size} simulated devices; compute {args.dtype}; "
           f"remat {mem['remat']}, loss_chunk {mem['loss_chunk']}, shard_activations {mem['shard_activations']}")
     print(f"target params {report['target_params']:,}; drafter params {report['draft_params']:,} "
-          f"(trainable {report['draft_trainable_params']:,}; frozen embed+head "
+          f"(trainable {report['draft_trainable_params']:,}; frozen (embed, head, declared buffers) "
           f"{report['draft_params'] - report['draft_trainable_params']:,}); "
           f"from the reference tensor shapes {report['draft_params_from_reference_shapes']:,}")
     for mode in modes:

@@ -1,7 +1,6 @@
 """Gemma4 training: online and from a feature cache on the tiny fixture pair, the declared-frozen
 leaves (layer_scalar) untouched, and family mismatches refused before anything compiles."""
 
-from pathlib import Path
 
 import jax
 import numpy as np

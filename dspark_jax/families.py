@@ -135,3 +135,43 @@ def check_pair(draft_config, target_config) -> None:
     if d.pairs_with != t.name:
         raise ConfigError(f"drafter family {d.name!r} reads {d.pairs_with!r} targets, not "
                           f"{t.name!r} ({t.architectures[0]})")
+
+
+def drafter_family(target_config) -> Family:
+    """The drafter family that reads ``target_config``'s family (e.g. gemma4 -> gemma4_dspark)."""
+    t = for_config(target_config)
+    found = [f for f in FAMILIES.values() if f.kind == "draft" and f.pairs_with == t.name]
+    if not found:
+        raise ConfigError(f"no registered drafter family reads {t.name!r} targets")
+    return found[0]
+
+
+def draft_ops(draft_config):
+    """The drafter's backbone functions (``draft.model`` ``ops`` argument): the family module's
+    ``OPS`` (the Qwen3 drafter: ``draft.model.QWEN3_OPS``)."""
+    module = for_config(draft_config).module()
+    return getattr(module, "OPS", None) or draft_model.QWEN3_OPS
+
+
+def init_params(config, rng, dtype=None, **shared):
+    """Random params of any registered config (``shared``: e.g. a drafter's ``embed_tokens`` /
+    ``lm_head`` taken from its target), through the family module's ``init_params``."""
+    import jax.numpy as jnp
+    return for_config(config).module().init_params(config, rng, dtype or jnp.float32, **shared)
+
+
+def lm_head_kernel(target_config, target_params):
+    """The target's [H, V] output projection (its embedding's transpose when tied)."""
+    return for_config(target_config).module().lm_head_kernel(target_params)
+
+
+def compute_logits(config, params, hidden):
+    """Family-level logits of any registered target or drafter: hidden [..., H] (after the final
+    norm) -> [..., V] float32 (softcapped where the family caps). One signature for every
+    family; the module functions differ (``qwen3.compute_logits(params, hidden)``,
+    ``gemma4.compute_logits(params, cfg, hidden)``)."""
+    import inspect
+    fn = for_config(config).module().compute_logits
+    if len(inspect.signature(fn).parameters) == 2:  # (params, hidden): the config carries nothing it needs
+        return fn(params, hidden)
+    return fn(params, config, hidden)

@@ -106,6 +106,10 @@ class Family:
     ignored_tensors: torch-name prefixes a checkpoint may carry that this family does not read
                    (e.g. the vision tower of a unified multimodal checkpoint).
     pairs_with:    drafters: the name of the target family whose features they read.
+    source_prefixes: ``hf config dict -> ((stored prefix, declared prefix), ...)``: torch-name
+                   prefixes a checkpoint layout stores its tensors under instead of the declared
+                   ones (e.g. a multimodal wrapper's text model under ``model.language_model.``);
+                   reading renames them, writing always uses the declared names.
     """
 
     name: str
@@ -118,6 +122,7 @@ class Family:
     tied_head: Any = None
     ignored_tensors: tuple[str, ...] = ()
     pairs_with: str | None = None
+    source_prefixes: Any = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -131,6 +136,19 @@ class Family:
     def tied(self, config) -> tuple[str, str] | None:
         """(head, embedding) torch names when ``config`` ties the LM head, else None."""
         return self.tied_head(config) if self.tied_head is not None else None
+
+    def stored_names(self, hf: Mapping[str, Any], names) -> dict[str, str]:
+        """{declared torch name: stored name} of a checkpoint's tensor ``names`` under ``hf``'s layout."""
+        renames = tuple(self.source_prefixes(hf)) if self.source_prefixes is not None else ()
+        out = {}
+        for name in names:
+            declared = name
+            for stored, want in renames:
+                if name.startswith(stored):
+                    declared = want + name[len(stored):]
+                    break
+            out[declared] = name
+        return out
 
     def module(self):
         import importlib

@@ -1,9 +1,10 @@
 """Architectures of released targets and drafters, for planning without weights.
 
-``TARGETS`` are the public Qwen3 configs (config.json on the Hub);
-``released_drafter(name)`` gives the DSpark/DFlash drafter configs of the
-released checkpoints (SPEC section 1; DeepSpec configs). ``resolve_target``
-reads a checkpoint directory when one exists and falls back to a preset name.
+``TARGETS`` are the public Qwen3 configs (config.json on the Hub) and the Gemma4-12B text
+decoder (SPEC section 13); ``released_drafter(name)`` gives the DSpark/DFlash drafter configs of
+the released checkpoints (SPEC sections 1 and 13; DeepSpec configs), in the drafter family that
+reads the target (``families.drafter_family``). ``resolve_target`` reads a checkpoint directory
+when one exists (any registered family) and falls back to a preset name.
 """
 
 from __future__ import annotations
@@ -11,33 +12,64 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dspark_jax.config import DraftConfig, TargetConfig
+from dspark_jax import families
+from dspark_jax.config import TargetConfig
 from dspark_jax.errors import ConfigError
+from dspark_jax.target import gemma4
 
 _QWEN3_COMMON = dict(vocab_size=151936, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
                      max_position_embeddings=40960, num_key_value_heads=8)
 
-TARGETS: dict[str, TargetConfig] = {
+GEMMA4_12B = "google/gemma-4-12B-it"
+
+TARGETS: dict[str, object] = {
     "Qwen/Qwen3-4B": TargetConfig(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                                   num_attention_heads=32, tie_word_embeddings=True, **_QWEN3_COMMON),
     "Qwen/Qwen3-8B": TargetConfig(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                                   num_attention_heads=32, tie_word_embeddings=False, **_QWEN3_COMMON),
     "Qwen/Qwen3-14B": TargetConfig(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
                                    num_attention_heads=40, tie_word_embeddings=False, **_QWEN3_COMMON),
+    # Gemma4-12B text decoder (SPEC 13): 48 layers, 5 sliding (window 1024, head 256, 8 KV heads,
+    # rope 1e4) : 1 full (global head 512, 1 KV head, k = v, proportional rope 1e6 / 0.25), tied
+    # head, softcap 30. intermediate_size 15360 is not in SPEC: the 12B Gemma MLP width
+    # (hidden 3840 x 4); it only enters the drafter through its MLPs.
+    GEMMA4_12B: gemma4.Gemma4TargetConfig(
+        vocab_size=262144, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=256, global_head_dim=512,
+        num_global_key_value_heads=1, attention_k_eq_v=True,
+        layer_types=tuple(gemma4.FULL if (i + 1) % 6 == 0 else gemma4.SLIDING for i in range(48)),
+        sliding_window=1024, sliding_rope_theta=1e4, full_rope_theta=1e6, full_rope_type="proportional",
+        partial_rotary_factor=0.25, final_logit_softcapping=30.0, tie_word_embeddings=True,
+        max_position_embeddings=131072, model_type="gemma4_unified_text"),
 }
 
 # Qwen3 reserves ids past the tokenizer's 151669 used tokens; the reference uses 151669 as MASK.
 QWEN3_MASK_TOKEN_ID = 151669
 
+# Gemma4's released drafter uses token 4 as MASK (SPEC 13).
+GEMMA4_MASK_TOKEN_ID = 4
+
 _LAYER_IDS = {"Qwen/Qwen3-4B": (1, 9, 17, 25, 33), "Qwen/Qwen3-8B": (1, 9, 17, 25, 33),
-              "Qwen/Qwen3-14B": (1, 10, 19, 28, 37)}
+              "Qwen/Qwen3-14B": (1, 10, 19, 28, 37), GEMMA4_12B: (5, 17, 29, 41, 46)}
+_MASK_TOKEN_IDS = {GEMMA4_12B: GEMMA4_MASK_TOKEN_ID}
 
 
-def resolve_target(target: str) -> TargetConfig:
-    """TargetConfig from a checkpoint dir's config.json, else from a preset name (e.g. "Qwen/Qwen3-8B")."""
+def mask_token_id(target: str) -> int:
+    """MASK id of the released drafters of preset ``target``."""
+    return _MASK_TOKEN_IDS.get(target, QWEN3_MASK_TOKEN_ID)
+
+
+def resolve_target(target: str):
+    """Target config (any registered family) from a checkpoint dir's config.json, else from a
+    preset name (e.g. "Qwen/Qwen3-8B", "google/gemma-4-12B-it")."""
     path = Path(target)
     if (path / "config.json").is_file():
-        return TargetConfig.from_hf(json.loads((path / "config.json").read_text()))
+        hf = json.loads((path / "config.json").read_text())
+        family = families.for_hf(hf, str(path / "config.json"))
+        if family.kind != "target":
+            raise ConfigError(f"{path / 'config.json'}: architectures {hf.get('architectures')!r} is a "
+                              f"{family.kind}, not a target")
+        return family.config_from_hf(hf)
     if target in TARGETS:
         return TARGETS[target]
     raise ConfigError(f"target {target!r} is neither a checkpoint directory with config.json nor one "
@@ -45,7 +77,7 @@ def resolve_target(target: str) -> TargetConfig:
 
 
 def released_drafter(target: str, *, kind: str = "dspark", block_size: int = 7,
-                     num_layers: int = 5) -> DraftConfig:
+                     num_layers: int = 5):
     """The drafter shape of the released checkpoints for a preset target.
 
     kind "dspark": vanilla Markov head of rank 256 and a confidence head with
@@ -58,9 +90,10 @@ def released_drafter(target: str, *, kind: str = "dspark", block_size: int = 7,
     head = (dict(markov_rank=256, markov_head_type="vanilla", enable_confidence_head=True,
                  confidence_head_with_markov=True) if kind == "dspark"
             else dict(markov_rank=0, enable_confidence_head=False, confidence_head_with_markov=False))
-    return DraftConfig.for_target(TARGETS[target], num_hidden_layers=num_layers, block_size=block_size,
-                                  target_layer_ids=_LAYER_IDS[target], mask_token_id=QWEN3_MASK_TOKEN_ID,
-                                  num_anchors=512, **head)
+    config_cls = families.drafter_family(TARGETS[target]).config_cls  # DraftConfig, Gemma4DraftConfig
+    return config_cls.for_target(TARGETS[target], num_hidden_layers=num_layers, block_size=block_size,
+                                 target_layer_ids=_LAYER_IDS[target], mask_token_id=mask_token_id(target),
+                                 num_anchors=512, **head)
 
 
 # Meshes checked with `dspark-jax plan` for each released target (docs/scaling.md).
@@ -71,6 +104,10 @@ MESH_PLANS: dict[str, dict[str, str]] = {
                       "TPU v6e-64": "data=16,fsdp=4"},
     "Qwen/Qwen3-14B": {"8xH100/H200 (one node)": "data=1,fsdp=8", "TPU v5p-64 (32 chips)": "data=4,fsdp=8",
                        "TPU v6e-64": "data=8,fsdp=8"},
+    # Gemma4-12B: 262144-token vocabulary (a 1B-parameter embedding, LM head and Markov tables):
+    # fully sharded like the 14B. Planned on 8 simulated devices (tests/test_gemma4_plan.py).
+    GEMMA4_12B: {"8xH100/H200 (one node)": "data=1,fsdp=8", "TPU v5p-64 (32 chips)": "data=4,fsdp=8",
+                 "TPU v6e-64": "data=8,fsdp=8"},
 }
 
 

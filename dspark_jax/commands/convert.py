@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-HELP = "convert a drafter or Qwen3 target between PyTorch (HF) and dspark-jax formats"
+HELP = "convert a drafter or target (Qwen3, Gemma4) between PyTorch (HF) and dspark-jax formats"
 DESCRIPTION = """\
 Convert a checkpoint directory, in either direction:
 
@@ -13,10 +13,14 @@ Convert a checkpoint directory, in either direction:
                  model.safetensors.index.json) to the dspark-jax format (dspark_jax.json +
                  an orbax params/ tree);
   jax -> torch   back to a Hugging Face directory that the PyTorch reference
-                 (Qwen3DSparkModel.from_pretrained) or transformers (Qwen3ForCausalLM) loads.
+                 (Qwen3DSparkModel / Gemma4DSparkModel.from_pretrained) or transformers
+                 (Qwen3ForCausalLM, Gemma4ForCausalLM, Gemma4UnifiedForCausalLM) loads.
 
-The kind (drafter 'Qwen3DSparkModel' or target 'Qwen3ForCausalLM') and the source format are
-detected. Every tensor is checked against the config before conversion; values are copied
+The model family and kind (from config.json 'architectures': drafters 'Qwen3DSparkModel',
+'Gemma4DSparkModel'; targets 'Qwen3ForCausalLM', 'Gemma4ForCausalLM', 'Gemma4UnifiedForCausalLM')
+and the source format are detected. A multimodal Gemma4 checkpoint
+('Gemma4[Unified]ForConditionalGeneration') is read as its text model (weights under
+model.language_model., vision/audio towers ignored) and written back as the text CausalLM. Every tensor is checked against the config before conversion; values are copied
 bit-exactly unless --dtype casts them. The output is written to a temporary directory next to
 DST and renamed at the end, so a failure leaves nothing behind; an existing DST is refused
 unless --force. Tokenizer and generation_config.json files are copied along.

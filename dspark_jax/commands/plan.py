@@ -21,11 +21,13 @@ def register(sub) -> None:
             "compiled.memory_analysis()) and the collectives in each compiled program.\n\n"
             "example:\n"
             "  dspark-jax plan --config configs/dspark_qwen3_4b.py --mesh data=1,fsdp=8 --modes online\n"
-            "  dspark-jax plan --target Qwen/Qwen3-8B --kind dspark --mesh fsdp=8 --modes decode"))
+            "  dspark-jax plan --target Qwen/Qwen3-8B --kind dspark --mesh fsdp=8 --modes decode\n"
+            "  dspark-jax plan --config configs/dspark_gemma4_12b.py --mesh data=1,fsdp=8 --modes online\n"
+            "  dspark-jax plan --target google/gemma-4-12B-it --kind dspark --mesh fsdp=8 --modes online"))
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--config", help="training config file (configs/<name>.py); its target may be a "
                                       "checkpoint dir or a preset name such as Qwen/Qwen3-4B")
-    src.add_argument("--target", help="a target checkpoint dir or preset (Qwen/Qwen3-4B, -8B, -14B); "
+    src.add_argument("--target", help="a target preset (Qwen/Qwen3-4B, -8B, -14B, google/gemma-4-12B-it); "
                                       "the drafter is the released shape (--kind)")
     p.add_argument("--kind", default="dspark", choices=["dspark", "dflash"],
                    help="released drafter shape with --target (default: dspark)")
@@ -90,7 +92,8 @@ def _configs(args):
         mesh_spec = args.mesh or tcfg.mesh
     else:
         if args.target not in presets.TARGETS:
-            raise InputError("--target must be a preset name with --kind (or use --config)")
+            raise InputError(f"--target must be a preset name with --kind (one of {sorted(presets.TARGETS)}; "
+                             "or use --config)")
         target_cfg = presets.resolve_target(args.target)
         draft_cfg = presets.released_drafter(args.target, kind=args.kind)
         mesh_spec = args.mesh
@@ -152,7 +155,7 @@ def run(args) -> int:
     print(f"mesh {dict(mesh.shape)} on {mesh.size} simulated devices; compute {args.dtype}; "
           f"remat {mem['remat']}, loss_chunk {mem['loss_chunk']}, shard_activations {mem['shard_activations']}")
     print(f"target params {report['target_params']:,}; drafter params {report['draft_params']:,} "
-          f"(trainable {report['draft_trainable_params']:,}; frozen embed+head "
+          f"(trainable {report['draft_trainable_params']:,}; frozen (embed, head, declared buffers) "
           f"{report['draft_params'] - report['draft_trainable_params']:,}); "
           f"from the reference tensor shapes {report['draft_params_from_reference_shapes']:,}")
     for mode in modes:

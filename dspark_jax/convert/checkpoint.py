@@ -192,13 +192,22 @@ def _config_from_hf(kind: str, hf: Mapping[str, Any], where: str):
 def _load_torch(kind: str, p: Path, *, allow_pickle: bool):
     hf = _read_json(p / "config.json", "config.json")
     cfg = _config_from_hf(kind, hf, str(p / "config.json"))
+    family = families.for_config(cfg)
     reader = safetensors_io.TensorReader(p, allow_pickle=allow_pickle)
     what = f"{p}"
     specs = families.declare(cfg)
-    infos = mapping.checkpoint_tensors(cfg, reader.infos, what)  # tied head: compared on the data below
+    names = family.stored_names(hf, reader.infos)  # declared -> stored (multimodal layouts)
+    infos = mapping.checkpoint_tensors(cfg, {d: reader.infos[s] for d, s in names.items()}, what)
     mapping.check_tensors(infos, params_lib.torch_shapes(specs), what)  # headers only: no data read yet
-    tensors = reader.read_all()
-    return cfg, hf, mapping.from_torch(cfg, tensors)
+    ignored = family.ignored_tensors or ("\0",)
+    tensors = {d: reader.get(s) for d, s in names.items() if not d.startswith(ignored)}
+    return cfg, _text_config(hf), mapping.from_torch(cfg, tensors)
+
+
+def _text_config(hf: Mapping[str, Any]) -> dict:
+    """The config a checkpoint is written back with: a multimodal wrapper's ``text_config`` (its
+    towers are not read, so the copy is the text model), else ``hf`` itself."""
+    return dict(hf["text_config"]) if isinstance(hf.get("text_config"), dict) else dict(hf)
 
 
 def _write_torch(tmp: Path, kind: str, config, params, *, hf_base, extras, max_shard_size) -> None:
@@ -284,7 +293,8 @@ def load_draft(path, dtype=None, *, allow_pickle: bool = False) -> tuple[DraftCo
 
 
 def load_target(path, dtype=None, *, allow_pickle: bool = False) -> tuple[TargetConfig, dict]:
-    """(config, params with jnp leaves) from a Qwen3 target directory (torch or jax format)."""
+    """(config, params with jnp leaves) from a target directory of any registered family (Qwen3,
+    Gemma4 text or multimodal; torch or jax format)."""
     cfg, _, params = _load("target", path, dtype, allow_pickle)
     return cfg, params
 
@@ -355,14 +365,15 @@ def save_draft(path, config: DraftConfig, params, *, format: str = "torch", forc
 
 def save_target(path, config: TargetConfig, params, *, format: str = "torch", force: bool = False,
                 extras: Mapping | None = None, max_shard_size=None) -> Path:
-    """Write a Qwen3 target: 'torch' (HF Qwen3ForCausalLM directory) or 'jax'."""
+    """Write a target: 'torch' (HF directory of the family's CausalLM, e.g. Qwen3ForCausalLM,
+    Gemma4UnifiedForCausalLM) or 'jax'."""
     return _save("target", path, config, params, format=format, force=force, extras=extras,
                  max_shard_size=max_shard_size)
 
 
 def convert(src, dst, *, to: str | None = None, force: bool = False, allow_pickle: bool = False,
             dtype=None, max_shard_size=None) -> str:
-    """Convert a drafter or Qwen3 target between formats; returns the format written.
+    """Convert a drafter or target of any registered family between formats; returns the format written.
 
     ``to`` defaults to the other format (torch -> jax, jax -> torch). Unknown
     config.json fields, extras and tokenizer/generation files are carried over.

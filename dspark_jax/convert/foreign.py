@@ -214,6 +214,15 @@ def load_foreign(path, fmt: str | None = None, *, target=None, num_target_layers
     if target is not None:
         tp = Path(target)
         thf = _read_config(tp)
+        from dspark_jax import families
+        try:  # a config naming another family is refused; a bare one (layer count only) is read as before
+            t_family = families.for_hf(thf, str(tp / "config.json"))
+        except families.UnknownArchitectureError:
+            t_family = families.FAMILIES["qwen3"]
+        if t_family.kind != "target" or t_family.name != families.FAMILIES["qwen3_dspark"].pairs_with:
+            raise ConfigError(f"{tp / 'config.json'}: --target is a {t_family.name} {t_family.kind} "
+                              f"({(thf.get('architectures') or ['?'])[0]}); {fmt} drafters are DSpark "
+                              "drafters of Qwen3 targets (drafter family 'qwen3_dspark' reads 'qwen3' targets)")
         num_target_layers = num_target_layers or int(thf.get("text_config", thf)["num_hidden_layers"])
         target_tensors = safetensors_io.TensorReader(tp)
     ref_hf = reference_config(hf, fmt, num_target_layers=num_target_layers, where=str(p / "config.json"))

@@ -31,15 +31,17 @@ from dspark_jax.params import ParamSpec
 class _SliceReader:
     """Keeps one safe_open handle per shard file; reads [rows, cols] slices of named tensors."""
 
-    def __init__(self, reader: TensorReader, stack: contextlib.ExitStack):
+    def __init__(self, reader: TensorReader, stack: contextlib.ExitStack, stored: Mapping[str, str]):
         from safetensors import safe_open
         self._reader = reader
+        self._stored = stored  # declared name -> the checkpoint's name
         self._handles = {}
         self._stack = stack
         self._open = safe_open
         self.bytes_read = 0
 
     def read(self, name: str, index: tuple, transpose: bool) -> np.ndarray:
+        name = self._stored.get(name, name)
         info = self._reader.infos[name]
         if info.file not in self._handles:
             path = str(self._reader.directory / info.file)
@@ -62,14 +64,18 @@ def stream_load(directory, config, mesh: Mesh, *, dtype=None,
     """
     reader = TensorReader(directory)
     specs = families.declare(config)
-    infos = mapping.checkpoint_tensors(config, reader.infos, f"checkpoint {directory}")
+    hf_path = Path(directory) / "config.json"
+    hf = json.loads(hf_path.read_text()) if hf_path.is_file() else {}
+    names = families.for_config(config).stored_names(hf, reader.infos)  # declared -> stored
+    infos = mapping.checkpoint_tensors(config, {d: reader.infos[s] for d, s in names.items()},
+                                       f"checkpoint {directory}")
     mapping.check_tensors({k: _ShapeOnly(v.shape, v.dtype) for k, v in infos.items()},
                           params_lib.torch_shapes(specs), f"checkpoint {directory}")
     flat: dict = {}
     with contextlib.ExitStack() as stack:
-        slices = _SliceReader(reader, stack)
+        slices = _SliceReader(reader, stack, names)
         for path, spec in specs.items():
-            src_dtype = reader.infos[spec.torch_names()[0]].dtype
+            src_dtype = infos[spec.torch_names()[0]].dtype
             out_dtype = np.dtype(dtype) if dtype is not None else src_dtype
             pspec = sharding_lib.logical_to_spec(spec.axes, rules, spec.shape, mesh)
             flat[path] = jax.make_array_from_callback(spec.shape, NamedSharding(mesh, pspec),

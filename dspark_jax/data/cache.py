@@ -26,6 +26,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
 import numpy as np
 from tqdm import tqdm
 
+from dspark_jax import families
 from dspark_jax.config import DraftConfig, TargetConfig
 from dspark_jax.convert.identity import target_identity
 from dspark_jax.data.sources import TokenSequences, pad_record
@@ -39,7 +40,8 @@ ARRAYS = ("tokens", "loss_mask", "features", "last_hidden")
 
 
 def _feature_fn(config: TargetConfig, layer_ids, compute_dtype):
-    """jit(params, tokens [B, S]) -> (features [B, S, n*H], last_hidden [B, S, H])."""
+    """jit(params, tokens [B, S]) -> (features [B, S, n*H], last_hidden [B, S, H]), through the
+    target family's forward (``target_features`` dispatches on ``config``'s family)."""
     return jax.jit(lambda params, tokens: target_features(params, config, layer_ids, tokens,
                                                           compute_dtype=compute_dtype)[:2])
 
@@ -62,8 +64,8 @@ def _write_cache_into(tmp: Path, target_config: TargetConfig, target_params, lay
                       compute_dtype) -> dict:
     """``write_cache``'s work inside the staging directory ``tmp``."""
     layer_ids = [int(i) for i in layer_ids]
-    DraftConfig.for_target(target_config, num_hidden_layers=1, target_layer_ids=tuple(layer_ids),
-                          mask_token_id=0)  # validates the layer ids
+    families.drafter_family(target_config).config_cls.for_target(
+        target_config, num_hidden_layers=1, target_layer_ids=tuple(layer_ids), mask_token_id=0)  # validates the layer ids
     np_dtype = np.dtype(jnp.dtype(dtype))
     run = _feature_fn(target_config, layer_ids, compute_dtype)
     s = data.max_length

@@ -9,18 +9,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.config import TargetConfig
-from dspark_jax.target import qwen3
+from dspark_jax import families
 
 
 @functools.partial(jax.jit, static_argnames=("config", "length", "temperature"))
 def _sample(params, config: TargetConfig, first: jax.Array, rng: jax.Array, length: int, temperature: float):
     b = first.shape[0]
-    cache = qwen3.init_cache(config, b, length)
+    module = families.for_config(config).module()  # any target family
+    cache = module.init_cache(config, b, length)
 
     def body(carry, key):
         cache, tok = carry
-        hidden, _, cache = qwen3.forward(params, config, tok[:, None], cache)
-        logits = qwen3.compute_logits(params, hidden[:, -1])
+        hidden, _, cache = module.forward(params, config, tok[:, None], cache)
+        logits = families.compute_logits(config, params, hidden[:, -1])
         nxt = jax.random.categorical(key, logits / temperature).astype(jnp.int32)
         return (cache, nxt), nxt
 

@@ -19,11 +19,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from dspark_jax import families
+from dspark_jax import params as params_lib
 from dspark_jax import sharding as shard_lib
 from dspark_jax.config import DraftConfig, TargetConfig
 from dspark_jax.convert import mapping
-from dspark_jax.draft import model as draft_model
-from dspark_jax.target import qwen3
 from dspark_jax.train.config import TrainConfig
 from dspark_jax.train.program import abstract, build_program, compute_dtype
 
@@ -60,19 +59,19 @@ def count_params(shapes_tree) -> int:
     return int(sum(math.prod(x.shape) for x in jax.tree.leaves(shapes_tree)))
 
 
-def reference_param_count(cfg: DraftConfig) -> int:
+def reference_param_count(cfg) -> int:
     """Parameter count from the PyTorch checkpoint's tensor shapes (every tensor, incl. the frozen
-    embedding and LM head copies)."""
-    return int(sum(math.prod(s) for s in mapping.draft_tensor_shapes(cfg).values()))
+    embedding and LM head copies), for a drafter of any family."""
+    return int(sum(math.prod(s) for s in mapping.tensor_shapes(cfg).values()))
 
 
-def param_report(draft_cfg: DraftConfig, target_cfg: TargetConfig) -> dict:
-    """Parameter counts of the target and the drafter (all, trainable, and from the reference's
-    tensor shapes) and the drafter's HF config."""
-    full = jax.eval_shape(lambda: draft_model.init_params(draft_cfg, jax.random.PRNGKey(0)))
-    n = count_params(full)
-    frozen = count_params({k: full[k] for k in draft_model.FROZEN_KEYS})
-    target = count_params(jax.eval_shape(lambda: qwen3.init_params(target_cfg, jax.random.PRNGKey(0))))
+def param_report(draft_cfg, target_cfg) -> dict:
+    """Parameter counts of the target and the drafter (all, trainable = not declared frozen, and
+    from the reference's tensor shapes) and the drafter's HF config, for any model family."""
+    specs = families.declare(draft_cfg)
+    n = count_params(params_lib.abstract_params(specs))
+    frozen = int(sum(math.prod(specs[p].shape) for p in params_lib.frozen_paths(specs)))
+    target = count_params(params_lib.abstract_params(families.declare(target_cfg)))
     return {"draft": draft_cfg.to_hf(), "target_params": target, "draft_params": n,
             "draft_trainable_params": n - frozen,
             "draft_params_from_reference_shapes": reference_param_count(draft_cfg)}

@@ -593,12 +593,19 @@ def _tied_head(cfg: Gemma4TargetConfig) -> tuple[str, str] | None:
     return ("lm_head.weight", "model.embed_tokens.weight") if cfg.tie_word_embeddings else None
 
 
-# Registered in families.py. Text checkpoints only through convert so far: a multimodal
-# one needs its text weights read under MULTIMODAL_PREFIX (declare(cfg, checkpoint_prefix(hf))
-# or params.rename_torch) and its vision/audio towers ignored.
+def _source_prefixes(hf: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    """A multimodal checkpoint stores the text model under ``model.language_model.``."""
+    return ((MULTIMODAL_PREFIX, TEXT_PREFIX),) if checkpoint_prefix(hf) == MULTIMODAL_PREFIX else ()
+
+
+# Registered in families.py. A multimodal (``*ForConditionalGeneration``) checkpoint reads as its
+# text model: weights under MULTIMODAL_PREFIX, vision/audio towers ignored; it is written back as
+# the text CausalLM.
+TOWERS = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
 FAMILY = params_lib.Family(
-    name="gemma4", kind="target", architectures=tuple(TEXT_ARCHITECTURES.values()), model_types=MODEL_TYPES,
-    config_cls=Gemma4TargetConfig, declare=declare, forward=__name__, tied_head=_tied_head)
+    name="gemma4", kind="target", architectures=tuple(TEXT_ARCHITECTURES.values()) + tuple(MULTIMODAL.values()),
+    model_types=MODEL_TYPES + tuple(MULTIMODAL), config_cls=Gemma4TargetConfig, declare=declare,
+    forward=__name__, tied_head=_tied_head, ignored_tensors=TOWERS, source_prefixes=_source_prefixes)
 
 
 def read_state(directory, decl: Mapping[tuple, ParamSpec], ignore: tuple[str, ...] = ()) -> dict:

@@ -175,8 +175,9 @@ class TrainConfig:
 
     def draft_config(self, target: TargetConfig) -> DraftConfig:
         """The drafter for ``target`` from the ``draft`` overrides (not used with draft_init)."""
+        from dspark_jax import families  # the drafter family that reads this target's
         try:
-            cfg = DraftConfig.for_target(target, **self.draft)
+            cfg = families.drafter_family(target).config_cls.for_target(target, **self.draft)
         except TypeError as e:
             raise ConfigError(f"TrainConfig.draft: {e}") from None
         cfg.check_compatible(target)

@@ -38,9 +38,8 @@ from dspark_jax.convert import checkpoint as ckpt_io
 from dspark_jax.convert.identity import target_identity
 from dspark_jax.data import cache as cache_lib
 from dspark_jax.data import pipeline, sources
-from dspark_jax.draft import model as draft_model
+from dspark_jax import families
 from dspark_jax.errors import CheckpointError, ConfigError, DSparkError, InputError
-from dspark_jax.target import qwen3
 from dspark_jax.tokenizer import load_tokenizer
 from dspark_jax.train import optim
 from dspark_jax.train.config import TrainConfig
@@ -110,12 +109,13 @@ def load_drafter(cfg: TrainConfig, target_cfg: TargetConfig, target_params) -> t
     target's embedding and LM head."""
     if cfg.draft_init:
         draft_cfg, params = ckpt_io.load_draft(cfg.draft_init)
+        families.check_pair(draft_cfg, target_cfg)
         draft_cfg.check_compatible(target_cfg)
         return draft_cfg, params
     draft_cfg = cfg.draft_config(target_cfg)
-    params = draft_model.init_params(draft_cfg, jax.random.PRNGKey(cfg.seed),
-                                     embed_tokens=target_params["embed_tokens"],
-                                     lm_head=qwen3.lm_head_kernel(target_params))
+    params = families.init_params(draft_cfg, jax.random.PRNGKey(cfg.seed),
+                                  embed_tokens=target_params["embed_tokens"],
+                                  lm_head=families.lm_head_kernel(target_cfg, target_params))
     return draft_cfg, params
 
 
@@ -150,7 +150,7 @@ def setup(cfg: TrainConfig, *, fast_compile: bool = False) -> Run:
     source = load_source(cfg, target_cfg, draft_cfg, target_params)
     total_steps, epochs = _step_counts(cfg, len(source))
     mesh = make_train_mesh(cfg)
-    trainable, frozen = optim.split_params(params)
+    trainable, frozen = optim.split_params(params, draft_cfg)
     example = source[0]
     program = build_program(draft_cfg, target_cfg, cfg, mesh, total_steps=total_steps,
                             weights_dtype=target_params["embed_tokens"].dtype,

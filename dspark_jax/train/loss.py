@@ -85,7 +85,7 @@ def dspark_loss(fwd: TrainForward, cfg: LossConfig = LossConfig()):
 
 
 def chunked_loss_sums(p: dict, config: DraftConfig, th: TrainHidden, cfg: LossConfig, chunk: int = 0,
-                      constrain=None) -> dict[str, jax.Array]:
+                      constrain=None, ops=None) -> dict[str, jax.Array]:
     """``loss_sums`` of ``training_forward`` computed ``chunk`` anchors at a time.
 
     p: compute-dtype drafter params (``draft_model.cast_params``); th from
@@ -95,6 +95,7 @@ def chunked_loss_sums(p: dict, config: DraftConfig, th: TrainHidden, cfg: LossCo
     backward pass recomputes it. N is padded with empty (not kept, not evaluated)
     blocks to a multiple of ``chunk``; they add exactly 0 to every sum. chunk 0 (or
     >= N): one piece, no loop. ``constrain`` (x -> x) pins chunk activations' sharding.
+    ``ops``: the drafter family's backbone functions (``families.draft_ops``; None = Qwen3).
     """
     b, n, g = th.target_ids.shape
     pin = constrain or (lambda x: x)
@@ -102,7 +103,7 @@ def chunked_loss_sums(p: dict, config: DraftConfig, th: TrainHidden, cfg: LossCo
     def sums_of(piece: TrainHidden):
         logits, conf, aligned = draft_model.block_heads(p, config, pin(piece.hidden), piece.prev_ids,
                                                         None if piece.target_hidden is None
-                                                        else pin(piece.target_hidden))
+                                                        else pin(piece.target_hidden), ops=ops)
         fwd = TrainForward(pin(logits), conf, piece.target_ids, piece.eval_mask,
                            None if aligned is None else pin(aligned), piece.block_keep_mask)
         return loss_sums(fwd, cfg)

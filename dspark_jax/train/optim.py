@@ -1,27 +1,42 @@
 """Optimizer: AdamW, linear warm-up then cosine decay to 0, global grad-norm clipping.
 
-Only trainable params reach the optimizer: ``split_params`` moves the frozen
-embedding and LM head (shared with the target) out of the tree, so no Adam
-moments are ever allocated for them.
+Only trainable params reach the optimizer: ``split_params`` moves the leaves the drafter's
+declaration marks frozen (the embedding and LM head shared with the target; Gemma4's
+``layers/layer_scalar`` buffers) out of the tree, so no Adam moments are ever allocated for them.
 """
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import optax
 
+from dspark_jax import families
+from dspark_jax import params as params_lib
 from dspark_jax.draft.model import FROZEN_KEYS
 from dspark_jax.train.config import OptimizerConfig
 
 
-def split_params(params: dict) -> tuple[dict, dict]:
-    """(trainable, frozen) subtrees of a drafter params dict."""
+def split_params(params: dict, config=None) -> tuple[dict, dict]:
+    """(trainable, frozen) subtrees of a drafter params-shaped tree (params, axes, shapes...):
+    frozen = exactly the leaves ``config``'s declaration marks ``frozen``. Without ``config``
+    the Qwen3 drafter's top-level ``FROZEN_KEYS`` (its declaration's frozen leaves)."""
+    if config is not None:
+        return params_lib.split_frozen(families.declare(config), params)
     trainable = {k: v for k, v in params.items() if k not in FROZEN_KEYS}
     frozen = {k: v for k, v in params.items() if k in FROZEN_KEYS}
     return trainable, frozen
 
 
-def merge_params(trainable: dict, frozen: dict) -> dict:
-    return {**trainable, **frozen}
+def merge_params(trainable: Mapping, frozen: Mapping) -> dict:
+    """The inverse of ``split_params``: nested dicts merged key by key."""
+    out = dict(trainable)
+    for k, v in frozen.items():
+        if k in out and isinstance(v, Mapping) and isinstance(out[k], Mapping):
+            out[k] = merge_params(out[k], v)
+        else:
+            out[k] = v
+    return out
 
 
 def learning_rate_schedule(peak: float, total_steps: int, warmup_ratio: float) -> optax.Schedule:

@@ -7,7 +7,8 @@ its abstract arguments, and the tests call it too, so all three see the same pro
     program.step(state, frozen, target_params, batch) -> (state, metrics)   # state donated
 
     state          TrainState: step int32 [], fp32 trainable params, optax state, rng uint32 [2]
-    frozen         {"embed_tokens", "lm_head"} of the drafter (shared with the target)
+    frozen         the drafter's declared-frozen leaves: {"embed_tokens", "lm_head"} (shared with
+                   the target), plus {"layers": {"layer_scalar"}} for Gemma4
     target_params  the frozen target's params (online mode) or None (cache mode)
     batch          input_ids int32 [A, Bm, S], loss_mask float32 [A, Bm, S]; cache mode also
                    features [A, Bm, S, n*H] and last_hidden [A, Bm, S, H]
@@ -25,11 +26,11 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
+from dspark_jax import families
+from dspark_jax import params as params_lib
 from dspark_jax import sharding as shard_lib
 from dspark_jax.config import DraftConfig, TargetConfig
-from dspark_jax.draft import model as draft_model
 from dspark_jax.errors import ConfigError
-from dspark_jax.target import qwen3
 from dspark_jax.train import optim, step as step_lib
 from dspark_jax.train.config import TrainConfig
 
@@ -118,24 +119,29 @@ def build_program(draft_cfg: DraftConfig, target_cfg: TargetConfig, train_cfg: T
     ``total_steps`` sets the learning-rate schedule; ``weights_dtype`` is the dtype of the frozen
     drafter and target weights and ``feature_dtype`` that of cached features in the abstract
     arguments (shardings do not depend on either). ``fast_compile`` lowers XLA's backend
-    optimisation (``FAST_COMPILE_OPTIONS``).
+    optimisation (``FAST_COMPILE_OPTIONS``). Params, frozen leaves and logical axes come from
+    the drafter's and target's family declarations (``families.declare``); a drafter of another
+    family than the target's (e.g. Gemma4 on Qwen3) is a ConfigError before anything compiles.
     """
+    if target_cfg is not None:
+        families.check_pair(draft_cfg, target_cfg)
     _check_batch_divides(train_cfg, mesh)
     optimizer, schedule = optim.make_optimizer(train_cfg.optimizer, total_steps)
     seed = train_cfg.seed
     init = lambda p: step_lib.init_state(p, optimizer, seed)
-    full = jax.eval_shape(lambda: draft_model.init_params(draft_cfg, jax.random.PRNGKey(0), jnp.float32))
-    trainable, frozen = optim.split_params(full)
+    specs = families.declare(draft_cfg)
+    trainable, frozen = params_lib.split_frozen(specs, params_lib.abstract_params(specs, jnp.float32))
     frozen = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, weights_dtype), frozen)
-    axes_t, axes_f = optim.split_params(draft_model.param_axes(draft_cfg))
+    axes_t, axes_f = params_lib.split_frozen(specs, params_lib.param_axes(specs))
     state_shapes = jax.eval_shape(init, trainable)
     state_sh = step_lib.state_shardings(state_shapes, axes_t, mesh, optimizer)
     frozen_sh = shard_lib.param_shardings(axes_f, mesh, frozen)
     online = train_cfg.features == "online"
     target, target_sh = None, None
     if online:
-        target = jax.eval_shape(lambda: qwen3.init_params(target_cfg, jax.random.PRNGKey(0), weights_dtype))
-        target_sh = shard_lib.param_shardings(qwen3.param_axes(target_cfg), mesh, target)
+        target_specs = families.declare(target_cfg)
+        target = params_lib.abstract_params(target_specs, weights_dtype)
+        target_sh = shard_lib.param_shardings(params_lib.param_axes(target_specs), mesh, target)
         target = abstract(target, target_sh)
     batch = batch_shapes(train_cfg, draft_cfg, feature_dtype)
     batch_sh = step_lib.batch_shardings(mesh, batch)

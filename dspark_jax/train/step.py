@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 
+from dspark_jax import families
 from dspark_jax import sharding as shard_lib
 from dspark_jax.config import DraftConfig, LossConfig, TargetConfig
 from dspark_jax.draft import model as draft_model
@@ -138,7 +139,7 @@ def global_anchors(state: TrainState, batch: dict, draft_cfg: DraftConfig, loss_
 def make_features(draft_cfg: DraftConfig, target_cfg: TargetConfig | None, compute_dtype, pin):
     """(target_params, micro-batch) -> (features [Bm, S, n*H], last_hidden [Bm, S, H]): the frozen
     target's (online, gradients stopped) or the cached ones."""
-    def features(target_params, mb):
+    def features(target_params, mb):  # any target family (``target_features`` dispatches)
         if target_cfg is None:
             return mb["features"], mb["last_hidden"]
         feats, last, _ = jax.lax.stop_gradient(target_features(
@@ -153,21 +154,24 @@ def make_loss_sums(draft_cfg: DraftConfig, loss_cfg: LossConfig, compute_dtype, 
                    mesh: Mesh | None, pin):
     """sums(trainable, frozen, mb, features, last_hidden, anchors, keep) -> loss sums of one
     micro-batch: ``training_forward`` + ``loss_sums`` without memory options, else
-    ``training_hidden`` (remat, pinned activations) + ``chunked_loss_sums``."""
+    ``training_hidden`` (remat, pinned activations) + ``chunked_loss_sums``. The drafter
+    family's backbone (``families.draft_ops``) runs inside both."""
     plain = remat in (False, None, "none") and loss_chunk == 0 and pin is None
+    ops = families.draft_ops(draft_cfg)
 
     def sums(tp, frozen, mb, feats, last, anc, kp):
         if plain:
             fwd = draft_model.training_forward(merge_params(tp, frozen), draft_cfg, mb["input_ids"], feats,
-                                               mb["loss_mask"], anc, kp, last, compute_dtype=compute_dtype)
+                                               mb["loss_mask"], anc, kp, last, compute_dtype=compute_dtype,
+                                               ops=ops)
             return loss_lib.loss_sums(fwd, loss_cfg)
         p = draft_model.cast_params(merge_params(tp, frozen), compute_dtype)
         th = draft_model.training_hidden(p, draft_cfg, mb["input_ids"], feats, mb["loss_mask"], anc, kp, last,
-                                         compute_dtype=compute_dtype, remat=remat, constrain=pin)
+                                         compute_dtype=compute_dtype, remat=remat, constrain=pin, ops=ops)
         if mesh is not None and loss_chunk:  # gather the LM head once, not once per chunk
             spec = shard_lib.logical_to_spec((None, "vocab"), shape=p["lm_head"].shape, mesh=mesh)
             p["lm_head"] = jax.lax.with_sharding_constraint(p["lm_head"], NamedSharding(mesh, spec))
-        return loss_lib.chunked_loss_sums(p, draft_cfg, th, loss_cfg, loss_chunk, constrain=pin)
+        return loss_lib.chunked_loss_sums(p, draft_cfg, th, loss_cfg, loss_chunk, constrain=pin, ops=ops)
     return sums
 
 

@@ -56,7 +56,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dspark_jax.config import DraftConfig, TargetConfig  # noqa: E402
-from dspark_jax.decode import sampling  # noqa: E402
+from dspark_jax import sampling  # noqa: E402
 from dspark_jax.decode.policies import FullPolicy  # noqa: E402
 from dspark_jax.decode.verify import rejection_sample  # noqa: E402
 from dspark_jax.draft import backbone, confidence, markov  # noqa: E402
@@ -331,7 +331,7 @@ def build_programs(tcfg, tp, dcfg, dp, batch, prompt_len, max_new, temperature):
     # Parts (from a copy of the prefilled state: the round donates its own).
     parts = make_parts(tcfg, dcfg, greedy)
     seq, pos = jnp.array(st.seq), jnp.array(st.pos)
-    ctx_k, ctx_v = jnp.array(st.ctx_k), jnp.array(st.ctx_v)
+    ctx_k, ctx_v = jnp.array(st.ctx.k), jnp.array(st.ctx.v)
     cache = jax.tree.map(jnp.array, st.cache)
     key = jax.random.PRNGKey(1)
 

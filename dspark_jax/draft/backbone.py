@@ -39,16 +39,22 @@ def context_kv(params: dict, config: DraftConfig, ctx: jax.Array, positions: jax
     return jax.lax.map(one_layer, params["layers"])
 
 
-def _block_attention(q, k_blk, v_blk, k_ctx, v_ctx, ctx_mask, block_valid):
-    """q, k_blk, v_blk [B,N,G,H*,D]; k_ctx, v_ctx [B,S,Hkv,D]; ctx_mask [B,N,S]; block_valid [B,N]."""
+def block_visibility(ctx_mask: jax.Array, block_valid: jax.Array, g: int) -> jax.Array:
+    """[B,1,1,N,1,S+G] bool: which of [ctx ; block] each block query sees (ctx_mask [B,N,S],
+    block_valid [B,N]); the same for every layer, so ``block_forward`` builds it once."""
+    b, n = block_valid.shape
+    vis_ctx = ctx_mask & block_valid[:, :, None]
+    vis_blk = jnp.broadcast_to(block_valid[:, :, None], (b, n, g))
+    return jnp.concatenate([vis_ctx, vis_blk], axis=-1)[:, None, None, :, None, :]
+
+
+def _block_attention(q, k_blk, v_blk, k_ctx, v_ctx, visible):
+    """q, k_blk, v_blk [B,N,G,H*,D]; k_ctx, v_ctx [B,S,Hkv,D]; visible from ``block_visibility``."""
     b, n, g, hq, d = q.shape
     hkv = k_ctx.shape[2]
     q = q.reshape(b, n, g, hkv, hq // hkv, d)
     s_ctx = jnp.einsum("bngjrd,bsjd->bjrngs", q, k_ctx, preferred_element_type=jnp.float32)
     s_blk = jnp.einsum("bngjrd,bnkjd->bjrngk", q, k_blk, preferred_element_type=jnp.float32)
-    vis_ctx = ctx_mask & block_valid[:, :, None]
-    vis_blk = jnp.broadcast_to(block_valid[:, :, None], (b, n, g))
-    visible = jnp.concatenate([vis_ctx, vis_blk], axis=-1)[:, None, None, :, None, :]
     probs = nn.masked_softmax(jnp.concatenate([s_ctx, s_blk], axis=-1), visible,
                               d ** -0.5).astype(v_ctx.dtype)
     s = k_ctx.shape[1]
@@ -67,6 +73,7 @@ def block_forward(
     ctx_mask: jax.Array,
     block_valid: jax.Array,
     remat: bool | str = False,
+    unroll: bool = False,
 ) -> jax.Array:
     """Run the backbone over blocks.
 
@@ -78,11 +85,14 @@ def block_forward(
     False/"none" keeps everything, True/"dots" keeps only the weight matmuls'
     outputs (attention scores and elementwise ops are recomputed), "full" keeps
     nothing but the layer inputs. Values and gradients do not change.
+    ``unroll`` unrolls the layer scan (decode: a few layers, no while loop or per-layer
+    weight slicing; same values).
     Returns hidden [B, N, G, H] after the final norm.
     """
     b, n, g, h = block_embeds.shape
     cos, sin = nn.rope_cos_sin(block_positions.reshape(b, n * g), config.head_dim, config.rope_theta)
     eps = config.rms_norm_eps
+    visible = block_visibility(ctx_mask, block_valid, g)
 
     def layer(x, xs):
         p, k_ctx, v_ctx = xs
@@ -92,14 +102,14 @@ def block_forward(
         q, k = nn.apply_rope(q, cos, sin), nn.apply_rope(k, cos, sin)
         split = lambda a: a.reshape(b, n, g, *a.shape[2:])
         attn = _block_attention(split(q), split(k), split(v), k_ctx.astype(q.dtype),
-                                v_ctx.astype(q.dtype), ctx_mask, block_valid)
+                                v_ctx.astype(q.dtype), visible)
         x = x + attn @ p["o_proj"]
         x = x + nn.swiglu_mlp(nn.rms_norm(x, p["post_attention_layernorm"], eps), p)
         return x, None
 
     if remat not in (False, None, "none"):
         layer = jax.checkpoint(layer, policy=remat_policy(remat))
-    x, _ = jax.lax.scan(layer, block_embeds, (params["layers"], ctx_k, ctx_v))
+    x, _ = jax.lax.scan(layer, block_embeds, (params["layers"], ctx_k, ctx_v), unroll=bool(unroll))
     return nn.rms_norm(x, params["norm"], eps)
 
 

@@ -73,7 +73,6 @@ def block_forward(
     ctx_mask: jax.Array,
     block_valid: jax.Array,
     remat: bool | str = False,
-    unroll: bool = False,
 ) -> jax.Array:
     """Run the backbone over blocks.
 
@@ -85,8 +84,6 @@ def block_forward(
     False/"none" keeps everything, True/"dots" keeps only the weight matmuls'
     outputs (attention scores and elementwise ops are recomputed), "full" keeps
     nothing but the layer inputs. Values and gradients do not change.
-    ``unroll`` unrolls the layer scan (decode: a few layers, no while loop or per-layer
-    weight slicing; same values).
     Returns hidden [B, N, G, H] after the final norm.
     """
     b, n, g, h = block_embeds.shape
@@ -109,7 +106,7 @@ def block_forward(
 
     if remat not in (False, None, "none"):
         layer = jax.checkpoint(layer, policy=remat_policy(remat))
-    x, _ = jax.lax.scan(layer, block_embeds, (params["layers"], ctx_k, ctx_v), unroll=bool(unroll))
+    x, _ = jax.lax.scan(layer, block_embeds, (params["layers"], ctx_k, ctx_v))
     return nn.rms_norm(x, params["norm"], eps)
 
 

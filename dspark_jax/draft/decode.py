@@ -94,7 +94,7 @@ def block_hidden(dparams: dict, dcfg: DraftConfig, anchor: jax.Array, pos: jax.A
     block_pos = (pos[:, None] + jnp.arange(g, dtype=jnp.int32))[:, None]      # [B,1,G]
     ctx_mask = jnp.arange(ctx.max_len)[None, None, :] < pos[:, None, None]    # [B,1,L]
     return backbone.block_forward(dparams, dcfg, embeds, block_pos, ctx.k, ctx.v,
-                                  ctx_mask, jnp.ones((b, 1), bool), unroll=True)[:, 0]  # [B,G,H]
+                                  ctx_mask, jnp.ones((b, 1), bool))[:, 0]    # [B,G,H]
 
 
 def sample_block(dparams: dict, dcfg: DraftConfig, hidden: jax.Array, anchor: jax.Array,

@@ -178,8 +178,8 @@ def bench_train(tcfg, dcfg, tp, seq, steps, options, peak, compiler_options=None
     from dspark_jax.train.config import TrainConfig
 
     cfg = TrainConfig(target="x", data="x", batch_size=1, max_length=seq, steps=1000)
-    opt, sched = optim.make_optimizer(cfg, cfg.steps)
-    fn = step_lib.build_train_step(dcfg, cfg.loss_config(), opt, sched,
+    opt, sched = optim.make_optimizer(cfg.optimizer, cfg.steps)
+    fn = step_lib.build_train_step(dcfg, cfg.loss, opt, sched,
                                    target_cfg=tcfg if mode == "online" else None,
                                    compute_dtype=compute_dtype, remat=options["remat"],
                                    loss_chunk=options["loss_chunk"])
@@ -265,7 +265,7 @@ def main(argv=None) -> int:
         batches, sps_batches, prompt_len, max_new, seq, steps, repeats = [1, 2], [1, 2], 16, 32, 64, 2, 2
         min_seconds, options, mm_n = 0.01, {"remat": "dots", "loss_chunk": 8}, 512
         if jax.default_backend() == "cpu":  # CPU smoke runs: quick compiles
-            from dspark_jax.train.step import FAST_COMPILE_OPTIONS as fast
+            from dspark_jax.train.program import FAST_COMPILE_OPTIONS as fast
     elif shape == "mid":
         batches, sps_batches, prompt_len, max_new, seq, steps, repeats = [1, 8, 32], [1, 2, 4, 8, 16, 32], \
             128, 256, 512, 3, 3

@@ -254,9 +254,9 @@ def train_costs(fam: dict, seq: int) -> dict:
 
     tcfg, dcfg, tr = fam["target"], fam["draft"], fam["train"]
     cfg = TrainConfig(target="x", data="x", batch_size=1, max_length=seq, steps=1000)
-    opt, sched = optim.make_optimizer(cfg, cfg.steps)
+    opt, sched = optim.make_optimizer(cfg.optimizer, cfg.steps)
     compute = jnp.bfloat16 if tr.get("compute_dtype", "bfloat16") == "bfloat16" else jnp.float32
-    fn = step_lib.build_train_step(dcfg, cfg.loss_config(), opt, sched, target_cfg=tcfg, compute_dtype=compute,
+    fn = step_lib.build_train_step(dcfg, cfg.loss, opt, sched, target_cfg=tcfg, compute_dtype=compute,
                                    remat=tr.get("remat", "none"), loss_chunk=int(tr.get("loss_chunk", 0)))
     key = jax.random.PRNGKey(0)
     dshape = jax.eval_shape(lambda k: draft_model.init_params(dcfg, k), key)

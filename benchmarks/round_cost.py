@@ -56,10 +56,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dspark_jax.config import DraftConfig, TargetConfig  # noqa: E402
-from dspark_jax.decode import sampling  # noqa: E402
+from dspark_jax import sampling  # noqa: E402
 from dspark_jax.decode.policies import FullPolicy  # noqa: E402
 from dspark_jax.decode.verify import rejection_sample  # noqa: E402
 from dspark_jax.draft import backbone, confidence, markov  # noqa: E402
+from dspark_jax.draft import decode as draft_decode  # noqa: E402
 from dspark_jax.draft import model as draft_model  # noqa: E402
 from dspark_jax.target import qwen3  # noqa: E402
 
@@ -198,20 +199,15 @@ def make_parts(tcfg: TargetConfig, dcfg: DraftConfig, greedy: bool):
     g = dcfg.block_size
 
     def draft_backbone(dp, seq, pos, ctx_k, ctx_v):
-        b, max_len = seq.shape
-        anchor = seq[jnp.arange(b), pos]
-        ids = jnp.concatenate([anchor[:, None], jnp.full((b, g - 1), dcfg.mask_token_id, jnp.int32)], 1)
-        embeds = dp["embed_tokens"][ids][:, None]
-        block_pos = (pos[:, None] + jnp.arange(g, dtype=jnp.int32))[:, None]
-        ctx_mask = jnp.arange(max_len)[None, None, :] < pos[:, None, None]
-        hidden = backbone.block_forward(dp, dcfg, embeds, block_pos, ctx_k, ctx_v, ctx_mask,
-                                        jnp.ones((b, 1), bool))[:, 0]
-        return hidden, anchor
+        anchor = seq[jnp.arange(seq.shape[0]), pos]
+        return draft_decode.block_hidden(dp, dcfg, anchor, pos, draft_decode.ContextCache(ctx_k, ctx_v)), anchor
 
     def draft_lm_head(dp, hidden):
         return draft_model.compute_logits(dp, hidden)
 
     def markov_scan(dp, base, hidden, anchor, key, temperature):
+        """``draft.decode.sample_block``'s scan on given base logits (greedy: tokens only, as in
+        the shipped round, where the recomputed logits have no reader)."""
         b = anchor.shape[0]
 
         def step(carry, xs):
@@ -221,12 +217,14 @@ def make_parts(tcfg: TargetConfig, dcfg: DraftConfig, greedy: bool):
                 bias, mstate = markov.step(dp["markov_head"], dcfg, mstate, prev, h_k)
                 u_k = u_k + bias
             x_k = sampling.sample_logits(key_k, u_k, temperature, greedy)
-            return (x_k, mstate), (x_k, u_k)
+            return (x_k, mstate), (x_k if greedy else (x_k, u_k))
 
-        _, (drafts, logits) = jax.lax.scan(
+        _, ys = jax.lax.scan(
             step, (anchor, markov.init_state(dcfg, (b,), jnp.float32)),
             (jnp.moveaxis(base, 1, 0), jnp.moveaxis(hidden, 1, 0), jax.random.split(key, g)))
-        return jnp.moveaxis(drafts, 0, 1), jnp.moveaxis(logits, 0, 1)
+        if greedy:
+            return jnp.moveaxis(ys, 0, 1), base  # rejection_sample ignores draft logits when greedy
+        return jnp.moveaxis(ys[0], 0, 1), jnp.moveaxis(ys[1], 0, 1)
 
     def conf_and_policy(dp, hidden, anchor, drafts, conf_temps):
         b = anchor.shape[0]
@@ -331,7 +329,7 @@ def build_programs(tcfg, tp, dcfg, dp, batch, prompt_len, max_new, temperature):
     # Parts (from a copy of the prefilled state: the round donates its own).
     parts = make_parts(tcfg, dcfg, greedy)
     seq, pos = jnp.array(st.seq), jnp.array(st.pos)
-    ctx_k, ctx_v = jnp.array(st.ctx_k), jnp.array(st.ctx_v)
+    ctx_k, ctx_v = jnp.array(st.ctx.k), jnp.array(st.ctx.v)
     cache = jax.tree.map(jnp.array, st.cache)
     key = jax.random.PRNGKey(1)
 

@@ -39,8 +39,17 @@ def context_kv(params: dict, config: DraftConfig, ctx: jax.Array, positions: jax
     return jax.lax.map(one_layer, params["layers"])
 
 
-def _block_attention(q, k_blk, v_blk, k_ctx, v_ctx, ctx_mask, block_valid, scale=None):
-    """q, k_blk, v_blk [B,N,G,H*,D]; k_ctx, v_ctx [B,S,Hkv,D]; ctx_mask [B,N,S]; block_valid [B,N].
+def block_visibility(ctx_mask: jax.Array, block_valid: jax.Array, g: int) -> jax.Array:
+    """[B,1,1,N,1,S+G] bool: which of [ctx ; block] each block query sees (ctx_mask [B,N,S],
+    block_valid [B,N]); the same for every layer, so ``block_forward`` builds it once."""
+    b, n = block_valid.shape
+    vis_ctx = ctx_mask & block_valid[:, :, None]
+    vis_blk = jnp.broadcast_to(block_valid[:, :, None], (b, n, g))
+    return jnp.concatenate([vis_ctx, vis_blk], axis=-1)[:, None, None, :, None, :]
+
+
+def _block_attention(q, k_blk, v_blk, k_ctx, v_ctx, visible, scale=None):
+    """q, k_blk, v_blk [B,N,G,H*,D]; k_ctx, v_ctx [B,S,Hkv,D]; visible from ``block_visibility``.
 
     ``scale`` multiplies the scores (default D^-0.5; Gemma4 uses 1.0).
     """
@@ -49,9 +58,6 @@ def _block_attention(q, k_blk, v_blk, k_ctx, v_ctx, ctx_mask, block_valid, scale
     q = q.reshape(b, n, g, hkv, hq // hkv, d)
     s_ctx = jnp.einsum("bngjrd,bsjd->bjrngs", q, k_ctx, preferred_element_type=jnp.float32)
     s_blk = jnp.einsum("bngjrd,bnkjd->bjrngk", q, k_blk, preferred_element_type=jnp.float32)
-    vis_ctx = ctx_mask & block_valid[:, :, None]
-    vis_blk = jnp.broadcast_to(block_valid[:, :, None], (b, n, g))
-    visible = jnp.concatenate([vis_ctx, vis_blk], axis=-1)[:, None, None, :, None, :]
     probs = nn.masked_softmax(jnp.concatenate([s_ctx, s_blk], axis=-1), visible,
                               d ** -0.5 if scale is None else scale).astype(v_ctx.dtype)
     s = k_ctx.shape[1]
@@ -86,6 +92,7 @@ def block_forward(
     b, n, g, h = block_embeds.shape
     cos, sin = nn.rope_cos_sin(block_positions.reshape(b, n * g), config.head_dim, config.rope_theta)
     eps = config.rms_norm_eps
+    visible = block_visibility(ctx_mask, block_valid, g)
 
     def layer(x, xs):
         p, k_ctx, v_ctx = xs
@@ -95,7 +102,7 @@ def block_forward(
         q, k = nn.apply_rope(q, cos, sin), nn.apply_rope(k, cos, sin)
         split = lambda a: a.reshape(b, n, g, *a.shape[2:])
         attn = _block_attention(split(q), split(k), split(v), k_ctx.astype(q.dtype),
-                                v_ctx.astype(q.dtype), ctx_mask, block_valid)
+                                v_ctx.astype(q.dtype), visible)
         x = x + attn @ p["o_proj"]
         x = x + nn.swiglu_mlp(nn.rms_norm(x, p["post_attention_layernorm"], eps), p)
         return x, None

@@ -79,14 +79,10 @@ class Proposal(NamedTuple):
     conf_logits: jax.Array
 
 
-def propose(dparams: dict, dcfg: DraftConfig, anchor: jax.Array, pos: jax.Array,
-            ctx: ContextCache, key: jax.Array, temperature, greedy: bool) -> Proposal:
-    """Draft one block per row after ``anchor [B]`` (the last committed token, at ``pos [B]``).
-
-    The block [anchor, MASK, ..] at positions pos..pos+G-1 runs through the backbone
-    against context rows < pos; then tokens are sampled left to right (``lax.scan``),
-    each with the Markov bias of the previous one.
-    """
+def block_hidden(dparams: dict, dcfg: DraftConfig, anchor: jax.Array, pos: jax.Array,
+                 ctx: ContextCache) -> jax.Array:
+    """Backbone output hidden [B, G, H] of the block [anchor, MASK, ..] at positions pos..pos+G-1
+    (anchor [B], pos [B]), attending to context rows < pos and the whole block."""
     b = anchor.shape[0]
     g = dcfg.block_size
     chex.assert_shape(pos, (b,))
@@ -97,8 +93,22 @@ def propose(dparams: dict, dcfg: DraftConfig, anchor: jax.Array, pos: jax.Array,
     embeds = dparams["embed_tokens"][block_ids][:, None]                     # [B,1,G,H]
     block_pos = (pos[:, None] + jnp.arange(g, dtype=jnp.int32))[:, None]      # [B,1,G]
     ctx_mask = jnp.arange(ctx.max_len)[None, None, :] < pos[:, None, None]    # [B,1,L]
-    hidden = backbone.block_forward(dparams, dcfg, embeds, block_pos, ctx.k, ctx.v,
-                                    ctx_mask, jnp.ones((b, 1), bool))[:, 0]  # [B,G,H]
+    return backbone.block_forward(dparams, dcfg, embeds, block_pos, ctx.k, ctx.v,
+                                  ctx_mask, jnp.ones((b, 1), bool))[:, 0]    # [B,G,H]
+
+
+def sample_block(dparams: dict, dcfg: DraftConfig, hidden: jax.Array, anchor: jax.Array,
+                 key: jax.Array, temperature, greedy: bool) -> tuple[jax.Array, jax.Array]:
+    """Drafts [B, G] sampled left to right from hidden [B, G, H] (``lax.scan``, each position
+    with the Markov bias of the previous token) and their logits [B, G, V].
+
+    Greedy: the scan carries only tokens (no [G, B, V] stack is written); the logits are
+    recomputed after it from the drafts in one batched Markov step (the same values: the
+    bias of position k depends only on token k-1 and h_k, except for the recurrent ``rnn``
+    head, whose ``teacher_forced`` replays the same ``step`` sequence). A greedy caller that
+    does not read them (rejection sampling) lets XLA drop them.
+    """
+    b, g = anchor.shape[0], dcfg.block_size
     base = draft_model.compute_logits(dparams, hidden)                        # [B,G,V]
 
     def step(carry, xs):
@@ -110,13 +120,33 @@ def propose(dparams: dict, dcfg: DraftConfig, anchor: jax.Array, pos: jax.Array,
         else:
             logits_k = u_k
         x_k = sampling.sample_logits(key_k, logits_k, temperature, greedy)
-        return (x_k, mstate), (x_k, logits_k)
+        return (x_k, mstate), (x_k if greedy else (x_k, logits_k))
 
     mstate0 = markov.init_state(dcfg, (b,), jnp.float32)
-    _, (drafts, logits) = jax.lax.scan(
+    _, ys = jax.lax.scan(
         step, (anchor, mstate0),
         (jnp.moveaxis(base, 1, 0), jnp.moveaxis(hidden, 1, 0), jax.random.split(key, g)))
-    drafts, logits = jnp.moveaxis(drafts, 0, 1), jnp.moveaxis(logits, 0, 1)
+    if not greedy:
+        drafts, logits = ys
+        return jnp.moveaxis(drafts, 0, 1), jnp.moveaxis(logits, 0, 1)
+    drafts = jnp.moveaxis(ys, 0, 1)
+    if not dcfg.has_markov:
+        return drafts, base
+    prev = jnp.concatenate([anchor[:, None], drafts[:, :-1]], axis=1)
+    return drafts, markov.teacher_forced(dparams["markov_head"], dcfg, base, prev, hidden)
+
+
+def propose(dparams: dict, dcfg: DraftConfig, anchor: jax.Array, pos: jax.Array,
+            ctx: ContextCache, key: jax.Array, temperature, greedy: bool) -> Proposal:
+    """Draft one block per row after ``anchor [B]`` (the last committed token, at ``pos [B]``).
+
+    The block [anchor, MASK, ..] at positions pos..pos+G-1 runs through the backbone
+    against context rows < pos (``block_hidden``); then tokens are sampled left to right
+    (``sample_block``), each with the Markov bias of the previous one.
+    """
+    b, g = anchor.shape[0], dcfg.block_size
+    hidden = block_hidden(dparams, dcfg, anchor, pos, ctx)
+    drafts, logits = sample_block(dparams, dcfg, hidden, anchor, key, temperature, greedy)
     if dcfg.enable_confidence_head:
         prev = jnp.concatenate([anchor[:, None], drafts[:, :-1]], axis=1)
         conf_logits = confidence.logits(dparams, dcfg, hidden, prev)

@@ -266,6 +266,7 @@ def block_forward(params: dict, cfg: Gemma4DraftConfig, block_embeds: jax.Array,
     b, n, g, h = block_embeds.shape
     cos, sin = _rope(cfg, block_positions.reshape(b, n * g), block_embeds.dtype)
     eps = cfg.rms_norm_eps
+    visible = backbone.block_visibility(ctx_mask, block_valid, g)
 
     def layer(x, xs):
         p, k_ctx, v_ctx = xs
@@ -274,7 +275,7 @@ def block_forward(params: dict, cfg: Gemma4DraftConfig, block_embeds: jax.Array,
         q, k = nn.apply_rope(q, cos, sin), nn.apply_rope(k, cos, sin)
         split = lambda a: a.reshape(b, n, g, *a.shape[2:])
         attn = backbone._block_attention(split(q), split(k), split(v), k_ctx.astype(q.dtype),
-                                         v_ctx.astype(q.dtype), ctx_mask, block_valid, scale=1.0)
+                                         v_ctx.astype(q.dtype), visible, scale=1.0)
         return tg.sandwich(x, attn @ p["o_proj"], p, eps), None
 
     if remat not in (False, None, "none"):

@@ -9,10 +9,10 @@ HELP = "write a drafter the way vLLM / SGLang / sglang-jax / DeepSpec load it (o
 DESCRIPTION = """\
 Export a drafter (dspark-jax or Hugging Face format) for one serving engine:
 
-  deepspec    the PyTorch reference (Qwen3DSparkModel.from_pretrained)
-  vllm        --speculative-config '{"method": "dspark", "model": DST}'
-  sglang      --speculative-algorithm DSPARK --speculative-draft-model-path DST
-  sglang-jax  --speculative-algorithm DSPARK --speculative-draft-model-path DST
+  deepspec    the PyTorch reference (Qwen3DSparkModel / Gemma4DSparkModel.from_pretrained)
+  vllm        --speculative-config '{"method": "dspark", "model": DST}'   (Qwen3, Gemma4)
+  sglang      --speculative-algorithm DSPARK --speculative-draft-model-path DST   (Qwen3 only)
+  sglang-jax  --speculative-algorithm DSPARK --speculative-draft-model-path DST   (Qwen3 only)
 
 The engine's load rules (read from its loader code; see dspark_jax/convert/engines.py) are
 checked first: a drafter it cannot load is refused with the rule that fails, and nothing is

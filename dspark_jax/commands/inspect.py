@@ -42,7 +42,8 @@ def describe_draft(path) -> dict:
         why = engines.check(cfg, engine)
         notes = [w for rule, w in engines.violations(cfg, engine, "warning")]
         per_engine[engine] = {"loadable": why is None, "why_not": why, "notes": notes}
-    return {"path": str(p), "format": checkpoint.detect_format(p), "family": f.family,
+    arch = (cfg.to_hf().get("architectures") or ["?"])[0]
+    return {"path": str(p), "format": checkpoint.detect_format(p), "family": f.family, "architecture": arch,
             "head": f.head, "markov_rank": f.markov_rank, "confidence_head": f.enable_confidence_head,
             "target_layer_ids": list(f.target_layer_ids), "num_target_layers": f.num_target_layers,
             "block_size": f.block_size, "mask_token_id": f.mask_token_id,
@@ -61,7 +62,7 @@ def run(args) -> int:
         print(json.dumps(info))
         return 0
     print(f"{info['path']}  ({info['format']} format)")
-    print(f"  family {info['family']}, head {info['head']} (markov_rank {info['markov_rank']}), "
+    print(f"  family {info['family']} ({info['architecture']}), head {info['head']} (markov_rank {info['markov_rank']}), "
           f"confidence head {'yes' if info['confidence_head'] else 'no'}")
     print(f"  target layers {info['target_layer_ids']} of {info['num_target_layers']}, "
           f"block size {info['block_size']}, mask token {info['mask_token_id']}, "

@@ -6,9 +6,9 @@ family-independent facts of a drafter config) that returns ``None`` when the eng
 the drafter, else one line saying why not.
 
 Engines: ``deepspec`` (the PyTorch reference), ``vllm``, ``sglang``, ``sglang-jax``.
-Families: ``qwen3`` (tested) and ``gemma4`` (rules recorded from the engines' code, untested
-until the Gemma4 drafter lands: it plugs in by exposing ``family == "gemma4"`` and, where
-known, ``attention_k_eq_v`` on its config).
+Families: ``qwen3`` and ``gemma4`` (``draft.gemma4.Gemma4DraftConfig``; its family is read from
+``architectures`` and ``attention_k_eq_v`` from its text config). Both are tested against
+checkers written from the engines' loaders (tests/test_serving.py).
 
 ``serving_warnings(draft_cfg, engines)`` is what `train` prints at start-up (config key
 ``serve_engines``); ``check(draft_cfg, engine)`` is what `export` / `inspect` refuse on;
@@ -29,12 +29,14 @@ ARCHITECTURES: dict[str, dict[str, str]] = {
     # DeepSpec deepspec/modeling/dspark/{qwen3,gemma4}/config.py (our own save format).
     "deepspec": {"qwen3": "Qwen3DSparkModel", "gemma4": "Gemma4DSparkModel"},
     # vllm/model_executor/models/qwen3_dspark.py (Qwen3DSparkForCausalLM) and
-    # gemma4_dspark.py, registered by architecture name (SERVING.md: registry).
+    # gemma4_dspark.py (Gemma4DSparkForCausalLM), registered in models/registry.py under the
+    # architecture names "Qwen3DSparkModel" / "Gemma4DSparkModel".
     "vllm": {"qwen3": "Qwen3DSparkModel", "gemma4": "Gemma4DSparkModel"},
-    # python/sglang/srt/models/dspark.py: EntryClass = [Qwen3DSparkModel] (Qwen3 only).
+    # python/sglang/srt/models/dspark.py: EntryClass = [Qwen3DSparkModel], a DFlashDraftModel
+    # (Qwen3 layers) backbone; no Gemma4 DSpark class anywhere in python/sglang/srt/models/.
     "sglang": {"qwen3": "Qwen3DSparkModel"},
-    # python/sgl_jax/srt/models/dspark.py (sglang-jax PR #1632; not in our 2026-08 snapshot,
-    # per SERVING.md; its DFlash path in that snapshot is Qwen3): Qwen3 only.
+    # python/sgl_jax/srt/models/dspark.py: EntryClass = Qwen3DSparkModel (DFlashDraftModel
+    # backbone); no Gemma4 DSpark class in python/sgl_jax/srt/models/ (gemma4_mtp.py is MTP).
     "sglang-jax": {"qwen3": "Qwen3DSparkModel"},
 }
 
@@ -83,8 +85,15 @@ def facts(cfg) -> DraftFacts:
         block_size=int(cfg.block_size),
         mask_token_id=int(cfg.mask_token_id),
         vocab_size=int(cfg.vocab_size),
-        attention_k_eq_v=getattr(cfg, "attention_k_eq_v", None),
+        attention_k_eq_v=_k_eq_v(cfg),
     )
+
+
+def _k_eq_v(cfg) -> bool | None:
+    """``attention_k_eq_v`` of a Gemma4 drafter (on its text config), else None."""
+    text = getattr(cfg, "text", None)
+    value = getattr(text, "attention_k_eq_v", getattr(cfg, "attention_k_eq_v", None))
+    return None if value is None else bool(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,9 +126,12 @@ def _markov_rank_positive(engine: str, why: str):
 def _vanilla_only(engine: str):
     def test(f: DraftFacts):
         if f.markov_rank > 0 and f.markov_head_type != "vanilla":
+            extra = f"markov_head.{'gate_proj' if f.markov_head_type == 'gated' else 'joint_proj'}.*"
+            if engine == "vllm" and f.family == "gemma4":
+                return (f"vllm's Gemma4 DSpark loader builds only the vanilla Markov head and silently "
+                        f"skips the {f.markov_head_type} head's {extra}: it would draft with a wrong head")
             return (f"{engine} loads only the vanilla Markov head; the {f.markov_head_type} head's "
-                    f"extra tensors (markov_head.{'gate_proj' if f.markov_head_type == 'gated' else 'joint_proj'}.*) "
-                    "are refused")
+                    f"extra tensors ({extra}) are refused")
         return None
     return test
 
@@ -168,7 +180,8 @@ def _mask_in_vocab(f: DraftFacts):
 
 def _gemma4_k_eq_v(f: DraftFacts):
     if f.family == "gemma4" and f.attention_k_eq_v is False:
-        return "vllm's Gemma4 DSpark loader requires k = v on every layer (attention_k_eq_v)"
+        return ("vllm's Gemma4 DSpark loader requires k = v on every layer (attention_k_eq_v: true); "
+                "its fused context-KV precompute asserts it")
     return None
 
 
@@ -199,27 +212,36 @@ RULES: tuple[Rule, ...] = (
     # ---------------------------------------------------------------- vLLM
     Rule("vllm", "family", "vllm/model_executor/models/qwen3_dspark.py, gemma4_dspark.py",
          _family_supported("vllm")),
-    # Qwen3DSparkModel.__init__ builds DSparkMarkovHead(vocab, draft_vocab, markov_rank)
-    # unconditionally; markov_w1/markov_w2 must be in the checkpoint.
-    Rule("vllm", "markov_rank>0", "vllm/model_executor/models/qwen3_dspark.py (Qwen3DSparkModel)",
-         _markov_rank_positive("vllm", "Qwen3DSparkModel always builds markov_head.markov_w1/w2")),
+    # Qwen3DSparkModel.__init__ and gemma4_dspark.py Gemma4DSparkModel.__init__ build
+    # DSparkMarkovHead(vocab, draft_vocab, markov_rank) unconditionally; markov_w1/markov_w2
+    # must be in the checkpoint.
+    Rule("vllm", "markov_rank>0", "vllm/model_executor/models/qwen3_dspark.py (Qwen3DSparkModel); "
+         "gemma4_dspark.py (Gemma4DSparkModel)",
+         _markov_rank_positive("vllm", "the DSpark model always builds markov_head.markov_w1/w2")),
     # Qwen3DSparkForCausalLM.load_weights -> AutoWeightsLoader: any tensor without a module
-    # (markov_head.gate_proj.*, markov_head.joint_proj.*) raises.
-    Rule("vllm", "vanilla-markov", "vllm/model_executor/models/qwen3_dspark.py (load_weights)",
-         _vanilla_only("vllm")),
+    # (markov_head.gate_proj.*, markov_head.joint_proj.*) raises. Gemma4DSparkForCausalLM.
+    # load_weights loads only names it has a parameter for and skips the rest silently.
+    Rule("vllm", "vanilla-markov", "vllm/model_executor/models/qwen3_dspark.py (load_weights); "
+         "gemma4_dspark.py (Gemma4DSparkForCausalLM.load_weights)", _vanilla_only("vllm")),
     # Aux hidden states are captured before layer id+1 as hidden_states + residual, and the
     # residual is None before layer 0 (vllm/model_executor/models/interfaces.py
     # EagleModelMixin._maybe_add_hidden_state; qwen2.py/qwen3 forward), so id -1 fails.
+    # (vllm/model_executor/models/gemma4.py Gemma4Model.forward captures index 0, the scaled
+    # embedding, before the first layer and its layers return residual None: Gemma4 may tap -1.)
     Rule("vllm", "no-layer-id-minus-1", "vllm/model_executor/models/interfaces.py "
          "(_maybe_add_hidden_state); vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py",
-         _no_embedding_tap("vllm")),
-    Rule("vllm", "gemma4-k-eq-v", "vllm/model_executor/models/gemma4_dspark.py",
-         _gemma4_k_eq_v, families=("gemma4",)),
-    Rule("vllm", "gemma4-no-confidence", "vllm/model_executor/models/gemma4_dspark.py",
+         _no_embedding_tap("vllm"), families=("qwen3",)),
+    # Gemma4DSparkAttention: use_k_eq_v = full_attention layer and config.attention_k_eq_v;
+    # Gemma4DSparkModel._build_fused_kv_buffers asserts every layer uses k = v.
+    Rule("vllm", "gemma4-k-eq-v", "vllm/model_executor/models/gemma4_dspark.py "
+         "(Gemma4DSparkAttention, _build_fused_kv_buffers)", _gemma4_k_eq_v, families=("gemma4",)),
+    # Gemma4DSparkForCausalLM.load_weights: `if "confidence_head" in name: continue`.
+    Rule("vllm", "gemma4-no-confidence", "vllm/model_executor/models/gemma4_dspark.py "
+         "(Gemma4DSparkForCausalLM.load_weights)",
          _gemma4_drops_confidence, families=("gemma4",), severity="warning"),
     # load_weights: confidence_head optional -> set to None when absent.
     Rule("vllm", "confidence-optional", "vllm/model_executor/models/qwen3_dspark.py (load_weights)",
-         _vllm_drops_missing_confidence, severity="warning"),
+         _vllm_drops_missing_confidence, families=("qwen3",), severity="warning"),
     # ---------------------------------------------------------------- SGLang
     Rule("sglang", "family", "python/sglang/srt/models/dspark.py (EntryClass)",
          _family_supported("sglang")),
@@ -241,12 +263,12 @@ RULES: tuple[Rule, ...] = (
     Rule("sglang", "mask-in-vocab", "python/sglang/srt/speculative/dspark_components/dspark_config.py "
          "(resolve_runtime_config)", _mask_in_vocab),
     # ---------------------------------------------------------------- sglang-jax
-    Rule("sglang-jax", "family", "python/sgl_jax/srt/models/dspark.py (SERVING.md)",
+    Rule("sglang-jax", "family", "python/sgl_jax/srt/models/dspark.py (EntryClass)",
          _family_supported("sglang-jax")),
-    Rule("sglang-jax", "markov_rank>0", "python/sgl_jax/srt/models/dspark.py (SERVING.md)",
+    Rule("sglang-jax", "markov_rank>0", "python/sgl_jax/srt/models/dspark.py (DSparkDraftModel.__init__)",
          _markov_rank_positive("sglang-jax", "its DSpark worker runs the vanilla Markov head")),
-    Rule("sglang-jax", "vanilla-markov", "python/sgl_jax/srt/models/dspark.py (SERVING.md: "
-         "vanilla Markov head only)", _vanilla_only("sglang-jax")),
+    Rule("sglang-jax", "vanilla-markov", "python/sgl_jax/srt/models/dspark.py (DSparkDraftModel.__init__: "
+         "markov_head_type must be 'vanilla')", _vanilla_only("sglang-jax")),
     # python/sgl_jax/srt/models/qwen3.py: set_dflash_layers_to_capture captures at id+1 and
     # handles a None residual (so -1, the embedding output, works); a capture point >= N is
     # never reached (features silently missing), so ids must be <= N-2.

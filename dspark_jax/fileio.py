@@ -88,23 +88,65 @@ def write_json(path, data, *, force: bool = True, indent: int | None = 2) -> Pat
     return Path(path)
 
 
+def check_output(path, *, force: bool = False, kind: str = "file", flag: str = "--out",
+                 protect=()) -> Path:
+    """Validate an output path before any work starts; returns it as a Path.
+
+    ``kind`` is "file" or "dir" (what the command writes there). Refused (InputError, one
+    line naming ``flag`` and the path): a file output that is an existing directory (or a dir
+    output that is an existing file), an existing path without ``force``, a parent that is
+    not a writable directory, and a path equal to or above one of ``protect`` (e.g. convert's
+    SRC, which ``--force`` would delete).
+    """
+    path = Path(path)
+    shown = f"{flag} {str(path)!r}"
+    if kind == "file" and path.is_dir():
+        raise InputError(f"{shown} is a directory; give a file path")
+    if kind == "dir" and path.exists() and not path.is_dir():
+        raise InputError(f"{shown} is a file; give a directory path")
+    resolved = path.absolute().resolve()
+    for other in protect:
+        other = Path(other).absolute().resolve()
+        if resolved == other or resolved in other.parents:
+            raise InputError(f"{shown} is {str(other)!r} or contains it; choose another destination")
+    if (path.exists() or path.is_symlink()) and not force:
+        raise InputError(f"{shown} exists; pass --force to overwrite it")
+    parent = resolved.parent
+    while not parent.exists():  # the command creates missing parents
+        parent = parent.parent
+    if not parent.is_dir():
+        raise InputError(f"{shown}: {str(parent)!r} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"{shown}: directory {str(parent)!r} is not writable")
+    return path
+
+
 def iter_jsonl(path, what: str = "JSONL file") -> Iterator[tuple[str, object]]:
     """Yield ``("file:line", record)`` for each non-blank line of a JSONL file.
 
-    A missing file or a malformed line raises InputError naming the file and line.
+    A missing file, a line that is not UTF-8 or a malformed line raises InputError naming
+    the file and line (1-based).
     """
     path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{what} {str(path)!r} is a directory, not a JSONL file")
     if not path.is_file():
         raise InputError(f"{what} {str(path)!r} does not exist")
     try:
-        f = path.open("r", encoding="utf-8")
+        f = path.open("rb")
     except OSError as e:
         raise InputError(f"cannot read {what} {str(path)!r}: {e.strerror}") from None
     with f:
-        for lineno, line in enumerate(f, start=1):
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise InputError(f"{where}: not valid UTF-8 (byte {e.start + 1} of the line)") from None
+            if lineno == 1 and line.startswith("\ufeff"):
+                line = line[1:]
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:

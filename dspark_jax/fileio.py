@@ -110,7 +110,7 @@ def check_output(path, *, force: bool = False, kind: str = "file", flag: str = "
         if resolved == other or resolved in other.parents:
             raise InputError(f"{shown} is {str(other)!r} or contains it; choose another destination")
     if (path.exists() or path.is_symlink()) and not force:
-        raise InputError(f"{shown} exists; pass --force to overwrite it")
+        raise InputError(f"{shown} already exists (destination exists: pass --force to replace it)")
     parent = resolved.parent
     while not parent.exists():  # the command creates missing parents
         parent = parent.parent

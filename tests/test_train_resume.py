@@ -13,6 +13,7 @@ import pytest
 
 from dspark_jax.convert.checkpoint import load_draft, load_target
 from dspark_jax.data.sample import sample_sequences, write_jsonl
+from dspark_jax.errors import ConfigError
 from dspark_jax.train.config import TrainConfig
 from dspark_jax.train.loop import FAST_COMPILE_ENV, KILL_AT_STEP_ENV, NonFiniteLossError, train
 from train_tiny import TARGET
@@ -55,6 +56,10 @@ def test_resume_after_sigkill_matches_uninterrupted(data_file, tmp_path):
     ckpts = sorted(int(p.name) for p in (Path(cfg.output_dir) / "checkpoints").iterdir() if p.name.isdigit())
     assert ckpts == [2, 4]
     assert not (Path(cfg.output_dir) / "export").exists()
+    # a step the killed run logged after its last checkpoint (and a line cut by the kill):
+    # the resume replays step 5, which must then appear once
+    with (Path(cfg.output_dir) / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"step": 5, "loss": -1.0}) + "\n" + '{"step": 6, "lo')
     second = _run_cli(cfg, tmp_path)
     assert second.returncode == 0, second.stderr[-2000:]
     summary = json.loads((Path(cfg.output_dir) / "summary.json").read_text())
@@ -74,6 +79,34 @@ def test_resume_after_sigkill_matches_uninterrupted(data_file, tmp_path):
     # two epochs: every example seen once per epoch, in a different order
     order = [i for s in range(1, 7) for i in rows[s]["data"]]
     assert sorted(order[:24]) == list(range(24)) == sorted(order[24:]) and order[:24] != order[24:]
+    steps = [json.loads(line)["step"] for line in (Path(cfg.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]  # each step once after SIGKILL + resume
+
+    # rerunning the finished run says so and changes nothing on disk (listing, bytes, mtimes)
+    before = _snapshot(Path(cfg.output_dir))
+    third = _run_cli(cfg, tmp_path)
+    assert third.returncode == 0, third.stderr[-2000:]
+    assert "finished" in third.stderr
+    assert _snapshot(Path(cfg.output_dir)) == before
+    # a rerun that differs in what defines the run is refused, naming the fields
+    for changed, field in ((dict(optimizer=dict(learning_rate=1e-4)), "optimizer.learning_rate"),
+                           (dict(seed=3), "seed")):
+        with pytest.raises(ConfigError, match=field.replace(".", r"\.") + ".*--force-resume"):
+            train(tiny_config(tmp_path / "killed", data_file, **changed), fast_compile=True)
+        assert _snapshot(Path(cfg.output_dir)) == before
+    other = tmp_path / "other.jsonl"
+    other.write_text(Path(data_file).read_text().replace("\n", " \n", 1))  # same records, other bytes
+    with pytest.raises(ConfigError, match=r"data\.sha256"):
+        train(tiny_config(tmp_path / "killed", other), fast_compile=True)
+    # --force-resume accepts the difference (here: the run is finished, so nothing to do)
+    done = train(tiny_config(tmp_path / "killed", data_file, seed=3), fast_compile=True, force_resume=True)
+    assert done["finished"] and _snapshot(Path(cfg.output_dir)) == before
+
+
+def _snapshot(root: Path) -> dict:
+    import hashlib
+    return {str(p.relative_to(root)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+            if p.is_file() else "dir" for p in sorted(root.rglob("*"))}
 
 
 def _flatten(tree, prefix=""):

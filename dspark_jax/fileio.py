@@ -37,18 +37,26 @@ def atomic_open(path, *, force: bool = True, mode: int = 0o644) -> Iterator[IO[s
 
 
 @contextlib.contextmanager
-def atomic_dir(dst, *, force: bool = False, make_parents: bool = False,
+def atomic_dir(dst, *, force: bool = False, make_parents: bool = True,
                mode: int | None = None) -> Iterator[Path]:
     """Yield a fresh temp dir next to ``dst``; on success it replaces ``dst`` (a rename).
 
-    Refuses an existing ``dst`` unless ``force`` (InputError); ``make_parents`` creates the
-    parent directory, else it must exist; ``mode`` chmods the new directory. On any error
-    the temp dir is removed and ``dst`` is left untouched.
+    Refuses an existing ``dst`` unless ``force`` (InputError); ``make_parents`` (default)
+    creates missing parent directories, else the parent must exist; ``mode`` chmods the new
+    directory. On any error the temp dir (and the parents it created) are removed and
+    ``dst`` is left untouched.
     """
     dst = Path(dst).absolute()
     if (dst.exists() or dst.is_symlink()) and not force:
         raise InputError(f"{dst}: destination exists; pass --force to replace it")
+    created = []
     if make_parents:
+        parent = dst.parent
+        while not parent.exists() and parent != parent.parent:
+            created.append(parent)
+            parent = parent.parent
+        if parent.exists() and not parent.is_dir():
+            raise InputError(f"{parent}: not a directory (a parent of the destination {dst})")
         dst.parent.mkdir(parents=True, exist_ok=True)
     if not dst.parent.is_dir():
         raise InputError(f"{dst.parent}: parent directory of the destination does not exist")
@@ -70,6 +78,11 @@ def atomic_dir(dst, *, force: bool = False, make_parents: bool = False,
             os.replace(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        for d in created:  # innermost first
+            try:
+                d.rmdir()
+            except OSError:
+                break
         raise
 
 

@@ -346,3 +346,14 @@ def test_non_finite_weights_warn_on_convert(tmp_path, capsys):
     assert cli.main(["convert", str(src), str(tmp_path / "dst")]) == 0
     err = capsys.readouterr().err
     assert "warning" in err and "NaN" in err
+
+
+def test_local_launcher_echoes_process_0_and_tails_the_failure(tmp_path):
+    code = ("import os, sys; i = os.environ['DSPARK_PROCESS_ID']; print('hello from', i, flush=True); "
+            "sys.exit(3 if i == '1' else 0)")
+    r = subprocess.run([sys.executable, str(REPO / "launch/local.py"), "-n", "2", "--log-dir", str(tmp_path / "logs"),
+                        "--", sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 3
+    assert "hello from 0" in r.stdout and "hello from 1" not in r.stdout
+    assert "process 1 failed first (exit code 3)" in r.stderr and "| hello from 1" in r.stderr
+    assert (tmp_path / "logs/process_1.log").read_text() == "hello from 1\n"

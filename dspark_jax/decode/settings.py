@@ -80,6 +80,9 @@ def resolve(options: DecodeOptions, target_dir, draft_dir=None, tokenizer=None) 
                           sts_from_drafter=temps is not None and options.confidence_temperatures is None)
 
 
+NEVER_PAYS_CONFIDENCE = 0.95  # warn when the scheduler needs a first-token confidence above this
+
+
 def advisories(options: DecodeOptions, policy, block_size: int | None = None) -> list[str]:
     """Warnings for settings that do not do what they seem to: a flag the policy ignores and an
     SPS table under which speculation never pays (``resolve`` prints these); with the drafter's
@@ -97,14 +100,17 @@ def advisories(options: DecodeOptions, policy, block_size: int | None = None) ->
         return []
     sps = getattr(policy, "sps", None)
     if sps is not None and name.startswith("scheduler"):
+        # Algorithm 1 admits the first draft token of a row only if (R + c) * SPS(R + 1) beats
+        # R * SPS(R): it needs a survival c above R * (SPS(R) / SPS(R + 1) - 1)
         r = options.batch_size
-        now, more = r * float(sps(r)), (r + 1) * float(sps(r + 1))
-        if more <= now:
-            out.append(f"--verify {options.verify}: under the SPS table {options.sps_table} verifying one "
-                       f"token more than the {r} bonus token(s) never pays ({r}*SPS({r}) = {now:.1f} >= "
-                       f"{r + 1}*SPS({r + 1}) = {more:.1f} tokens/s even at full confidence), so no draft "
-                       "token will be verified; use --verify full or threshold, or re-measure the table "
-                       "with `dspark-jax profile-sps` on the device you decode on")
+        need = r * (float(sps(r)) / float(sps(r + 1)) - 1.0)
+        if need >= NEVER_PAYS_CONFIDENCE:
+            verdict = ("never pays" if need >= 1 else
+                       f"pays only above a confidence of {need:.3f}, so almost no draft token is verified")
+            out.append(f"--verify {options.verify}: under the SPS table {options.sps_table} speculation "
+                       f"{verdict} (SPS({r}) = {float(sps(r)):.1f}, SPS({r + 1}) = {float(sps(r + 1)):.1f}: "
+                       "verification cost grows with every token); use --verify full or threshold, or "
+                       "re-measure the table with `dspark-jax profile-sps` on the device you decode on")
     return out
 
 

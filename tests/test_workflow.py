@@ -8,6 +8,7 @@ tests/test_train_parallel.py and `plan` by tests/test_plan.py (full-size compile
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -30,8 +31,11 @@ def test_readme_workflow(tmp_path, monkeypatch, capsys):
     tiny = "tests/fixtures/dspark_qwen3_tiny"
 
     def run(*argv):
+        t0 = time.time()
         code = cli.main(list(argv))
         out, err = capsys.readouterr()
+        with capsys.disabled():
+            print(f"\n{time.time() - t0:6.1f}s  dspark-jax {' '.join(argv[:3])}")
         assert code == 0, (argv, err[-3000:])
         assert "Traceback" not in err
         return out, err

@@ -6,7 +6,6 @@ tests/test_train_parallel.py and `plan` by tests/test_plan.py (full-size compile
 """
 
 import json
-import os
 import shutil
 import time
 from pathlib import Path

@@ -45,7 +45,6 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from pathlib import Path
 
     import jax
     import jax.numpy as jnp

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 from dspark_jax.decode.settings import DecodeOptions, advisories, resolve
-from dspark_jax.errors import InputError, warn
+from dspark_jax.errors import warn
 from dspark_jax.fileio import atomic_open, check_output
 
 

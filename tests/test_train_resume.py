@@ -60,6 +60,9 @@ def test_resume_after_sigkill_matches_uninterrupted(data_file, tmp_path):
     # the resume replays step 5, which must then appear once
     with (Path(cfg.output_dir) / "metrics.jsonl").open("a") as f:
         f.write(json.dumps({"step": 5, "loss": -1.0}) + "\n" + '{"step": 6, "lo')
+    from tensorboardX import SummaryWriter
+    with SummaryWriter(str(Path(cfg.output_dir) / "tb")) as w:  # and its TensorBoard event
+        w.add_scalar("train/loss", -1.0, 5)
     second = _run_cli(cfg, tmp_path)
     assert second.returncode == 0, second.stderr[-2000:]
     summary = json.loads((Path(cfg.output_dir) / "summary.json").read_text())
@@ -81,6 +84,7 @@ def test_resume_after_sigkill_matches_uninterrupted(data_file, tmp_path):
     assert sorted(order[:24]) == list(range(24)) == sorted(order[24:]) and order[:24] != order[24:]
     steps = [json.loads(line)["step"] for line in (Path(cfg.output_dir) / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6]  # each step once after SIGKILL + resume
+    assert _tb_steps(Path(cfg.output_dir) / "tb", "train/loss") == [1, 2, 3, 4, 5, 6]
 
     # rerunning the finished run says so and changes nothing on disk (listing, bytes, mtimes)
     before = _snapshot(Path(cfg.output_dir))
@@ -101,6 +105,27 @@ def test_resume_after_sigkill_matches_uninterrupted(data_file, tmp_path):
     # --force-resume accepts the difference (here: the run is finished, so nothing to do)
     done = train(tiny_config(tmp_path / "killed", data_file, seed=3), fast_compile=True, force_resume=True)
     assert done["finished"] and _snapshot(Path(cfg.output_dir)) == before
+
+
+def _tb_steps(tb: Path, tag: str) -> list[int]:
+    """Steps of ``tag`` as TensorBoard shows them: event files in order, a SessionLog START at
+    step s (``purge_step``) dropping the events of steps >= s read before it."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+    steps = []
+    for f in sorted(tb.glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime_ns):
+        data, pos = f.read_bytes(), 0
+        while pos < len(data):
+            (n,) = struct.unpack("<Q", data[pos:pos + 8])
+            ev = Event.FromString(data[pos + 12:pos + 12 + n])
+            pos += 12 + n + 4
+            if ev.HasField("session_log") and ev.session_log.status == SessionLog.START:
+                steps = [s for s in steps if s < ev.step]
+            elif ev.HasField("summary"):
+                steps += [ev.step for v in ev.summary.value if v.tag == tag]
+    return steps
 
 
 def _snapshot(root: Path) -> dict:

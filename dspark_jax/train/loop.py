@@ -327,7 +327,7 @@ class _Log:
     """metrics.jsonl, TensorBoard and the progress bar (process 0 writes; all processes keep history)."""
 
     def __init__(self, run: Run, start: int):
-        self.run, self.history, self.tokens = run, [], 0
+        self.run, self.history, self.tokens, self.parts = run, [], 0, 0
         self.file = self.writer = None
         if run.is_main:
             from tensorboardX import SummaryWriter
@@ -351,6 +351,15 @@ class _Log:
                                  tau=f"{metrics.get('expected_accept_length', float('nan')):.3f}")
         self.bar.update(1)
 
+    def flush(self) -> None:
+        """Get every logged event onto disk (tensorboardX's flush leaves queued events in its
+        writer thread: closing drains the queue; a new event file continues the log)."""
+        if self.writer:
+            from tensorboardX import SummaryWriter
+            self.writer.close()
+            self.parts += 1  # a distinct file name (tensorboardX names files by the second)
+            self.writer = SummaryWriter(str(self.run.out / "tb"), filename_suffix=f".{os.getpid()}.{self.parts}")
+
     def close(self) -> None:
         self.bar.close()
         for f in (self.file, self.writer):
@@ -368,11 +377,13 @@ def _non_finite(run: Run, mgr, step: int, metrics: dict) -> NonFiniteLossError:
         "Lower optimizer.learning_rate or check the data.")
 
 
-def _save(run: Run, mgr, step: int, state, data_iter) -> None:
-    """Checkpoint every ``checkpoint.every`` steps and at the last step."""
+def _save(run: Run, mgr, step: int, state, data_iter, log: "_Log") -> None:
+    """Checkpoint every ``checkpoint.every`` steps and at the last step (TensorBoard flushed
+    first, so a killed run's events reach the restored step)."""
     every = run.cfg.checkpoint.every
     if not every or (step % every and step != run.total_steps):
         return
+    log.flush()
     mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                            data=grain.checkpoint.CheckpointSave(data_iter)))
     kill_at = int(os.environ.get(KILL_AT_STEP_ENV, "0") or 0)
@@ -396,7 +407,7 @@ def iterate(run: Run, state, start: int, mgr, data_iter, log: _Log):
         if not finite:
             raise _non_finite(run, mgr, it + 1, metrics)
         log.add(it + 1, metrics, row)
-        _save(run, mgr, it + 1, state, data_iter)
+        _save(run, mgr, it + 1, state, data_iter, log)
     mgr.wait_until_finished()
     return state
 

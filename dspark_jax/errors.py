@@ -22,3 +22,9 @@ def require_positive_int(value, what: str, error: type[DSparkError] = InputError
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise error(f"{what} must be a positive int, got {value!r}")
     return value
+
+
+def warn(message: str) -> None:
+    """One ``dspark-jax: warning: <message>`` line on stderr (a choice the user may not expect)."""
+    import sys
+    print(f"dspark-jax: warning: {message}", file=sys.stderr, flush=True)

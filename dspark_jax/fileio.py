@@ -37,18 +37,26 @@ def atomic_open(path, *, force: bool = True, mode: int = 0o644) -> Iterator[IO[s
 
 
 @contextlib.contextmanager
-def atomic_dir(dst, *, force: bool = False, make_parents: bool = False,
+def atomic_dir(dst, *, force: bool = False, make_parents: bool = True,
                mode: int | None = None) -> Iterator[Path]:
     """Yield a fresh temp dir next to ``dst``; on success it replaces ``dst`` (a rename).
 
-    Refuses an existing ``dst`` unless ``force`` (InputError); ``make_parents`` creates the
-    parent directory, else it must exist; ``mode`` chmods the new directory. On any error
-    the temp dir is removed and ``dst`` is left untouched.
+    Refuses an existing ``dst`` unless ``force`` (InputError); ``make_parents`` (default)
+    creates missing parent directories, else the parent must exist; ``mode`` chmods the new
+    directory. On any error the temp dir (and the parents it created) are removed and
+    ``dst`` is left untouched.
     """
     dst = Path(dst).absolute()
     if (dst.exists() or dst.is_symlink()) and not force:
         raise InputError(f"{dst}: destination exists; pass --force to replace it")
+    created = []
     if make_parents:
+        parent = dst.parent
+        while not parent.exists() and parent != parent.parent:
+            created.append(parent)
+            parent = parent.parent
+        if parent.exists() and not parent.is_dir():
+            raise InputError(f"{parent}: not a directory (a parent of the destination {dst})")
         dst.parent.mkdir(parents=True, exist_ok=True)
     if not dst.parent.is_dir():
         raise InputError(f"{dst.parent}: parent directory of the destination does not exist")
@@ -70,6 +78,11 @@ def atomic_dir(dst, *, force: bool = False, make_parents: bool = False,
             os.replace(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        for d in created:  # innermost first
+            try:
+                d.rmdir()
+            except OSError:
+                break
         raise
 
 
@@ -88,23 +101,65 @@ def write_json(path, data, *, force: bool = True, indent: int | None = 2) -> Pat
     return Path(path)
 
 
+def check_output(path, *, force: bool = False, kind: str = "file", flag: str = "--out",
+                 protect=()) -> Path:
+    """Validate an output path before any work starts; returns it as a Path.
+
+    ``kind`` is "file" or "dir" (what the command writes there). Refused (InputError, one
+    line naming ``flag`` and the path): a file output that is an existing directory (or a dir
+    output that is an existing file), an existing path without ``force``, a parent that is
+    not a writable directory, and a path equal to or above one of ``protect`` (e.g. convert's
+    SRC, which ``--force`` would delete).
+    """
+    path = Path(path)
+    shown = f"{flag} {str(path)!r}"
+    if kind == "file" and path.is_dir():
+        raise InputError(f"{shown} is a directory; give a file path")
+    if kind == "dir" and path.exists() and not path.is_dir():
+        raise InputError(f"{shown} is a file; give a directory path")
+    resolved = path.absolute().resolve()
+    for other in protect:
+        other = Path(other).absolute().resolve()
+        if resolved == other or resolved in other.parents:
+            raise InputError(f"{shown} is {str(other)!r} or contains it; choose another destination")
+    if (path.exists() or path.is_symlink()) and not force:
+        raise InputError(f"{shown} already exists (destination exists: pass --force to replace it)")
+    parent = resolved.parent
+    while not parent.exists():  # the command creates missing parents
+        parent = parent.parent
+    if not parent.is_dir():
+        raise InputError(f"{shown}: {str(parent)!r} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"{shown}: directory {str(parent)!r} is not writable")
+    return path
+
+
 def iter_jsonl(path, what: str = "JSONL file") -> Iterator[tuple[str, object]]:
     """Yield ``("file:line", record)`` for each non-blank line of a JSONL file.
 
-    A missing file or a malformed line raises InputError naming the file and line.
+    A missing file, a line that is not UTF-8 or a malformed line raises InputError naming
+    the file and line (1-based).
     """
     path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{what} {str(path)!r} is a directory, not a JSONL file")
     if not path.is_file():
         raise InputError(f"{what} {str(path)!r} does not exist")
     try:
-        f = path.open("r", encoding="utf-8")
+        f = path.open("rb")
     except OSError as e:
         raise InputError(f"cannot read {what} {str(path)!r}: {e.strerror}") from None
     with f:
-        for lineno, line in enumerate(f, start=1):
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise InputError(f"{where}: not valid UTF-8 (byte {e.start + 1} of the line)") from None
+            if lineno == 1 and line.startswith("\ufeff"):
+                line = line[1:]
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:

@@ -6,17 +6,20 @@
 Each child gets DSPARK_COORDINATOR_ADDRESS / DSPARK_NUM_PROCESSES / DSPARK_PROCESS_ID (read by
 `dspark-jax train`, which calls jax.distributed.initialize and selects gloo CPU collectives),
 JAX_PLATFORMS=cpu and XLA_FLAGS=--xla_force_host_platform_device_count=M. Output of process i
-goes to <log-dir>/process_<i>.log (and process 0 also to this terminal). Exit code: the first
-non-zero child exit code, else 0; if one child fails the others are terminated.
+goes to <log-dir>/process_<i>.log, and process 0's also to this terminal. Exit code: the first
+non-zero child exit code, else 0; if one child fails the others are terminated and the failing
+process's last lines are printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -27,13 +30,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _pump(stream, log, echo, tail: collections.deque) -> None:
+    """Copy a child's output line by line to its log file (and the terminal for process 0),
+    keeping the last lines in ``tail``."""
+    for raw in iter(stream.readline, b""):
+        line = raw.decode("utf-8", "replace")
+        tail.append(line)
+        if log:
+            log.write(line)
+            log.flush()
+        if echo:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+    stream.close()
+    if log:
+        log.close()
+
+
 def launch(command: list[str], processes: int, devices_per_process: int, log_dir: str | None = None,
-           port: int | None = None, env: dict | None = None, timeout: float | None = None) -> int:
+           port: int | None = None, env: dict | None = None, timeout: float | None = None,
+           tail_lines: int = 20) -> int:
     port = port or free_port()
     logs = Path(log_dir) if log_dir else None
     if logs:
         logs.mkdir(parents=True, exist_ok=True)
-    children = []
+    children, pumps, tails = [], [], []
     for i in range(processes):
         child_env = dict(os.environ if env is None else env)
         flags = [f for f in child_env.get("XLA_FLAGS", "").split() if "device_count" not in f]
@@ -44,26 +65,44 @@ def launch(command: list[str], processes: int, devices_per_process: int, log_dir
             "JAX_PLATFORMS": "cpu",
             "XLA_FLAGS": " ".join(flags + [f"--xla_force_host_platform_device_count={devices_per_process}"]),
         })
-        out = (logs / f"process_{i}.log").open("w") if logs else (None if i == 0 else subprocess.DEVNULL)
-        children.append(subprocess.Popen(command, env=child_env, stdout=out, stderr=subprocess.STDOUT))
+        child = subprocess.Popen(command, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        log = (logs / f"process_{i}.log").open("w", encoding="utf-8") if logs else None
+        tails.append(collections.deque(maxlen=tail_lines))
+        pumps.append(threading.Thread(target=_pump, args=(child.stdout, log, i == 0, tails[-1]), daemon=True))
+        pumps[-1].start()
+        children.append(child)
     deadline = None if timeout is None else time.time() + timeout
-    code = 0
+    code, first_bad = 0, None
     while True:
         states = [c.poll() for c in children]
-        bad = [s for s in states if s not in (None, 0)]
+        bad = [(i, s) for i, s in enumerate(states) if s not in (None, 0)]
         if bad and code == 0:
-            code = bad[0]
+            first_bad, code = bad[0]
             for c in children:
                 if c.poll() is None:
                     c.terminate()
         if all(s is not None for s in states):
-            return code
+            break
         if deadline and time.time() > deadline:
             for c in children:
                 if c.poll() is None:
                     c.kill()
-            return 124
+            code = 124
+            break
         time.sleep(0.2)
+    for c in children:
+        c.wait()
+    for t in pumps:
+        t.join(timeout=5)
+    if first_bad is not None and code != 124:
+        where = f" ({logs / f'process_{first_bad}.log'})" if logs else ""
+        print(f"launch/local.py: process {first_bad} failed first (exit code {code}); its last lines{where}:",
+              file=sys.stderr)
+        if first_bad != 0 or not tails[first_bad]:
+            sys.stderr.write("".join(f"  | {line}" for line in tails[first_bad]))
+        else:
+            print("  (process 0: shown above)", file=sys.stderr)
+    return code
 
 
 def main(argv=None) -> int:

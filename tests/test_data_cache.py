@@ -133,7 +133,7 @@ def test_empty_dataset_and_overlong_sequences(tmp_path, data_file):
     np.testing.assert_array_equal(cut[15]["input_ids"], full[15]["input_ids"][:24])
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"input_ids": [1, 2, 3], "loss_mask": [1, 1]}\n')
-    with pytest.raises(InputError, match="bad.jsonl record 0: input_ids has 3 tokens but loss_mask has 2"):
+    with pytest.raises(InputError, match=r"bad\.jsonl:1: input_ids has 3 tokens but loss_mask has 2"):
         sources.read_token_jsonl(bad, 32)
     with pytest.raises(InputError, match="fewer than one global batch"):
         pipeline.make_dataset(full, global_batch=32, grad_accum=1, seed=0, epochs=1)

@@ -13,6 +13,7 @@ import pytest
 
 from dspark_jax.convert.checkpoint import load_draft, load_target
 from dspark_jax.data.sample import sample_sequences, write_jsonl
+from dspark_jax.errors import ConfigError
 from dspark_jax.train.config import TrainConfig
 from dspark_jax.train.loop import FAST_COMPILE_ENV, KILL_AT_STEP_ENV, NonFiniteLossError, train
 from train_tiny import TARGET
@@ -55,6 +56,13 @@ def test_resume_after_sigkill_matches_uninterrupted(data_file, tmp_path):
     ckpts = sorted(int(p.name) for p in (Path(cfg.output_dir) / "checkpoints").iterdir() if p.name.isdigit())
     assert ckpts == [2, 4]
     assert not (Path(cfg.output_dir) / "export").exists()
+    # a step the killed run logged after its last checkpoint (and a line cut by the kill):
+    # the resume replays step 5, which must then appear once
+    with (Path(cfg.output_dir) / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"step": 5, "loss": -1.0}) + "\n" + '{"step": 6, "lo')
+    from tensorboardX import SummaryWriter
+    with SummaryWriter(str(Path(cfg.output_dir) / "tb")) as w:  # and its TensorBoard event
+        w.add_scalar("train/loss", -1.0, 5)
     second = _run_cli(cfg, tmp_path)
     assert second.returncode == 0, second.stderr[-2000:]
     summary = json.loads((Path(cfg.output_dir) / "summary.json").read_text())
@@ -74,6 +82,56 @@ def test_resume_after_sigkill_matches_uninterrupted(data_file, tmp_path):
     # two epochs: every example seen once per epoch, in a different order
     order = [i for s in range(1, 7) for i in rows[s]["data"]]
     assert sorted(order[:24]) == list(range(24)) == sorted(order[24:]) and order[:24] != order[24:]
+    steps = [json.loads(line)["step"] for line in (Path(cfg.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]  # each step once after SIGKILL + resume
+    assert _tb_steps(Path(cfg.output_dir) / "tb", "train/loss") == [1, 2, 3, 4, 5, 6]
+
+    # rerunning the finished run says so and changes nothing on disk (listing, bytes, mtimes)
+    before = _snapshot(Path(cfg.output_dir))
+    third = _run_cli(cfg, tmp_path)
+    assert third.returncode == 0, third.stderr[-2000:]
+    assert "finished" in third.stderr
+    assert _snapshot(Path(cfg.output_dir)) == before
+    # a rerun that differs in what defines the run is refused, naming the fields
+    for changed, field in ((dict(optimizer=dict(learning_rate=1e-4)), "optimizer.learning_rate"),
+                           (dict(seed=3), "seed")):
+        with pytest.raises(ConfigError, match=field.replace(".", r"\.") + ".*--force-resume"):
+            train(tiny_config(tmp_path / "killed", data_file, **changed), fast_compile=True)
+        assert _snapshot(Path(cfg.output_dir)) == before
+    other = tmp_path / "other.jsonl"
+    other.write_text(Path(data_file).read_text().replace("\n", " \n", 1))  # same records, other bytes
+    with pytest.raises(ConfigError, match=r"data\.sha256"):
+        train(tiny_config(tmp_path / "killed", other), fast_compile=True)
+    # --force-resume accepts the difference (here: the run is finished, so nothing to do)
+    done = train(tiny_config(tmp_path / "killed", data_file, seed=3), fast_compile=True, force_resume=True)
+    assert done["finished"] and _snapshot(Path(cfg.output_dir)) == before
+
+
+def _tb_steps(tb: Path, tag: str) -> list[int]:
+    """Steps of ``tag`` as TensorBoard shows them: event files in order, a SessionLog START at
+    step s (``purge_step``) dropping the events of steps >= s read before it."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+    steps = []
+    for f in sorted(tb.glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime_ns):
+        data, pos = f.read_bytes(), 0
+        while pos < len(data):
+            (n,) = struct.unpack("<Q", data[pos:pos + 8])
+            ev = Event.FromString(data[pos + 12:pos + 12 + n])
+            pos += 12 + n + 4
+            if ev.HasField("session_log") and ev.session_log.status == SessionLog.START:
+                steps = [s for s in steps if s < ev.step]
+            elif ev.HasField("summary"):
+                steps += [ev.step for v in ev.summary.value if v.tag == tag]
+    return steps
+
+
+def _snapshot(root: Path) -> dict:
+    import hashlib
+    return {str(p.relative_to(root)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+            if p.is_file() else "dir" for p in sorted(root.rglob("*"))}
 
 
 def _flatten(tree, prefix=""):

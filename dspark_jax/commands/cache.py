@@ -10,6 +10,7 @@ def run(args) -> int:
     from dspark_jax.data import cache as cache_lib
     from dspark_jax.data import sources
     from dspark_jax.errors import InputError
+    from dspark_jax.fileio import check_output
     from dspark_jax.tokenizer import load_tokenizer
     from dspark_jax.train.config import load_config
 
@@ -24,6 +25,9 @@ def run(args) -> int:
     if not (target and data and out):
         raise InputError("cache needs a target, data and an output directory (--config or "
                          "--target/--data/--out)")
+    if args.batch_size < 1:
+        raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
+    check_output(out, force=args.force, kind="dir", flag="--out" if args.out or not args.config else "cache_dir")
     tcfg, tparams = load_target(target)
     layer_ids = args.layer_ids
     if layer_ids is None:
@@ -41,6 +45,14 @@ def run(args) -> int:
     return 0
 
 
+def _layer_ids(text: str) -> list[int]:
+    import argparse
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "cache", help="write a target-feature cache for training",
@@ -56,7 +68,7 @@ def register(subparsers) -> None:
     p.add_argument("--data-format", default="tokens", choices=["tokens", "chat"])
     p.add_argument("--tokenizer", default="", help="tokenizer directory for chat data")
     p.add_argument("--out", help="output cache directory")
-    p.add_argument("--layer-ids", type=lambda s: [int(x) for x in s.split(",")], default=None,
+    p.add_argument("--layer-ids", type=_layer_ids, default=None,
                    help="comma-separated target layer ids (default: the config's drafter)")
     p.add_argument("--max-length", type=int, default=4096)
     p.add_argument("--overlong", default="truncate", choices=["truncate", "refuse"])

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 
 def register(subparsers) -> None:
@@ -46,9 +45,11 @@ def run(args) -> int:
         raise InputError(f"--bins must be >= 2, got {args.bins}")
     if args.write_draft and not args.draft:
         raise InputError("--write-draft needs --draft DIR (the drafter to save the temperatures with)")
-    out = Path(args.out)
-    if out.exists() and not args.force:
-        raise InputError(f"--out {str(out)!r} exists (pass --force to replace it)")
+    from dspark_jax.fileio import check_output
+
+    out = check_output(args.out, force=args.force, kind="dir")
+    if not 0 < args.holdout < 1:
+        raise InputError(f"--holdout must be in (0, 1), got {args.holdout}")
     report = C.run_sts(args.logs, out, draft=args.draft, holdout=args.holdout, seed=args.seed,
                        bins=args.bins, refit_all=args.refit_all, write_draft=args.write_draft,
                        force=args.force)

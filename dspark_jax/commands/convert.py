@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 HELP = "convert a drafter or target (Qwen3, Gemma4) between PyTorch (HF) and dspark-jax formats"
 DESCRIPTION = """\
@@ -55,6 +56,14 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from dspark_jax.convert import checkpoint, safetensors_io
+    from dspark_jax.errors import InputError
+    from dspark_jax.fileio import check_output
+
+    if not Path(args.src).is_dir():
+        raise InputError(f"SRC {str(args.src)!r} is not a directory")
+    # DST must not be SRC or hold it: --force replaces DST, which would delete the source
+    check_output(args.dst, force=args.force, kind="dir", flag="DST",
+                 protect=[args.src] + ([args.target] if args.target else []))
 
     if args.max_shard_size is not None:
         safetensors_io.parse_size(args.max_shard_size)  # fail fast on a bad size

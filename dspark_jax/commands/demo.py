@@ -71,9 +71,11 @@ def config_from_args(args):
 
 
 def run(args) -> int:
+    from dspark_jax.fileio import check_output
     from dspark_jax.pipelines.demo import run_demo
 
     cfg = config_from_args(args)
+    check_output(cfg.out, force=True, kind="dir")  # a file, or an unwritable parent; demo.json decides the rest
     info = run_demo(cfg, stage=args.stage, force=args.force, progress=not args.no_progress)
     report = info.get("report")
     if report:

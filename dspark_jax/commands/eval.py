@@ -52,7 +52,11 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    from dspark_jax.fileio import check_output
     from dspark_jax.pipelines.evaluate import evaluate
+
+    if args.out:  # an existing directory is allowed (the pipeline refuses one holding an eval)
+        check_output(args.out, force=True, kind="dir")
 
     target = args.target
     if target is None:

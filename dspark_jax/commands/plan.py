@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import sys
 
@@ -27,8 +26,9 @@ def register(sub) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--config", help="training config file (configs/<name>.py); its target may be a "
                                       "checkpoint dir or a preset name such as Qwen/Qwen3-4B")
-    src.add_argument("--target", help="a target preset (Qwen/Qwen3-4B, -8B, -14B, google/gemma-4-12B-it); "
-                                      "the drafter is the released shape (--kind)")
+    src.add_argument("--target", help="a target preset name (Qwen/Qwen3-4B, -8B, -14B, google/gemma-4-12B-it; not a checkpoint "
+                                      "directory: give that as a config's target with --config); the "
+                                      "drafter is the released shape (--kind)")
     p.add_argument("--kind", default="dspark", choices=["dspark", "dflash"],
                    help="released drafter shape with --target (default: dspark)")
     p.add_argument("--mesh", default=None, help="mesh axes, e.g. data=2,fsdp=4,tensor=1 "
@@ -52,7 +52,9 @@ def register(sub) -> None:
     p.add_argument("--shard-activations", default=None, action=argparse.BooleanOptionalAction,
                    help="pin train-step activations batch-sharded so fsdp weights are all-gathered "
                         "instead of whole-batch activations all-reduced (default: the config's value, else off)")
-    p.add_argument("--json", dest="json_out", default=None, help="also write the plan as JSON here")
+    p.add_argument("--json", dest="json_out", default=None, metavar="FILE",
+                   help="also write the plan as JSON to this file (refused if it exists unless --force)")
+    p.add_argument("--force", action="store_true", help="overwrite the --json file")
     p.set_defaults(func=run)
 
 
@@ -92,8 +94,9 @@ def _configs(args):
         mesh_spec = args.mesh or tcfg.mesh
     else:
         if args.target not in presets.TARGETS:
-            raise InputError(f"--target must be a preset name with --kind (one of {sorted(presets.TARGETS)}; "
-                             "or use --config)")
+            raise InputError(f"--target {args.target!r} is not a preset name ({', '.join(presets.TARGETS)}); "
+                             "for a checkpoint directory write a train config with that target and "
+                             "pass --config")
         target_cfg = presets.resolve_target(args.target)
         draft_cfg = presets.released_drafter(args.target, kind=args.kind)
         mesh_spec = args.mesh
@@ -135,9 +138,23 @@ def _print_program(plan, sizes: dict) -> None:
     print(f"  collectives: {coll or 'none'}")
 
 
+def _check_args(args) -> None:
+    """Flag values and the --json path, before anything is built."""
+    from dspark_jax.errors import InputError
+    from dspark_jax.fileio import check_output
+
+    for flag, value in (("--decode-batch", args.decode_batch), ("--decode-len", args.decode_len),
+                        ("--seq-len", args.seq_len), ("--micro-batch", args.micro_batch)):
+        if value is not None and value < 1:
+            raise InputError(f"{flag} must be >= 1, got {value}")
+    if args.json_out:
+        check_output(args.json_out, force=args.force, flag="--json")
+
+
 def run(args) -> int:
     from dspark_jax.errors import InputError
 
+    _check_args(args)
     _use_devices(args)
     from dspark_jax.pipelines import plan as plan_lib
 
@@ -171,7 +188,7 @@ def run(args) -> int:
         report["programs"][mode] = dict(plan.to_json(), **sizes)
         _print_program(plan, sizes)
     if args.json_out:
-        from pathlib import Path
-        Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
+        from dspark_jax.fileio import write_json
+        write_json(args.json_out, report, force=args.force)
         print(f"wrote {args.json_out}")
     return 0

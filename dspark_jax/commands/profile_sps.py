@@ -45,7 +45,6 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from pathlib import Path
 
     import jax
     import jax.numpy as jnp
@@ -55,14 +54,22 @@ def run(args) -> int:
     from dspark_jax.decode import profile
     from dspark_jax.errors import InputError
 
-    out = Path(args.out)
-    if out.exists() and not args.force:
-        raise InputError(f"--out {str(out)!r} exists (pass --force to overwrite)")
+    from dspark_jax.fileio import check_output
+
+    out = check_output(args.out, force=args.force)
+    for flag, value in (("--max-batch", args.max_batch), ("--cache-length", args.cache_length),
+                        ("--iters", args.iters), ("--repeats", args.repeats)):
+        if value < 1:
+            raise InputError(f"{flag} must be >= 1, got {value}")
+    if args.warmup < 0 or not args.min_seconds >= 0:
+        raise InputError("--warmup and --min-seconds must be >= 0")
     if args.batch_sizes:
         try:
             sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
         except ValueError:
             raise InputError(f"--batch-sizes must be comma-separated ints, got {args.batch_sizes!r}") from None
+        if not sizes or min(sizes) < 1:
+            raise InputError(f"--batch-sizes must be ints >= 1, got {args.batch_sizes!r}")
     else:
         sizes = profile.default_batch_sizes(args.max_batch)
     cfg, params = checkpoint.load_target(args.target)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 
 def maybe_initialize_distributed() -> None:
@@ -33,7 +34,11 @@ def run(args) -> int:
     if args.matmul_precision:
         jax.config.update("jax_default_matmul_precision", args.matmul_precision)
     cfg = load_config(args.config, args.overrides)
-    summary = train(cfg)
+    summary = train(cfg, force_resume=args.force_resume)
+    if summary.get("finished"):
+        if jax.process_index() == 0:
+            print(f"dspark-jax train: {summary['message']}", file=sys.stderr)
+        return 0
     if jax.process_index() == 0:
         printable = {k: v for k, v in summary.items() if k not in ("history", "params")}
         print(json.dumps(printable, indent=1))
@@ -49,11 +54,18 @@ def register(subparsers) -> None:
                     "optimizer.<field>, loss.<field>, checkpoint.<field>, memory.<field>). "
                     "Target features come from a cache (features=cache cache_dir=...) written by "
                     "`dspark-jax cache`, or are computed online by the frozen target inside the step. "
-                    "Runs resume from the newest checkpoint in output_dir. Multi-process: see launch/.")
+                    "Runs resume from the newest checkpoint in output_dir; run.json there records what "
+                    "defines the run (data file path/size/sha256 or the cache manifest, feature mode, "
+                    "optimizer, loss, drafter and target identity, steps) and a rerun that differs is "
+                    "refused naming the fields (--force-resume accepts it). Rerunning a finished run "
+                    "reports it finished and changes nothing. Multi-process: see launch/.")
     p.add_argument("--config", required=True, help="python config file, e.g. configs/tiny.py")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="overrides, e.g. steps=100 mesh=data=2,fsdp=2 draft.markov_rank=0 "
                         "optimizer.learning_rate=1e-3")
+    p.add_argument("--force-resume", action="store_true",
+                   help="resume output_dir's run even if its run.json differs from this config "
+                        "(data, feature mode, optimizer/loss settings, drafter, target, steps)")
     p.add_argument("--matmul-precision", default=None, choices=["default", "high", "highest"],
                    help="jax_default_matmul_precision for the run")
     p.set_defaults(func=run)

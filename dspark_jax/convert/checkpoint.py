@@ -392,9 +392,20 @@ def convert(src, dst, *, to: str | None = None, force: bool = False, allow_pickl
         cfg, hf, params = _load_torch(kind, src_p, allow_pickle=allow_pickle)
         extras = (hf.get("dspark_jax") or {}).get("extras") or {}
     params = _cast_tree(params, _np_dtype(dtype))
+    _warn_non_finite(params, src_p)
     _save(kind, dst_p, cfg, params, format=to, force=force, extras=extras,
           max_shard_size=max_shard_size, hf_base=hf, copy_from=src_p)
     return to
+
+
+def _warn_non_finite(params, where) -> None:
+    """A warning naming the tensors that hold NaN/inf (converted as they are)."""
+    from dspark_jax.errors import warn
+    bad = [name for name, v in _flat(params).items()
+           if np.asarray(v).dtype.kind in "fV" and not np.isfinite(np.asarray(v, np.float32)).all()]
+    if bad:
+        warn(f"{where}: {len(bad)} tensor(s) hold NaN/inf values (converted unchanged): "
+             f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}")
 
 
 def describe(path) -> dict:

@@ -22,7 +22,10 @@ def _sample(params, config: TargetConfig, first: jax.Array, rng: jax.Array, leng
         cache, tok = carry
         hidden, _, cache = module.forward(params, config, tok[:, None], cache)
         logits = families.compute_logits(config, params, hidden[:, -1])
-        nxt = jax.random.categorical(key, logits / temperature).astype(jnp.int32)
+        if temperature == 0:  # greedy
+            nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        else:
+            nxt = jax.random.categorical(key, logits / temperature).astype(jnp.int32)
         return (cache, nxt), nxt
 
     _, toks = jax.lax.scan(body, (cache, first), jax.random.split(rng, length - 1))
@@ -31,7 +34,8 @@ def _sample(params, config: TargetConfig, first: jax.Array, rng: jax.Array, leng
 
 def sample_sequences(params: dict, config: TargetConfig, num: int, length: int, seed: int = 0,
                      temperature: float = 1.0, batch: int = 64) -> np.ndarray:
-    """[num, length] int32 token sequences: a random first token, then target samples."""
+    """[num, length] int32 token sequences: a random first token, then target samples
+    (``temperature`` 0: greedy)."""
     rng = jax.random.PRNGKey(seed)
     out = []
     for start in range(0, num, batch):
@@ -53,21 +57,52 @@ def write_jsonl(path, sequences: np.ndarray, loss_from: int = 1) -> None:
             f.write(json.dumps({"input_ids": [int(t) for t in seq], "loss_mask": mask}) + "\n")
 
 
+def _check_args(args, cfg: TargetConfig | None = None) -> None:
+    """InputError naming the flag for values ``sample_sequences`` cannot honour."""
+    from dspark_jax.errors import InputError
+    if args.num < 1:
+        raise InputError(f"--num must be >= 1, got {args.num}")
+    if args.length < 2:
+        raise InputError(f"--length must be >= 2 (a first token and one sample), got {args.length}")
+    if not args.temperature >= 0:
+        raise InputError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if cfg is not None and args.length > cfg.max_position_embeddings:
+        raise InputError(f"--length {args.length} exceeds the target's context "
+                         f"(max_position_embeddings={cfg.max_position_embeddings})")
+
+
 def main(argv=None) -> int:
-    """``python -m dspark_jax.data.sample --target DIR --out FILE.jsonl [--num N --length S]``."""
+    """``python -m dspark_jax.data.sample --target DIR --out FILE.jsonl [--num N --length S]``.
+
+    Bad input is one line on stderr and exit code 2, like ``dspark-jax``.
+    """
     import argparse
+    import sys
+
     from dspark_jax.convert.checkpoint import load_target
-    ap = argparse.ArgumentParser(description="Sample token sequences from a target LM into a JSONL "
+    from dspark_jax.errors import DSparkError
+    from dspark_jax.fileio import check_output
+    ap = argparse.ArgumentParser(prog="python -m dspark_jax.data.sample",
+                                 description="Sample token sequences from a target LM into a JSONL "
                                              "training file ({'input_ids', 'loss_mask'} per line).")
-    ap.add_argument("--target", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--num", type=int, default=256)
-    ap.add_argument("--length", type=int, default=64)
+    ap.add_argument("--target", required=True, help="target checkpoint directory")
+    ap.add_argument("--out", required=True, help="output JSONL file (refused if it exists)")
+    ap.add_argument("--force", action="store_true", help="overwrite --out")
+    ap.add_argument("--num", type=int, default=256, help="sequences (default 256)")
+    ap.add_argument("--length", type=int, default=64, help="tokens per sequence (default 64)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 = greedy")
     args = ap.parse_args(argv)
-    cfg, params = load_target(args.target)
-    write_jsonl(args.out, sample_sequences(params, cfg, args.num, args.length, args.seed, args.temperature))
+    try:
+        _check_args(args)
+        check_output(args.out, force=args.force)
+        cfg, params = load_target(args.target)
+        _check_args(args, cfg)
+        seqs = sample_sequences(params, cfg, args.num, args.length, args.seed, args.temperature)
+        write_jsonl(args.out, seqs)
+    except DSparkError as e:
+        print(f"{ap.prog}: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -40,11 +40,12 @@ class TokenSequences:
     """In-memory sequences (lists of ids and loss masks) as a grain random-access source."""
 
     def __init__(self, sequences: Sequence[tuple[Sequence[int], Sequence[float]]], max_length: int,
-                 vocab_size: int | None = None, overlong: str = "truncate", name: str = "dataset"):
+                 vocab_size: int | None = None, overlong: str = "truncate", name: str = "dataset",
+                 wheres: Sequence[str] | None = None):
         self.max_length = max_length
         self._seqs = []
         for i, (ids, mask) in enumerate(sequences):
-            where = f"{name} record {i}"
+            where = wheres[i] if wheres is not None else f"{name} record {i + 1}"
             ids, mask = list(ids), list(mask)
             if len(ids) != len(mask):
                 raise InputError(f"{where}: input_ids has {len(ids)} tokens but loss_mask has {len(mask)}")
@@ -55,6 +56,9 @@ class TokenSequences:
             self._seqs.append(_fit(ids, mask, max_length, overlong, where))
         if not self._seqs:
             raise InputError(f"{name} is empty: no training sequences")
+        if not any(any(m) for _, m in self._seqs):
+            raise InputError(f"{name}: every loss_mask is 0 (after cutting to max_length={max_length}), "
+                             "so there is nothing to train on; mark the tokens to learn with 1")
 
     def __len__(self) -> int:
         return len(self._seqs)
@@ -70,16 +74,23 @@ class TokenSequences:
 def read_token_jsonl(path, max_length: int, vocab_size: int | None = None,
                      overlong: str = "truncate") -> TokenSequences:
     """JSONL lines ``{"input_ids": [...], "loss_mask": [...]}`` (loss_mask optional: all 1)."""
-    seqs = []
+    seqs, wheres = [], []
     for where, rec in iter_jsonl(path, "data file"):
         if not isinstance(rec, dict) or "input_ids" not in rec:
             raise InputError(f"{where}: expected an object with 'input_ids'")
         ids = rec["input_ids"]
-        mask = rec.get("loss_mask", [1] * len(ids))
+        mask = rec.get("loss_mask", [1] * len(ids) if isinstance(ids, list) else [])
+        for field, values in (("input_ids", ids), ("loss_mask", mask)):
+            if not isinstance(values, list) or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+                raise InputError(f"{where}: '{field}' must be a list of numbers")
+        if not all(isinstance(t, int) for t in ids):
+            raise InputError(f"{where}: 'input_ids' must be a list of ints")
         if len(ids) > max_length and overlong == "refuse":
             _fit(ids, mask, max_length, overlong, where)
         seqs.append((ids, mask))
-    return TokenSequences(seqs, max_length, vocab_size, overlong, name=str(path))
+        wheres.append(where)
+    return TokenSequences(seqs, max_length, vocab_size, overlong, name=str(path), wheres=wheres)
 
 
 def chat_to_tokens(tokenizer, messages: list[dict]) -> tuple[list[int], list[float]]:
@@ -115,7 +126,7 @@ def chat_to_tokens(tokenizer, messages: list[dict]) -> tuple[list[int], list[flo
 
 def read_chat_jsonl(path, tokenizer, max_length: int, overlong: str = "truncate") -> TokenSequences:
     """JSONL lines ``{"messages": [{"role", "content"}, ...]}`` via ``tokenizer``'s chat template."""
-    seqs = []
+    seqs, wheres = [], []
     for where, rec in iter_jsonl(path, "data file"):
         msgs = rec.get("messages") if isinstance(rec, dict) else None
         if not isinstance(msgs, list) or not msgs:
@@ -123,6 +134,6 @@ def read_chat_jsonl(path, tokenizer, max_length: int, overlong: str = "truncate"
         ids, mask = chat_to_tokens(tokenizer, msgs)
         _fit(ids, mask, max_length, overlong, where)
         seqs.append((ids, mask))
-    return TokenSequences(seqs, max_length, None, overlong,
-                          name=str(path))
+        wheres.append(where)
+    return TokenSequences(seqs, max_length, None, overlong, name=str(path), wheres=wheres)
 

@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
-from dspark_jax.errors import InputError, require_positive_int
+from dspark_jax.errors import InputError, require_positive_int, warn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +74,44 @@ def resolve(options: DecodeOptions, target_dir, draft_dir=None, tokenizer=None) 
     policy = parse_policy(options.verify, confidence_threshold=options.confidence_threshold,
                           sps_table=options.sps_table)
     temps = sts_temperatures(draft_dir, options.confidence_temperatures)
+    for message in advisories(options, policy):
+        warn(message)
     return ResolvedDecode(policy, stops, temps,
                           sts_from_drafter=temps is not None and options.confidence_temperatures is None)
+
+
+NEVER_PAYS_CONFIDENCE = 0.95  # warn when the scheduler needs a first-token confidence above this
+
+
+def advisories(options: DecodeOptions, policy, block_size: int | None = None) -> list[str]:
+    """Warnings for settings that do not do what they seem to: a flag the policy ignores and an
+    SPS table under which speculation never pays (``resolve`` prints these); with the drafter's
+    ``block_size``: ``fixed:K`` beyond the block (clamped)."""
+    out = []
+    name = options.verify.partition(":")[0]
+    if options.confidence_threshold is not None and name != "threshold":
+        out.append(f"--confidence-threshold {options.confidence_threshold} is ignored by --verify "
+                   f"{options.verify} (it applies to --verify threshold only)")
+    if block_size is not None:  # the checks that need the drafter's block size only
+        k = getattr(policy, "k", None)
+        if isinstance(k, int) and k > block_size:
+            return [f"--verify {options.verify}: the drafter proposes {block_size} tokens per round, "
+                    f"so fixed:{k} verifies {block_size} (clamped)"]
+        return []
+    sps = getattr(policy, "sps", None)
+    if sps is not None and name.startswith("scheduler"):
+        # Algorithm 1 admits the first draft token of a row only if (R + c) * SPS(R + 1) beats
+        # R * SPS(R): it needs a survival c above R * (SPS(R) / SPS(R + 1) - 1)
+        r = options.batch_size
+        need = r * (float(sps(r)) / float(sps(r + 1)) - 1.0)
+        if need >= NEVER_PAYS_CONFIDENCE:
+            verdict = ("never pays" if need >= 1 else
+                       f"pays only above a confidence of {need:.3f}, so almost no draft token is verified")
+            out.append(f"--verify {options.verify}: under the SPS table {options.sps_table} speculation "
+                       f"{verdict} (SPS({r}) = {float(sps(r)):.1f}, SPS({r + 1}) = {float(sps(r + 1)):.1f}: "
+                       "verification cost grows with every token); use --verify full or threshold, or "
+                       "re-measure the table with `dspark-jax profile-sps` on the device you decode on")
+    return out
 
 
 def options_from(values: dict, names: Sequence[str] | None = None) -> DecodeOptions:

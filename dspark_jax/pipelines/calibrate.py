@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -83,17 +83,19 @@ def _first(rec: Mapping[str, Any], keys: Iterable[str]):
     return None
 
 
-def rounds_from_records(records: Iterable[Mapping[str, Any]], where: str = "logs") -> Rounds:
+def rounds_from_records(records: Iterable[Mapping[str, Any]], where: str = "logs",
+                        positions: Sequence[str] | None = None) -> Rounds:
     """Rounds from dicts with ``confidence_logits`` [G] (or ``confidences`` probabilities),
     ``accepted`` and ``proposal`` (aliases: num_accepted / proposal_length, num_proposed,
     verify_length). A record may instead hold ``rounds``: a list of such dicts, or be a
     ``generate`` result (per-round lists ``confidence_logits`` [R][G], ``accepted_drafts``
-    (or ``acceptance_lengths`` = accepted + 1) and ``proposal_lengths``)."""
+    (or ``acceptance_lengths`` = accepted + 1) and ``proposal_lengths``). Errors name
+    ``positions[i]`` (e.g. "file:line") or "<where> record <i>" (1-based)."""
     logits, acc, prop = [], [], []
 
     def add(rec, line):
         if not isinstance(rec, Mapping):
-            raise InputError(f"{where} line {line}: expected a JSON object")
+            raise InputError(f"{line}: expected a JSON object")
         if "rounds" in rec:
             for sub in rec["rounds"]:
                 add(sub, line)
@@ -105,7 +107,7 @@ def rounds_from_records(records: Iterable[Mapping[str, Any]], where: str = "logs
                 accs = [int(x) - 1 for x in rec["acceptance_lengths"]]
             props = rec.get("proposal_lengths")
             if accs is None or props is None or not len(accs) == len(props) == len(z):
-                raise InputError(f"{where} line {line}: a request record needs per-round lists "
+                raise InputError(f"{line}: a request record needs per-round lists "
                                  "'confidence_logits', 'accepted_drafts' and 'proposal_lengths' "
                                  "of equal length")
             for zi, ai, pi in zip(z, accs, props):
@@ -115,22 +117,29 @@ def rounds_from_records(records: Iterable[Mapping[str, Any]], where: str = "logs
         if z is None:
             c = _first(rec, _PROB_KEYS)
             if c is None:
-                raise InputError(f"{where} line {line}: no 'confidence_logits' (or 'confidences') field")
+                raise InputError(f"{line}: no 'confidence_logits' (or 'confidences') field")
             c = np.clip(np.asarray(c, np.float64), 1e-7, 1 - 1e-7)
             z = np.log(c) - np.log1p(-c)
         a, p = _first(rec, _ACCEPT_KEYS), _first(rec, _PROPOSAL_KEYS)
         if a is None or p is None:
-            raise InputError(f"{where} line {line}: needs 'accepted' and 'proposal' fields")
-        z = np.asarray(z, np.float64).reshape(-1)
+            raise InputError(f"{line}: needs 'accepted' and 'proposal' fields")
+        try:
+            z = np.asarray(z, np.float64).reshape(-1)
+        except (TypeError, ValueError):
+            raise InputError(f"{line}: confidence logits must be a list of numbers") from None
         if logits and z.shape != logits[0].shape:
-            raise InputError(f"{where} line {line}: {z.size} confidence logits, earlier rounds had "
+            raise InputError(f"{line}: {z.size} confidence logits, earlier rounds had "
                              f"{logits[0].size}")
+        try:
+            a, p = int(a), int(p)
+        except (TypeError, ValueError):
+            raise InputError(f"{line}: 'accepted' and 'proposal' must be ints, got {a!r}, {p!r}") from None
         logits.append(z)
-        acc.append(int(a))
-        prop.append(int(p))
+        acc.append(a)
+        prop.append(p)
 
     for i, rec in enumerate(records, 1):
-        add(rec, i)
+        add(rec, positions[i - 1] if positions is not None else f"{where} record {i}")
     if not logits:
         raise InputError(f"{where}: no decode rounds")
     try:
@@ -141,8 +150,8 @@ def rounds_from_records(records: Iterable[Mapping[str, Any]], where: str = "logs
 
 def load_decode_logs(path) -> Rounds:
     """Rounds from a JSONL file (one round, or one record with ``rounds``, per line)."""
-    records = [record for _, record in iter_jsonl(path, "decode log")]
-    return rounds_from_records(records, where=str(path))
+    pairs = list(iter_jsonl(path, "decode log"))
+    return rounds_from_records([r for _, r in pairs], where=str(path), positions=[w for w, _ in pairs])
 
 
 def split_rounds(rounds: Rounds, holdout_fraction: float, seed: int = 0) -> tuple[Rounds, Rounds]:

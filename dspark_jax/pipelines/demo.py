@@ -176,6 +176,8 @@ def prepare_out(cfg: DemoConfig, *, force: bool = False, stage: str = "all") -> 
         same = old.get("recipe") == cfg.recipe()
         if stage == "all" and force:
             shutil.rmtree(out)
+        elif not any(stage_done(cfg, s) for s in STAGES):
+            shutil.rmtree(out)  # an attempt that finished no stage (e.g. a bad --target): start over
         elif not same:
             raise InputError(f"{out} holds a demo with a different configuration ({p['config']}); "
                              "pass --force to replace it or choose another --out")

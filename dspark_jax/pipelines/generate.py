@@ -9,9 +9,9 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from dspark_jax.decode.settings import DecodeOptions, resolve
-from dspark_jax.errors import InputError
-from dspark_jax.fileio import atomic_open
+from dspark_jax.decode.settings import DecodeOptions, advisories, resolve
+from dspark_jax.errors import warn
+from dspark_jax.fileio import atomic_open, check_output
 
 
 def generate(target, prompts_file, out, *, draft=None, options: DecodeOptions = DecodeOptions(),
@@ -30,9 +30,7 @@ def generate(target, prompts_file, out, *, draft=None, options: DecodeOptions = 
     from dspark_jax.decode import autoregressive_generate, speculative_generate, summarize
     from dspark_jax.tokenizer import encode_prompt, load_tokenizer
 
-    out = Path(out)
-    if out.exists() and not force:
-        raise InputError(f"--out {str(out)!r} exists; pass --force to overwrite")
+    out = check_output(out, force=force)
     target_dir = Path(target)
     tokenizer = load_tokenizer(target_dir) if target_dir.is_dir() else None
     encode = None
@@ -49,6 +47,8 @@ def generate(target, prompts_file, out, *, draft=None, options: DecodeOptions = 
     if draft:
         dcfg, dparams = load_draft(draft, dtype)
         block = dcfg.block_size
+        for message in advisories(options, settings.policy, block):
+            warn(message)
         if settings.sts_from_drafter:
             log(f"generate: STS temperatures from the drafter's extras: {settings.confidence_temperatures}")
         results = speculative_generate(tcfg, tparams, dcfg, dparams, prompts,

@@ -240,10 +240,19 @@ def _fields(cls) -> dict[str, Any]:
     return out
 
 
-def _coerce(default, value):
-    """Override value with the type of the field's default (1 -> 1.0 for floats, any -> str)."""
+def _coerce(default, value, key: str = ""):
+    """Override value with the type of the field's default (1 -> 1.0 for floats, any -> str);
+    a value of the wrong kind for a number or bool field is a ConfigError naming ``key``."""
     if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    number = (int, float)
+    if isinstance(default, bool) and not isinstance(value, bool):
+        raise ConfigError(f"override {key}={value!r}: {key} must be True or False")
+    if isinstance(default, number) and not isinstance(default, bool) and (
+            isinstance(value, bool) or not isinstance(value, number)
+            or (isinstance(default, int) and not isinstance(value, int))):
+        kind = "an int" if isinstance(default, int) else "a number"
+        raise ConfigError(f"override {key}={value!r}: {key} must be {kind}")
     if isinstance(default, str) and not isinstance(value, str):
         return str(value)
     return value
@@ -266,9 +275,9 @@ def apply_overrides(base: Mapping[str, Any], overrides) -> dict:
             defaults = _fields(SECTIONS[head])
             if field not in defaults:
                 raise ConfigError(f"unknown TrainConfig field {key!r} in override {key}=...")
-            out[head][field] = _coerce(defaults[field], value)
+            out[head][field] = _coerce(defaults[field], value, key)
         elif key in top and key not in SECTIONS and key != "draft":
-            out[key] = _coerce(top[key], value)
+            out[key] = _coerce(top[key], value, key)
         else:
             raise ConfigError(f"unknown TrainConfig field {key!r} in override {key}=...")
     return out

@@ -40,6 +40,7 @@ from dspark_jax.data import cache as cache_lib
 from dspark_jax.data import pipeline, sources
 from dspark_jax import families
 from dspark_jax.errors import CheckpointError, ConfigError, DSparkError, InputError
+from dspark_jax.fileio import atomic_open, write_json
 from dspark_jax.tokenizer import load_tokenizer
 from dspark_jax.train import optim
 from dspark_jax.train.config import TrainConfig
@@ -128,27 +129,110 @@ def _step_counts(cfg: TrainConfig, num_sequences: int) -> tuple[int, int]:
     return total, math.ceil(total / spe)
 
 
-def _write_run_record(out: Path, record: dict, resume: bool, is_main: bool) -> None:
-    """``run.json`` (atomic); resuming a run of another drafter config is refused."""
-    run_file = out / "run.json"
-    if run_file.exists():
-        old = json.loads(run_file.read_text())
-        if resume and old.get("draft") != record["draft"]:
-            raise ConfigError(f"{out} holds a run with a different drafter config; use another output_dir")
+# TrainConfig fields that define a run (a resume that changes one is refused); the others
+# (output_dir, progress, log_every, checkpoint.*, memory.*, mesh, num_devices, export_*) may change.
+IDENTITY_FIELDS = ("features", "data_format", "max_length", "overlong", "batch_size", "grad_accum",
+                   "epochs", "steps", "seed", "compute_dtype", "draft_init", "optimizer", "loss")
+
+
+def file_identity(path) -> dict:
+    """{"path", "size", "sha256"} of a data file (what a resume compares)."""
+    import hashlib
+    path = Path(path).absolute()
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return {"path": str(path), "size": path.stat().st_size, "sha256": h.hexdigest()}
+
+
+def run_identity(cfg: TrainConfig, draft_cfg: DraftConfig, target_id: str, total_steps: int) -> dict:
+    """What defines a run: data identity, feature mode, optimizer/loss settings, drafter config,
+    target identity (weights sha256) and the step count. Flat {dotted field: value}."""
+    d = cfg.to_dict()
+    ident = {"target.sha256": target_id, "total_steps": total_steps}
+    if cfg.features == "cache":
+        ident.update({f"cache.manifest.{k}": v for k, v in
+                      file_identity(Path(cfg.cache_dir) / "manifest.json").items()})
+    else:
+        ident.update({f"data.{k}": v for k, v in file_identity(cfg.data).items()})
+        if cfg.data_format == "chat":
+            ident["tokenizer"] = str(Path(cfg.tokenizer).absolute())
+    for name in IDENTITY_FIELDS:
+        value = d[name]
+        if isinstance(value, dict):
+            ident.update({f"{name}.{k}": v for k, v in value.items()})
+        else:
+            ident[name] = value
+    ident.update({f"draft.{k}": v for k, v in draft_cfg.to_hf().items()})
+    return json.loads(json.dumps(ident))  # JSON-normalised (tuples -> lists) for comparison
+
+
+def _has_checkpoints(out: Path) -> bool:
+    d = out / "checkpoints"
+    return d.is_dir() and any(p.name.isdigit() for p in d.iterdir())
+
+
+def check_run_dir(out: Path, identity: dict, *, resume: bool, force_resume: bool) -> dict | None:
+    """Compare ``out``'s ``run.json`` with this run before anything is written.
+
+    Returns the finished run's summary when ``out`` holds this run finished (nothing to do),
+    else None. A run with checkpoints whose identity differs is refused naming the fields
+    (ConfigError) unless ``force_resume``; so is a run without ``run.json`` identity.
+    """
+    if out.exists() and not out.is_dir():
+        raise InputError(f"output_dir {str(out)!r} is a file; give a directory")
+    run_file, summary_file = out / "run.json", out / "summary.json"
+    if not (_has_checkpoints(out) or summary_file.is_file()):
+        return None  # nothing of value: a fresh run (or a start that failed before step 1's checkpoint)
+    if not resume:
+        raise InputError(f"{out} already holds a run; set checkpoint.resume=True to continue it "
+                         "or choose another output_dir")
+    try:
+        old = json.loads(run_file.read_text()).get("identity")
+    except (OSError, ValueError):
+        old = None
+    if not force_resume:
+        if old is None:
+            raise ConfigError(f"{run_file}: missing or unreadable (or written by an older version), so "
+                              "this run cannot be checked against it; pass --force-resume to continue it "
+                              "anyway or choose another output_dir")
+        diff = [k for k in sorted(set(old) | set(identity)) if old.get(k) != identity.get(k)]
+        if diff:
+            shown = ", ".join(f"{k} ({old.get(k)!r} -> {identity.get(k)!r})" for k in diff[:6])
+            more = f" and {len(diff) - 6} more" if len(diff) > 6 else ""
+            raise ConfigError(f"{out} holds a run that differs in {shown}{more}; pass --force-resume "
+                              "to continue it anyway or choose another output_dir")
+    if summary_file.is_file():
+        try:
+            summary = json.loads(summary_file.read_text())
+        except ValueError:
+            summary = {}
+        final = summary.get("final")
+        if final and final.get("step") == identity["total_steps"]:
+            return summary
+    return None
+
+
+def _write_run_record(out: Path, record: dict, is_main: bool) -> None:
+    """``run.json`` (atomic, process 0)."""
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
-        tmp = out / f".run.json.tmp-{os.getpid()}"
-        tmp.write_text(json.dumps(record, indent=1))
-        os.replace(tmp, run_file)
+        write_json(out / "run.json", record, indent=1)
 
 
-def setup(cfg: TrainConfig, *, fast_compile: bool = False) -> Run:
-    """Load target, drafter and data, build the train program, place the frozen weights,
-    and write ``run.json``."""
+def setup(cfg: TrainConfig, *, fast_compile: bool = False, force_resume: bool = False) -> Run:
+    """Load target, drafter and data, check the run directory, build the train program, place
+    the frozen weights, and write ``run.json``. A finished run raises ``RunFinished``."""
     target_cfg, target_params = ckpt_io.load_target(cfg.target)
     draft_cfg, params = load_drafter(cfg, target_cfg, target_params)
     source = load_source(cfg, target_cfg, draft_cfg, target_params)
     total_steps, epochs = _step_counts(cfg, len(source))
+    out = Path(cfg.output_dir).absolute()
+    identity = run_identity(cfg, draft_cfg, target_identity(target_cfg, target_params), total_steps)
+    finished = check_run_dir(out, identity, resume=cfg.checkpoint.resume, force_resume=force_resume)
+    if finished is not None:
+        raise RunFinished(out, finished)
     mesh = make_train_mesh(cfg)
     trainable, frozen = optim.split_params(params, draft_cfg)
     example = source[0]
@@ -158,12 +242,22 @@ def setup(cfg: TrainConfig, *, fast_compile: bool = False) -> Run:
                             fast_compile=fast_compile)
     target = _put(target_params, program.target_sharding) if program.online else None
     ids = program.batch["input_ids"]
-    run = Run(cfg, Path(cfg.output_dir).absolute(), draft_cfg, target_cfg, source, total_steps, epochs,
+    run = Run(cfg, out, draft_cfg, target_cfg, source, total_steps, epochs,
               program, trainable, _put(frozen, program.frozen_sharding), target,
               _local_rows(ids.sharding, ids.shape))
-    record = {"train": cfg.to_dict(), "draft": draft_cfg.to_hf(), "total_steps": total_steps}
-    _write_run_record(run.out, record, cfg.checkpoint.resume, run.is_main)
+    record = {"identity": identity, "train": cfg.to_dict(), "draft": draft_cfg.to_hf(),
+              "total_steps": total_steps}
+    _write_run_record(run.out, record, run.is_main)
     return run
+
+
+class RunFinished(Exception):
+    """``output_dir`` holds this run, finished: nothing to do (``summary`` is its summary.json)."""
+
+    def __init__(self, out: Path, summary: dict):
+        super().__init__(f"{out} holds this run, finished at step {summary['final']['step']} "
+                         f"(summary.json); nothing to do. Choose another output_dir to train again")
+        self.out, self.summary = out, summary
 
 
 def make_data_iterator(run: Run):
@@ -211,15 +305,35 @@ def _device_batch(run: Run, host: dict) -> dict:
     return out
 
 
+def truncate_metrics(path: Path, step: int) -> None:
+    """Keep the rows of ``metrics.jsonl`` up to ``step`` (the restored checkpoint): the steps a
+    killed run logged after its last checkpoint are replayed, and must appear once."""
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    keep = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= step:
+                keep.append(line if line.endswith("\n") else line + "\n")
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut by the kill
+    if keep != lines:
+        with atomic_open(path) as f:
+            f.writelines(keep)
+
+
 class _Log:
     """metrics.jsonl, TensorBoard and the progress bar (process 0 writes; all processes keep history)."""
 
     def __init__(self, run: Run, start: int):
-        self.run, self.history, self.tokens = run, [], 0
+        self.run, self.history, self.tokens, self.parts = run, [], 0, 0
         self.file = self.writer = None
         if run.is_main:
             from tensorboardX import SummaryWriter
-            self.writer = SummaryWriter(str(run.out / "tb"))
+            truncate_metrics(run.out / "metrics.jsonl", start)
+            # purge_step: TensorBoard drops the events of steps > start written before a kill
+            self.writer = SummaryWriter(str(run.out / "tb"), purge_step=start + 1 if start else None)
             self.file = (run.out / "metrics.jsonl").open("a")
         self.bar = tqdm(total=run.total_steps, initial=start, desc="train", unit="step",
                         disable=not (run.cfg.progress and run.is_main))
@@ -236,6 +350,15 @@ class _Log:
             self.bar.set_postfix(loss=f"{metrics['loss']:.4f}",
                                  tau=f"{metrics.get('expected_accept_length', float('nan')):.3f}")
         self.bar.update(1)
+
+    def flush(self) -> None:
+        """Get every logged event onto disk (tensorboardX's flush leaves queued events in its
+        writer thread: closing drains the queue; a new event file continues the log)."""
+        if self.writer:
+            from tensorboardX import SummaryWriter
+            self.writer.close()
+            self.parts += 1  # a distinct file name (tensorboardX names files by the second)
+            self.writer = SummaryWriter(str(self.run.out / "tb"), filename_suffix=f".{os.getpid()}.{self.parts}")
 
     def close(self) -> None:
         self.bar.close()
@@ -254,11 +377,13 @@ def _non_finite(run: Run, mgr, step: int, metrics: dict) -> NonFiniteLossError:
         "Lower optimizer.learning_rate or check the data.")
 
 
-def _save(run: Run, mgr, step: int, state, data_iter) -> None:
-    """Checkpoint every ``checkpoint.every`` steps and at the last step."""
+def _save(run: Run, mgr, step: int, state, data_iter, log: "_Log") -> None:
+    """Checkpoint every ``checkpoint.every`` steps and at the last step (TensorBoard flushed
+    first, so a killed run's events reach the restored step)."""
     every = run.cfg.checkpoint.every
     if not every or (step % every and step != run.total_steps):
         return
+    log.flush()
     mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                            data=grain.checkpoint.CheckpointSave(data_iter)))
     kill_at = int(os.environ.get(KILL_AT_STEP_ENV, "0") or 0)
@@ -282,7 +407,7 @@ def iterate(run: Run, state, start: int, mgr, data_iter, log: _Log):
         if not finite:
             raise _non_finite(run, mgr, it + 1, metrics)
         log.add(it + 1, metrics, row)
-        _save(run, mgr, it + 1, state, data_iter)
+        _save(run, mgr, it + 1, state, data_iter, log)
     mgr.wait_until_finished()
     return state
 
@@ -306,8 +431,12 @@ def export(run: Run, state) -> tuple[dict, Path | None]:
     return params, export_dir
 
 
-def train(cfg: TrainConfig, *, fast_compile: bool | None = None) -> dict:
+def train(cfg: TrainConfig, *, fast_compile: bool | None = None, force_resume: bool = False) -> dict:
     """Run or resume training; returns the final summary dict (plus "history" and "params").
+
+    A rerun of a finished run changes nothing on disk and returns its summary.json with
+    ``"finished": True`` (params None). Resuming a run that differs (data, feature mode,
+    optimizer, loss, drafter, target, steps) is refused naming the fields unless ``force_resume``.
 
     ``fast_compile`` (default: environment ``DSPARK_FAST_COMPILE=1``) trades step speed for
     compile time (CPU smoke runs).
@@ -315,7 +444,10 @@ def train(cfg: TrainConfig, *, fast_compile: bool | None = None) -> dict:
     t_start = time.time()
     if fast_compile is None:
         fast_compile = os.environ.get(FAST_COMPILE_ENV) == "1"
-    run = setup(cfg, fast_compile=fast_compile)
+    try:
+        run = setup(cfg, fast_compile=fast_compile, force_resume=force_resume)
+    except RunFinished as done:
+        return dict(done.summary, finished=True, message=str(done), history=[], params=None)
     data_iter = make_data_iterator(run)
     mgr = checkpoint_manager(run)
     log = None
@@ -341,5 +473,5 @@ def train(cfg: TrainConfig, *, fast_compile: bool | None = None) -> dict:
         "mesh": dict(run.program.mesh.shape),
     }
     if run.is_main:
-        (run.out / "summary.json").write_text(json.dumps(summary, indent=1))
+        write_json(run.out / "summary.json", summary, indent=1)
     return dict(summary, history=history, params=params)

@@ -1,0 +1,72 @@
+"""The README's Workflow commands, in order, on a fresh directory with small sizes.
+
+Each command is the README's (same flags, same relative paths) plus size overrides; they run
+in-process through the console entry points. The multi-process launcher example is covered by
+tests/test_train_parallel.py and `plan` by tests/test_plan.py (full-size compiles are minutes).
+"""
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from dspark_jax import cli
+from dspark_jax.data import sample as sample_mod
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ["steps=2", "batch_size=4", "progress=False", "checkpoint.every=1", "mesh=data=1", "num_devices=1"]
+
+
+@pytest.mark.slow
+def test_readme_workflow(tmp_path, monkeypatch, capsys):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "fixtures").symlink_to(REPO / "tests" / "fixtures")
+    (tmp_path / "configs").mkdir()
+    shutil.copy(REPO / "configs" / "tiny.py", tmp_path / "configs" / "tiny.py")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DSPARK_FAST_COMPILE", "1")
+    tiny = "tests/fixtures/dspark_qwen3_tiny"
+
+    def run(*argv):
+        t0 = time.time()
+        code = cli.main(list(argv))
+        out, err = capsys.readouterr()
+        with capsys.disabled():
+            print(f"\n{time.time() - t0:6.1f}s  dspark-jax {' '.join(argv[:3])}")
+        assert code == 0, (argv, err[-3000:])
+        assert "Traceback" not in err
+        return out, err
+
+    # 1. convert, both ways
+    run("convert", f"{tiny}/draft", "runs/draft_jax")
+    run("convert", "runs/draft_jax", "runs/draft_torch", "--to", "torch", "--max-shard-size", "2GB")
+    # 2. generate
+    Path("prompts.jsonl").write_text("".join(json.dumps({"prompt_ids": [1, 2, 3, i]}) + "\n" for i in range(4, 8)))
+    run("generate", "--target", f"{tiny}/target", "--draft", f"{tiny}/draft", "--prompts", "prompts.jsonl",
+        "--out", "out.jsonl", "--max-new-tokens", "24", "--temperature", "0", "--batch-size", "8",
+        "--verify", "threshold", "--confidence-threshold", "0.5")
+    assert len(Path("out.jsonl").read_text().splitlines()) == 4
+    # 3. train: data, online, cache, train from the cache
+    assert sample_mod.main(["--target", f"{tiny}/target", "--out", "runs/tiny_data.jsonl",
+                            "--num", "16", "--length", "32"]) == 0
+    out, _ = run("train", "--config", "configs/tiny.py", *SMALL)
+    assert json.loads(out)["final"]["step"] == 2
+    _, err = run("train", "--config", "configs/tiny.py", *SMALL)  # rerun: finished, nothing changes
+    assert "finished" in err
+    run("cache", "--config", "configs/tiny.py", "--out", "runs/tiny_cache", "--quiet")
+    out, _ = run("train", "--config", "configs/tiny.py", "features=cache", "cache_dir=runs/tiny_cache",
+                 "output_dir=runs/tiny_from_cache", *SMALL)
+    assert json.loads(out)["final"]["step"] == 2
+    for name in ("run.json", "metrics.jsonl", "summary.json", "export/config.json"):
+        assert (tmp_path / "runs/tiny_from_cache" / name).is_file(), name
+    # 4. calibrate the decode logs, profile SPS, schedule
+    run("calibrate", "--logs", "out.jsonl", "--out", "runs/sts", "--draft", f"{tiny}/draft", "--write-draft",
+        "--holdout", "0.5")
+    assert (tmp_path / "runs/sts/sts.json").is_file()
+    run("profile-sps", "--target", f"{tiny}/target", "--out", "sps.json", "--batch-sizes", "1,2,4,8",
+        "--warmup", "1", "--iters", "1", "--min-seconds", "0", "--repeats", "1", "--cache-length", "16")
+    run("generate", "--target", f"{tiny}/target", "--draft", "runs/sts/draft", "--prompts", "prompts.jsonl",
+        "--out", "sched.jsonl", "--max-new-tokens", "8", "--verify", "scheduler", "--sps", "sps.json")
+    assert len(Path("sched.jsonl").read_text().splitlines()) == 4

@@ -296,3 +296,35 @@ def test_reference_cache_bad_input(both_caches, tmp_path, fixture):
     (bad / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(ConfigError, match="target_layer_ids"):
         reference_cache.ReferenceFeatureCache(bad).validate(fixture[1].replace(target_layer_ids=(0, 1, 4)))
+
+
+def test_train_reads_a_reference_cache(both_caches, tmp_path):
+    """`train features=cache cache_dir=<DeepSpec v2 cache>` trains like our own cache (bf16 storage)."""
+    from train_tiny import tiny_config
+
+    from dspark_jax.train.loop import train
+
+    ours_dir, ref_dir = both_caches
+    runs = {name: train(tiny_config(tmp_path / name, features="cache", cache_dir=str(d), batch_size=2,
+                                    steps=2))
+            for name, d in (("ours", ours_dir), ("ref", ref_dir))}
+    ours = [r["loss"] for r in runs["ours"]["history"]]
+    ref = [r["loss"] for r in runs["ref"]["history"]]
+    assert len(ours) == len(ref) == 2
+    np.testing.assert_allclose(ref, ours, rtol=2e-2)
+
+
+def test_train_warns_for_engines_that_cannot_serve(tmp_path, capsys):
+    from train_tiny import DRAFT, tiny_config
+
+    from dspark_jax.train import loop
+
+    with pytest.raises(ConfigError, match="serve_engines: unknown engine 'tgi'"):
+        tiny_config(tmp_path / "x", serve_engines=["tgi"])
+    cfg = tiny_config(tmp_path / "dflash", draft=dict(DRAFT, markov_rank=0, confidence_head_with_markov=False),
+                      serve_engines=["vllm", "sglang"], data=str(tmp_path / "d.jsonl"))
+    (tmp_path / "d.jsonl").write_text("".join(
+        json.dumps({"input_ids": list(range(i, i + 20)), "loss_mask": [1] * 20}) + "\n" for i in range(8)))
+    loop.setup(cfg)
+    err = capsys.readouterr().err
+    assert "cannot be served by vllm" in err and "cannot be served by sglang" in err

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from dspark_jax.config import DraftConfig, LossConfig, TargetConfig
+from dspark_jax.convert.engines import ENGINES
 from dspark_jax.draft.backbone import REMAT_MODES
 from dspark_jax.errors import ConfigError
 
@@ -132,6 +133,7 @@ class TrainConfig:
     export_format: str = "torch"
     export_dir: str = ""
     progress: bool = True
+    serve_engines: tuple[str, ...] = ()
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
@@ -139,6 +141,9 @@ class TrainConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "draft", dict(self.draft or {}))
+        engines = self.serve_engines
+        object.__setattr__(self, "serve_engines",
+                           (engines,) if isinstance(engines, str) else tuple(engines or ()))
         for name, cls in SECTIONS.items():
             object.__setattr__(self, name, _section(name, cls, getattr(self, name)))
         self._validate()
@@ -162,6 +167,8 @@ class TrainConfig:
         req(self.batch_size % self.grad_accum == 0,
             f"batch_size={self.batch_size} is not divisible by grad_accum={self.grad_accum}")
         req(self.target != "", "target (a target checkpoint directory) is required")
+        for engine in self.serve_engines:
+            req(engine in ENGINES, f"serve_engines: unknown engine {engine!r} (known: {ENGINES})")
         if self.features == "cache":
             req(self.cache_dir != "", "cache_dir is required when features='cache'")
         else:

@@ -22,6 +22,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -35,9 +36,9 @@ from tqdm import tqdm
 
 from dspark_jax.config import DraftConfig, TargetConfig
 from dspark_jax.convert import checkpoint as ckpt_io
+from dspark_jax.convert import engines
 from dspark_jax.convert.identity import target_identity
-from dspark_jax.data import cache as cache_lib
-from dspark_jax.data import pipeline, sources
+from dspark_jax.data import pipeline, reference_cache, sources
 from dspark_jax import families
 from dspark_jax.errors import CheckpointError, ConfigError, DSparkError, InputError
 from dspark_jax.fileio import atomic_open, write_json
@@ -96,7 +97,8 @@ def _local_rows(sharding, global_shape) -> tuple[int, int]:
 def load_source(cfg: TrainConfig, target_cfg, draft_cfg, target_params):
     """The dataset of this run (validated before anything compiles)."""
     if cfg.features == "cache":
-        src = cache_lib.FeatureCache(cfg.cache_dir, cfg.max_length, cfg.overlong)
+        # ours (``dspark-jax cache``) or the reference's v2 cache, whichever cache_dir holds
+        src = reference_cache.open_feature_cache(cfg.cache_dir, cfg.max_length, cfg.overlong)
         src.validate(draft_cfg, target_cfg, target_identity(target_cfg, target_params))
         return src
     if cfg.data_format == "chat":
@@ -226,6 +228,9 @@ def setup(cfg: TrainConfig, *, fast_compile: bool = False, force_resume: bool = 
     the frozen weights, and write ``run.json``. A finished run raises ``RunFinished``."""
     target_cfg, target_params = ckpt_io.load_target(cfg.target)
     draft_cfg, params = load_drafter(cfg, target_cfg, target_params)
+    if jax.process_index() == 0:
+        for line in engines.serving_warnings(draft_cfg, cfg.serve_engines):
+            print(f"warning: this drafter {line}", file=sys.stderr)
     source = load_source(cfg, target_cfg, draft_cfg, target_params)
     total_steps, epochs = _step_counts(cfg, len(source))
     out = Path(cfg.output_dir).absolute()

@@ -283,12 +283,13 @@ def fit_sts(rounds: Rounds, grid=None, n_bins: int = DEFAULT_BINS, min_count: in
 
 
 def reliability_diagram(rounds: Rounds, temperatures, path, n_bins: int = DEFAULT_BINS,
-                        title: str = "", sts_label: str = "STS") -> None:
+                        title: str = "", sts_label: str = "STS") -> dict:
     """PNG: one panel per position, observed prefix acceptance vs cumulative confidence,
     before (raw) and after STS, with the rounds per confidence bin (raw) as grey bars behind
     (right axis). ``sts_label`` names the STS curve, saying whether its temperatures were
     fitted on these rounds ("in-sample") or on others ("held out"); the legend sits below
-    each panel so it hides no curve."""
+    each panel so it hides no curve. Returns ``{"title", "legend": [labels of panel 1],
+    "histogram": right-axis label}``."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -335,9 +336,31 @@ def reliability_diagram(rounds: Rounds, temperatures, path, n_bins: int = DEFAUL
                   ncol=1, frameon=False)
     if title:
         fig.suptitle(title, fontsize=10)
+    ax0 = axes[0][0]
+    info = {"title": title, "legend": [t.get_text() for t in ax0.get_legend().get_texts()],
+            "histogram": "rounds per bin (raw)"}
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return info
+
+
+def reliability_plot(rounds: Rounds, path, title: str = "", holdout: float = 0.5, seed: int = 0,
+                     n_bins: int = DEFAULT_BINS, min_rounds: int = 40) -> dict:
+    """Reliability diagram with STS held out: temperatures fitted on a seeded ``1 - holdout``
+    share of ``rounds``, curves drawn on the other share; with fewer than ``min_rounds``
+    rounds, fitted and drawn on all of them and labelled in-sample. Returns
+    ``reliability_diagram``'s info plus ``"sts": "held out" | "in-sample"``."""
+    if rounds.num_rounds >= min_rounds:
+        fit, held = split_rounds(rounds, holdout, seed)
+        label, head, how = (f"STS held out (fit on {fit.num_rounds} other rounds)",
+                            f"{held.num_rounds} held-out rounds", "held out")
+    else:
+        fit = held = rounds
+        label, head, how = ("STS in-sample (fit on these rounds)", f"{rounds.num_rounds} rounds", "in-sample")
+    info = reliability_diagram(held, fit_sts(fit, n_bins=n_bins), path, n_bins,
+                               title=f"{title}: {head}" if title else head, sts_label=label)
+    return dict(info, sts=how)
 
 
 # --------------------------------------------------------------------------- the calibrate run
@@ -378,11 +401,13 @@ def run_sts(logs, out, *, draft=None, holdout: float = 0.3, seed: int = 0, bins:
     report["temperatures"] = [float(t) for t in temps]
 
     with atomic_dir(out, force=force) as tmp:
-        (tmp / "sts.json").write_text(json.dumps(report, indent=1) + "\n")
         how = ("STS refit on all rounds (in-sample)" if refit_all else
                f"STS held out (fit on {fit.num_rounds} other rounds)")
-        reliability_diagram(held, temps, tmp / "reliability.png", bins,
-                            title=f"{held.num_rounds} held-out rounds: raw vs STS", sts_label=how)
+        report["reliability_plot"] = dict(
+            reliability_diagram(held, temps, tmp / "reliability.png", bins,
+                                title=f"{held.num_rounds} held-out rounds: raw vs STS", sts_label=how),
+            sts="in-sample" if refit_all else "held out")
+        (tmp / "sts.json").write_text(json.dumps(report, indent=1) + "\n")
         if write_draft:
             _save_draft_with_sts(draft, tmp / "draft", report["temperatures"])
     return report

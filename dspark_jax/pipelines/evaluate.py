@@ -178,28 +178,18 @@ def plot_acceptance(curves: Mapping[str, Mapping[str, Sequence]], path, title: s
     return path
 
 
-def plot_reliability(results, path, title: str = "", holdout: float = 0.5, seed: int = 0) -> Path | None:
-    """Reliability diagram of results with a confidence head (None when they carry no
-    confidences): raw confidences and STS, with the STS temperatures fitted on a seeded
-    ``1 - holdout`` share of the rounds and plotted on the other ``holdout`` share (labelled
-    "held out"); with too few rounds to split (< 40) fitted and plotted on all of them
-    (labelled "in-sample")."""
-    from dspark_jax.pipelines.calibrate import fit_sts, reliability_diagram, split_rounds
+def plot_reliability(results, path, title: str = "") -> Path | None:
+    """Reliability diagram (raw confidences and STS, held out when there are enough rounds:
+    ``calibrate.reliability_plot``) of results with a confidence head; None when they carry
+    no confidences."""
+    from dspark_jax.pipelines.calibrate import reliability_plot
 
     rounds = results_rounds(results)
     if rounds is None:
         return None
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if rounds.num_rounds >= 40:
-        fit, held = split_rounds(rounds, holdout, seed)
-        label = f"STS held out (fit on {fit.num_rounds} other rounds)"
-        head = f"{held.num_rounds} held-out rounds"
-    else:
-        fit = held = rounds
-        label, head = "STS in-sample (fit on these rounds)", f"{rounds.num_rounds} rounds"
-    reliability_diagram(held, fit_sts(fit), path, title=f"{title}: {head}" if title else head,
-                        sts_label=label)
+    reliability_plot(rounds, path, title=title)
     return path
 
 

@@ -443,14 +443,15 @@ def stage_decode(cfg: DemoConfig, *, modes=MODES, progress: bool = True,
 # --------------------------------------------------------------------------- report
 
 
-SPAN_OPEN, SPAN_SEP, SPAN_CLOSE = "\u27e6", "\u2502", "\u27e7"   # ⟦accepted draft│bonus⟧
+SPAN_OPEN, SPAN_CLOSE = "\u27e6", "\u27e7"   # ⟦draft tokens the target accepted in one round⟧
 
 
 def round_spans(result, detok: Callable[[Sequence[int]], str]) -> dict:
     """What each round of a speculative ``Result`` committed: ``{"first": text of the prefill
     token, "rounds": [{"accepted": draft text the target accepted, "bonus": the target's own
     token}]}`` (cut at ``len(output_ids)``, like the output) and ``"marked"``: the continuation
-    with every round as ``⟦accepted│bonus⟧``."""
+    with each round's accepted draft span (when not empty) as ``⟦accepted⟧`` followed by its bonus
+    token unmarked, so every unmarked token is the target's own (prefill, then one per round)."""
     ids = list(result.output_ids)
     drafts = list(result.accepted_drafts) or [a - 1 for a in result.acceptance_lengths]
     pos = min(1, len(ids))
@@ -462,7 +463,8 @@ def round_spans(result, detok: Callable[[Sequence[int]], str]) -> dict:
         acc, bonus = ids[pos:pos + d], ids[pos + d:pos + a]
         rounds.append({"accepted": detok(acc), "bonus": detok(bonus)})
         pos += a
-    marked = first + "".join(f"{SPAN_OPEN}{r['accepted']}{SPAN_SEP}{r['bonus']}{SPAN_CLOSE}" for r in rounds)
+    marked = first + "".join((f"{SPAN_OPEN}{r['accepted']}{SPAN_CLOSE}" if r["accepted"] else "") + r["bonus"]
+                             for r in rounds)
     return {"first": first, "rounds": rounds, "marked": marked}
 
 
@@ -481,9 +483,9 @@ def format_samples(samples: Sequence[Mapping], temperature: float) -> str:
     """The sample continuations as text: prompt, then the marked continuation."""
     if not samples:
         return ""
-    lines = [f"sample continuations ({samples[0]['mode']}, temperature {temperature:g}); each round is "
-             f"{SPAN_OPEN}accepted draft tokens{SPAN_SEP}the target's bonus token{SPAN_CLOSE}, the text "
-             f"before the first {SPAN_OPEN} is the prefill token:"]
+    lines = [f"sample continuations ({samples[0]['mode']}, temperature {temperature:g}): "
+             f"{SPAN_OPEN}...{SPAN_CLOSE} = draft tokens the target accepted in one round; every other token "
+             "is the target's own (the prefill token, then one bonus token per round)"]
     for i, smp in enumerate(samples, 1):
         taus = smp["acceptance_lengths"]
         lines.append(f"--- {i}. {smp['dataset']} #{smp['index']} ({len(taus)} rounds, "

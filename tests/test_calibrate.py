@@ -117,3 +117,32 @@ def test_calibrate_writes_draft_with_extras(tmp_path, tiny_dir):
     assert checkpoint.read_extras(out / "draft")["sts_temperatures"] == temps
     cfg, _ = checkpoint.load_draft(out / "draft")
     assert cfg.block_size == 7 and len(temps) == 7
+
+
+def test_reliability_plot_says_held_out_or_in_sample(tmp_path):
+    many, few = synthetic_rounds(400, 6), synthetic_rounds(30, 7)
+    info = C.reliability_plot(many, tmp_path / "held.png", title="drafter")
+    assert info["sts"] == "held out"
+    assert "held-out rounds" in info["title"] and info["title"].startswith("drafter: 200 ")
+    labels = info["legend"]
+    assert any(lab.startswith("STS held out (fit on 200 other rounds)") for lab in labels)
+    assert any(lab.startswith("raw ECE") for lab in labels)
+    assert "rounds per bin (raw, right axis)" in labels and "perfect calibration" in labels
+    assert info["histogram"] == "rounds per bin (raw)"
+    assert (tmp_path / "held.png").read_bytes()[:4] == b"\x89PNG"
+    info = C.reliability_plot(few, tmp_path / "few.png")
+    assert info["sts"] == "in-sample" and any(lab.startswith("STS in-sample") for lab in info["legend"])
+
+
+def test_calibrate_command_labels_its_plot(tmp_path):
+    from dspark_jax.cli import main
+
+    r = synthetic_rounds(600, 8)
+    logs = tmp_path / "decode.jsonl"
+    with logs.open("w") as f:
+        for z, a, p in zip(r.logits, r.accepted, r.proposal):
+            f.write(json.dumps({"confidence_logits": z.tolist(), "accepted": int(a), "proposal": int(p)}) + "\n")
+    assert main(["calibrate", "--logs", str(logs), "--out", str(tmp_path / "a")]) == 0
+    plot = json.loads((tmp_path / "a" / "sts.json").read_text())["reliability_plot"]
+    assert plot["sts"] == "held out" and any(lab.startswith("STS held out") for lab in plot["legend"])
+    assert "held-out rounds" in plot["title"]

@@ -42,12 +42,14 @@ def test_quick_demo_outputs(quick_demo):
         assert all(0 <= r <= 1 for r in rates)
         assert all(a >= b - 1e-12 for a, b in zip(rates, rates[1:]))  # prefix survival is monotone
         assert row["tokens_per_second"] > 0 and row["speedup"] > 0
-        assert row["output_tokens"] == ar["output_tokens"]
+        # lossless: the same output lengths as the target alone (exactly so when greedy)
+        assert report["table_greedy"][m]["output_tokens"] == report["table_greedy"]["autoregressive"]["output_tokens"]
         # both drafters have a confidence head: calibration metrics per position
         cal = report["details"][m]["calibration"]["per_position"]
         assert [p["position"] for p in cal] == list(range(1, g + 1))
     # greedy speculative decoding is lossless: identical outputs to the target alone
     assert report["outputs_equal_to_autoregressive"] == {"dspark": 1.0, "dflash": 1.0}
+    assert report["outputs_equal_to_autoregressive_table"] == "greedy"
     text = (out / "table.txt").read_text()
     for m in MODES:
         assert m in text
@@ -149,4 +151,52 @@ def test_config_validation():
         DemoConfig(markov_rank=0)
     with pytest.raises(ConfigError, match="steps"):
         DemoConfig(steps=0)
-    assert np.isclose(DemoConfig().temperature, 0.0)
+    assert np.isclose(DemoConfig().temperature, 1.0)  # the paper's setting is the headline
+    assert DemoConfig().greedy_table
+
+
+def test_report_has_both_tables_degeneracy_and_samples(quick_demo):
+    cfg, _, logs = quick_demo
+    out = Path(cfg.out)
+    report = json.loads((out / "report.json").read_text())
+    assert report["temperature"] == 1.0 and cfg.temperature == 1.0
+    for key in ("table", "table_greedy"):
+        assert list(report[key]) == list(MODES)
+        for m in MODES:  # the target's own row too: an inflated tau shows next to its outputs
+            row = report[key][m]
+            assert 0 <= row["degenerate_fraction"] <= 1 and 0 <= row["whitespace_fraction"] <= 1
+            assert row["num_degenerate"] == round(row["degenerate_fraction"] * row["requests"])
+    assert report["table_greedy"]["autoregressive"]["tau"] == 1.0
+    assert (out / "decode" / "greedy" / "dspark.jsonl").is_file()
+    assert report["dspark_tau_over_dflash_tau"] == pytest.approx(
+        report["table"]["dspark"]["tau"] / report["table"]["dflash"]["tau"])
+    text = (out / "table.txt").read_text()
+    assert "temperature 1 (headline" in text and "temperature 0 (greedy" in text
+    assert "degen" in text and " ws" in text and "distinct-4-gram" in text
+    # three continuations, each round's accepted draft span marked
+    from dspark_jax.pipelines.demo import SPAN_CLOSE, SPAN_OPEN
+    samples = report["samples"]
+    assert len(samples) == cfg.num_samples == 3
+    for smp in samples:
+        assert smp["prompt"] and smp["mode"] == "dspark"
+        spans = sum(bool(r["accepted"]) for r in smp["rounds"])
+        assert smp["marked"].count(SPAN_OPEN) == smp["marked"].count(SPAN_CLOSE) == spans
+        assert 1 <= len(smp["rounds"]) <= len(smp["acceptance_lengths"])
+        plain = smp["marked"].replace(SPAN_OPEN, "").replace(SPAN_CLOSE, "")
+        assert plain == smp["text"]
+        assert smp["marked"] in text and smp["marked"] in "\n".join(logs)
+
+
+def test_round_spans_mark_accepted_drafts_and_bonus():
+    from dspark_jax.decode import Result
+    from dspark_jax.pipelines.demo import round_spans
+
+    ids = list(b"abcdefgh")
+    # prefill token 'a'; round 1 accepts 2 drafts 'bc' + bonus 'd'; round 2 none + bonus 'e';
+    # round 3 accepts 'fgh' + bonus, cut at max_new_tokens (8)
+    r = Result(ids, [3, 1, 4], [4, 4, 4], [2, 0, 3], None, 5, 0, 0.1)
+    spans = round_spans(r, lambda t: bytes(t).decode())
+    assert spans["first"] == "a"
+    assert spans["rounds"] == [{"accepted": "bc", "bonus": "d"}, {"accepted": "", "bonus": "e"},
+                               {"accepted": "fgh", "bonus": ""}]
+    assert spans["marked"] == "a\u27e6bc\u27e7de\u27e6fgh\u27e7"

@@ -170,3 +170,65 @@ def test_generate_and_eval_encode_text_the_same(drafter, tmp_path, monkeypatch, 
     tok = load_tokenizer(tdir)
     expected = tok.encode(text, add_bos=True) if raw else tok.chat_prompt(text)
     assert generated[0] == expected
+
+
+def _fake_decode(loop_marker: bytes):
+    """A stand-in for ``timed_decode``: a space-and-underscore loop for prompts holding
+    ``loop_marker``, varied text otherwise (no model run)."""
+    from dspark_jax.decode import Result
+
+    def fake(tcfg, tparams, prompts, *, draft_cfg=None, max_new_tokens=16, progress=None, **_):
+        out = []
+        for i, p in enumerate(prompts):
+            if loop_marker in bytes(t for t in p if t < 256):
+                ids = list(b" _" * (max_new_tokens // 2))
+            else:
+                ids = list(f"x{i} = compute({i}, y)\nz = x{i}"[:max_new_tokens].encode())
+            out.append(Result(ids, [2] * (len(ids) // 2), [4] * (len(ids) // 2), [1] * (len(ids) // 2),
+                              None, len(p), i, 0.01))
+        if progress:
+            progress(len(prompts))
+        return out
+    return fake
+
+
+def test_eval_warns_and_counts_degenerate_outputs(drafter, tmp_path, monkeypatch):
+    import dspark_jax.pipelines.evaluate as E
+
+    tdir, draft, _ = drafter
+    monkeypatch.setattr(E, "timed_decode", _fake_decode(b"LOOP"))
+    (tmp_path / "loops.jsonl").write_text("".join(json.dumps({"turns": [f"LOOP {i}"]}) + "\n" for i in range(3)))
+    (tmp_path / "fine.jsonl").write_text("".join(json.dumps({"turns": [f"def f{i}():"]}) + "\n" for i in range(4)))
+    lines = []
+    report = evaluate(tdir, draft, "loops,fine", data_dir=tmp_path, out=tmp_path / "out", progress=False,
+                      printer=lines.append)
+    deg = report["datasets"]["loops"]["degeneracy"]
+    assert deg["num_degenerate"] == deg["num_outputs"] == 3 and deg["whitespace_fraction"] == pytest.approx(0.5)
+    assert report["datasets"]["fine"]["degeneracy"]["num_degenerate"] == 0
+    assert report["degenerate_outputs"] == {"num_degenerate": 3, "num_outputs": 7, "datasets_warned": ["loops"]}
+    assert len(report["warnings"]) == 1 and report["warnings"][0].startswith("warning: loops: degenerate 3/3")
+    text = "\n".join(lines)
+    assert report["warnings"][0] in text and "warning: fine" not in text
+    assert "degenerate outputs: 3/7" in text
+    table = lines[0].splitlines()
+    assert "degen" in table[0] and " ws" in table[0]
+    assert "3/3" in next(r for r in table if r.startswith("loops")) and "0/4" in next(r for r in table if r.startswith("fine"))
+    saved = json.loads((tmp_path / "out" / "eval.json").read_text())
+    assert saved["degenerate_outputs"]["num_degenerate"] == 3 and saved["warnings"] == report["warnings"]
+
+
+def test_default_datasets_of_the_embedded_target(drafter, tmp_path, monkeypatch, capsys):
+    import dspark_jax.pipelines.evaluate as E
+
+    tdir, draft, _ = drafter
+    # the embedded target continues code; math word problems and chat prompts are not its defaults
+    assert E.default_datasets(default_target_dir()) == ["stdlib-heldout"]
+    assert not {"gsm8k", "math500", "mt-bench"} & set(E.EMBEDDED_DEFAULT_DATASETS)
+    with pytest.raises(InputError, match="--datasets is required"):
+        E.default_datasets(FIXTURE / "target")
+    monkeypatch.setattr(E, "timed_decode", _fake_decode(b"LOOP"))
+    assert cli.main(["eval", "--draft", str(draft), "--max-samples", "2", "--raw-prompt", "--no-progress",
+                     "--out", str(tmp_path / "e")]) == 0
+    assert list(json.loads((tmp_path / "e" / "eval.json").read_text())["datasets"]) == ["stdlib-heldout"]
+    rc = cli.main(["eval", "--target", str(FIXTURE / "target"), "--draft", str(FIXTURE / "draft")])
+    assert rc == 2 and "--datasets is required" in capsys.readouterr().err

@@ -16,13 +16,16 @@ on the Python standard library; no download), the demo
   2. train:   trains a DSpark drafter (Markov head + confidence head) and a DFlash drafter
               (markov_rank 0) with the same data, steps, batch, learning rate and seed,
   3. decode:  decodes held-out prompts (standard-library files the target never saw) three ways:
-              autoregressive, DFlash, DSpark -- same prompts, max_new_tokens and temperature,
-  4. report:  prints one table (tau, accept_rate@k, verify_rate, tokens/s, speedup over
-              autoregressive) and saves report.json, table.txt, acceptance.png,
-              reliability_<drafter>.png and TensorBoard scalars under --out.
+              autoregressive, DFlash, DSpark -- same prompts, max_new_tokens and temperature:
+              temperature 1.0 (the paper's setting) and again greedy, both lossless,
+  4. report:  prints two tables (tau, accept_rate@k, verify_rate, tokens/s, speedup over
+              autoregressive, degenerate outputs and whitespace share, target row included)
+              and three sample continuations with each round's accepted draft span marked,
+              and saves report.json, table.txt, acceptance.png, reliability_<drafter>.png and
+              TensorBoard scalars under --out.
 Finished stages are reused (an interrupted demo resumes); --stage runs one stage alone (re-run
 it with --force). A finished demo is not overwritten without --force. The default run takes a
-few minutes on 2 CPU cores; --quick runs end to end in seconds with meaningless numbers.
+few minutes on 2 CPU cores; --quick runs end to end in under a minute with meaningless numbers.
 The report lists the equivalent `dspark-jax train` / `dspark-jax eval` commands.
 """
 
@@ -39,7 +42,7 @@ def register(subparsers) -> None:
                    help="run one stage only (its inputs must exist); default: all, resuming")
     p.add_argument("--force", action="store_true",
                    help="replace a finished demo (with --stage: re-run that stage)")
-    p.add_argument("--quick", action="store_true", help="tiny sizes: end to end in seconds (for tests)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes: end to end in under a minute (for tests)")
     p.add_argument("--target", default="", metavar="DIR",
                    help="target checkpoint directory with a tokenizer (default: the embedded default)")
     p.add_argument("--steps", type=int, default=None, help=f"training steps per drafter (default {d.steps})")
@@ -50,7 +53,8 @@ def register(subparsers) -> None:
     add_decode_flags(p, ("max_new_tokens", "temperature", "seed"),
                      defaults={"max_new_tokens": None, "temperature": None, "seed": None},
                      helps={"max_new_tokens": f"new tokens per held-out prompt (default {d.max_new_tokens})",
-                            "temperature": "decoding temperature of the comparison; 0 = greedy (default 0)",
+                            "temperature": "temperature of the headline table; 0 = greedy only (default 1.0; a greedy "
+                                           "table follows)",
                             "seed": "seed of data, init and decoding (default 0)"})
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run)

@@ -35,8 +35,9 @@ def register(subparsers) -> None:
     p.add_argument("--target", default=None, metavar="DIR",
                    help="target checkpoint directory with a tokenizer (default: the embedded default)")
     p.add_argument("--draft", required=True, metavar="DIR", help="drafter checkpoint directory")
-    p.add_argument("--datasets", required=True, metavar="NAME[,NAME]",
-                   help="dataset names (NAME.jsonl in --data-dir), comma-separated")
+    p.add_argument("--datasets", default=None, metavar="NAME[,NAME]",
+                   help="dataset names (NAME.jsonl in --data-dir), comma-separated (default with the "
+                        "embedded target: stdlib-heldout; required with any other --target)")
     p.add_argument("--data-dir", default=None, metavar="DIR",
                    help="directory of NAME.jsonl prompt files (default: the packaged small copies)")
     p.add_argument("--max-samples", type=int, default=None, metavar="N",

@@ -292,17 +292,22 @@ def fit_sts(rounds: Rounds, grid=None, n_bins: int = DEFAULT_BINS, min_count: in
 
 
 def reliability_diagram(rounds: Rounds, temperatures, path, n_bins: int = DEFAULT_BINS,
-                        title: str = "") -> None:
+                        title: str = "", sts_label: str = "STS") -> dict:
     """PNG: one panel per position, observed prefix acceptance vs cumulative confidence,
-    before (raw) and after STS, with bin counts shaded behind."""
+    before (raw) and after STS, with the rounds per confidence bin (raw) as grey bars behind
+    (right axis). ``sts_label`` names the STS curve, saying whether its temperatures were
+    fitted on these rounds ("in-sample") or on others ("held out"); the legend sits below
+    each panel so it hides no curve. Returns ``{"title", "legend": [labels of panel 1],
+    "histogram": right-axis label}``."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     g = rounds.block_size
     cols = min(g, 4)
     rows = -(-g // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.2 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols, 4.1 * rows), squeeze=False)
     ver, surv = rounds.verified(), rounds.survived()
     edges = np.linspace(0, 1, n_bins + 1)
     centers = 0.5 * (edges[1:] + edges[:-1])
@@ -312,33 +317,59 @@ def reliability_diagram(rounds: Rounds, temperatures, path, n_bins: int = DEFAUL
             ax.axis("off")
             continue
         m = ver[:, k]
-        ax.plot([0, 1], [0, 1], color="0.6", lw=1, ls="--")
-        for temps, label, color in ((None, "raw", "tab:red"), (temperatures, "STS", "tab:blue")):
+        handles = []
+        for temps, label, color in ((None, "raw", "tab:red"), (temperatures, sts_label, "tab:blue")):
             p = cumulative_probs(rounds.logits, temps)[m, k]
             y = surv[m, k]
             b = np.minimum((p * n_bins).astype(int), n_bins - 1)
             cnt = np.bincount(b, minlength=n_bins)
             acc = np.bincount(b, y.astype(float), n_bins) / np.maximum(cnt, 1)
             ok = cnt > 0
-            ax.plot(centers[ok], acc[ok], marker="o", ms=3, color=color,
-                    label=f"{label} ECE {100 * ece(p, y, n_bins):.1f}%")
             if temps is None:
                 ax2 = ax.twinx()
                 ax2.bar(centers, cnt, width=1 / n_bins, color="0.85", zorder=0)
-                ax2.set_yticks([])
+                ax2.set_ylabel("rounds per bin (raw)", fontsize=7, color="0.45")
+                ax2.tick_params(axis="y", labelsize=6, colors="0.45")
                 ax.set_zorder(ax2.get_zorder() + 1)
                 ax.patch.set_visible(False)
+                handles.append(Patch(color="0.85", label="rounds per bin (raw, right axis)"))
+            handles += ax.plot(centers[ok], acc[ok], marker="o", ms=3, color=color,
+                               label=f"{label} ECE {100 * ece(p, y, n_bins):.1f}%")
+        handles += ax.plot([0, 1], [0, 1], color="0.6", lw=1, ls="--", label="perfect calibration")
         ax.set_title(f"position {k + 1} (n={int(m.sum())})", fontsize=9)
         ax.set_xlim(0, 1)
         ax.set_ylim(0, 1)
         ax.set_xlabel("cumulative confidence", fontsize=8)
         ax.set_ylabel("prefix acceptance", fontsize=8)
-        ax.legend(fontsize=7, loc="upper left")
+        ax.legend(handles=handles, fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.2),
+                  ncol=1, frameon=False)
     if title:
-        fig.suptitle(title)
+        fig.suptitle(title, fontsize=10)
+    ax0 = axes[0][0]
+    info = {"title": title, "legend": [t.get_text() for t in ax0.get_legend().get_texts()],
+            "histogram": "rounds per bin (raw)"}
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return info
+
+
+def reliability_plot(rounds: Rounds, path, title: str = "", holdout: float = 0.5, seed: int = 0,
+                     n_bins: int = DEFAULT_BINS, min_rounds: int = 40) -> dict:
+    """Reliability diagram with STS held out: temperatures fitted on a seeded ``1 - holdout``
+    share of ``rounds``, curves drawn on the other share; with fewer than ``min_rounds``
+    rounds, fitted and drawn on all of them and labelled in-sample. Returns
+    ``reliability_diagram``'s info plus ``"sts": "held out" | "in-sample"``."""
+    if rounds.num_rounds >= min_rounds:
+        fit, held = split_rounds(rounds, holdout, seed)
+        label, head, how = (f"STS held out (fit on {fit.num_rounds} other rounds)",
+                            f"{held.num_rounds} held-out rounds", "held out")
+    else:
+        fit = held = rounds
+        label, head, how = ("STS in-sample (fit on these rounds)", f"{rounds.num_rounds} rounds", "in-sample")
+    info = reliability_diagram(held, fit_sts(fit, n_bins=n_bins), path, n_bins,
+                               title=f"{title}: {head}" if title else head, sts_label=label)
+    return dict(info, sts=how)
 
 
 # --------------------------------------------------------------------------- the calibrate run
@@ -379,9 +410,13 @@ def run_sts(logs, out, *, draft=None, holdout: float = 0.3, seed: int = 0, bins:
     report["temperatures"] = [float(t) for t in temps]
 
     with atomic_dir(out, force=force) as tmp:
+        how = ("STS refit on all rounds (in-sample)" if refit_all else
+               f"STS held out (fit on {fit.num_rounds} other rounds)")
+        report["reliability_plot"] = dict(
+            reliability_diagram(held, temps, tmp / "reliability.png", bins,
+                                title=f"{held.num_rounds} held-out rounds: raw vs STS", sts_label=how),
+            sts="in-sample" if refit_all else "held out")
         (tmp / "sts.json").write_text(json.dumps(report, indent=1) + "\n")
-        reliability_diagram(held, temps, tmp / "reliability.png", bins,
-                            title="held-out rounds: raw vs STS")
         if write_draft:
             _save_draft_with_sts(draft, tmp / "draft", report["temperatures"])
     return report

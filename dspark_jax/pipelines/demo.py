@@ -12,8 +12,13 @@ so any stage can be re-run or resumed on its own, e.g. ``dspark-jax demo --stage
              both have a confidence head (dspark's reads the previous token)
     decode   decode/<mode>.jsonl for mode in (autoregressive, dflash, dspark): the packaged
              ``stdlib-heldout`` prompts (held-out standard-library files), same prompts,
-             max_new_tokens and temperature; timed after a warm-up (no compilation)
-    report   report.json, table.txt, acceptance.png, reliability_<name>.png, tb/
+             max_new_tokens and temperature (1.0, the paper's setting: the headline); with
+             ``greedy_table`` also decode/greedy/<mode>.jsonl at temperature 0 (both lossless);
+             timed after a warm-up (no compilation)
+    report   report.json, table.txt, acceptance.png, reliability_<name>.png, tb/: per mode
+             tau, accept@k, verify rate, speedup and degeneracy (outputs with distinct-4-gram
+             ratio < 0.3, whitespace share of generated tokens; ``dspark_jax.degeneracy``),
+             plus ``num_samples`` continuations with each round's accepted draft span marked
 
 ``run_demo(cfg)`` runs the stages that are not done yet. A finished demo (report.json
 present) is refused unless ``force``; a different config in an existing ``demo.json`` too.
@@ -26,7 +31,7 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -63,14 +68,16 @@ class DemoConfig:
     num_draft_layers: int = 1
     block_size: int = 7
     num_anchors: int = 24
-    markov_rank: int = 128
+    markov_rank: int = 256           # rank 128: DSpark/DFlash tau 1.14 / 1.12 at T=1 (seeds 0 / 1); 256: 1.15 / 1.22
     markov_head_type: str = "vanilla"
     fast_compile: bool = False
     # decode
     eval_dataset: str = "stdlib-heldout"
     num_eval_prompts: int = 50
     max_new_tokens: int = 96
-    temperature: float = 0.0
+    temperature: float = 1.0         # the headline table (the reference's evaluation default)
+    greedy_table: bool = True        # a second table at temperature 0 (skipped when temperature is 0)
+    num_samples: int = 3             # continuations shown in the report, round spans marked
     decode_batch_size: int = 1
     seed: int = 0
 
@@ -83,6 +90,8 @@ class DemoConfig:
                      "block_size", "num_anchors", "num_eval_prompts", "max_new_tokens",
                      "decode_batch_size"):
             require_positive_int(getattr(self, name), f"DemoConfig.{name}", ConfigError)
+        req(isinstance(self.num_samples, int) and self.num_samples >= 0,
+            f"num_samples must be an int >= 0, got {self.num_samples!r}")
         req(isinstance(self.markov_rank, int) and self.markov_rank > 0,
             f"markov_rank must be > 0 (the DSpark drafter has a Markov head), got {self.markov_rank!r}")
         req(self.prompt_min_bytes <= self.prompt_max_bytes,
@@ -112,7 +121,7 @@ class DemoConfig:
 
 
 def quick_config(out: str = "runs/demo-quick", **changes) -> DemoConfig:
-    """A seconds-long end-to-end run for tests and smoke checks (numbers are meaningless)."""
+    """An end-to-end run in well under a minute for tests and smoke checks (numbers are meaningless)."""
     base = dict(out=out, num_train_prompts=16, prompt_min_bytes=16, prompt_max_bytes=48,
                 continuation_tokens=16, sample_batch_size=16, steps=3, batch_size=8, max_length=80,
                 num_draft_layers=1, block_size=4, num_anchors=4, markov_rank=16, fast_compile=True,
@@ -135,7 +144,17 @@ def paths(cfg: DemoConfig) -> dict[str, Path]:
         p[f"train_config_{name}"] = out / "train" / f"{name}_config.py"
     for mode in MODES:
         p[f"decode_{mode}"] = out / "decode" / f"{mode}.jsonl"
+        p[f"decode_greedy_{mode}"] = out / "decode" / "greedy" / f"{mode}.jsonl"
     return p
+
+
+def decode_settings(cfg: DemoConfig) -> dict[str, tuple[str, float]]:
+    """{table name: (paths() key prefix, temperature)}: "headline" at ``cfg.temperature``,
+    "greedy" at 0 when ``cfg.greedy_table`` and the headline is not greedy already."""
+    out = {"headline": ("decode_", float(cfg.temperature))}
+    if cfg.greedy_table and cfg.temperature != 0:
+        out["greedy"] = ("decode_greedy_", 0.0)
+    return out
 
 
 def stage_done(cfg: DemoConfig, stage: str) -> bool:
@@ -146,7 +165,7 @@ def stage_done(cfg: DemoConfig, stage: str) -> bool:
         return all((p[f"export_{n}"] / "config.json").is_file() and (p[f"run_{n}"] / "summary.json").is_file()
                    for n in DRAFTERS)
     if stage == "decode":
-        return all(p[f"decode_{m}"].is_file() for m in MODES)
+        return all(p[f"{pre}{m}"].is_file() for pre, _ in decode_settings(cfg).values() for m in MODES)
     if stage == "report":
         return p["report"].is_file()
     raise InputError(f"unknown demo stage {stage!r}; expected one of {STAGES}")
@@ -383,7 +402,9 @@ def eval_prompts(cfg: DemoConfig):
 
 def stage_decode(cfg: DemoConfig, *, modes=MODES, progress: bool = True,
                  log: Callable[[str], None] = print) -> dict:
-    """Decode the held-out prompts with each mode -> ``decode/<mode>.jsonl``."""
+    """Decode the held-out prompts with each mode at each temperature of ``decode_settings``
+    -> ``decode/<mode>.jsonl`` (headline) and ``decode/greedy/<mode>.jsonl``.
+    Returns {table: {mode: summary}}."""
     from tqdm import tqdm
 
     from dspark_jax.convert.checkpoint import load_draft, load_target
@@ -396,53 +417,152 @@ def stage_decode(cfg: DemoConfig, *, modes=MODES, progress: bool = True,
     tdir = target_dir(cfg)
     tok = load_tokenizer(tdir, required=True)
     records = eval_prompts(cfg)
-    options = DecodeOptions(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                            batch_size=cfg.decode_batch_size, seed=cfg.seed, raw_prompt=True)
-    prompts = [encode_prompt(tok, r.text, raw=options.raw_prompt) for r in records]
-    settings = resolve(options, tdir, tokenizer=tok)
     tcfg, tparams = load_target(tdir)
+    drafts = {m: load_draft(p[f"export_{m}"]) for m in modes if m != "autoregressive"}
     extra = [{"dataset": r.dataset, "index": r.index, "line": r.line} for r in records]
-    out = {}
-    for mode in modes:
-        dcfg = dparams = None
-        if mode != "autoregressive":
-            dcfg, dparams = load_draft(p[f"export_{mode}"])
-        with tqdm(total=len(prompts), desc=f"decode {mode}", unit="prompt", disable=not progress) as bar:
-            results = timed_decode(tcfg, tparams, prompts, draft_cfg=dcfg, draft_params=dparams,
-                                   progress=bar.update,
-                                   **settings.decode_kwargs(options, speculative=False))
-        write_results_jsonl(p[f"decode_{mode}"], results, extra)
-        s = decode_summary(results, dcfg.block_size if dcfg else None, calibration=False)
-        out[mode] = s
-        log(f"decode {mode}: tau {s['tau']:.3f}, {s['tokens_per_second']:.1f} tokens/s")
+    out: dict[str, dict] = {}
+    for table, (prefix, temperature) in decode_settings(cfg).items():
+        options = DecodeOptions(max_new_tokens=cfg.max_new_tokens, temperature=temperature,
+                                batch_size=cfg.decode_batch_size, seed=cfg.seed, raw_prompt=True)
+        prompts = [encode_prompt(tok, r.text, raw=options.raw_prompt) for r in records]
+        settings = resolve(options, tdir, tokenizer=tok)
+        out[table] = {}
+        for mode in modes:
+            dcfg, dparams = drafts.get(mode, (None, None))
+            with tqdm(total=len(prompts), desc=f"decode {mode} T={temperature:g}", unit="prompt",
+                      disable=not progress) as bar:
+                results = timed_decode(tcfg, tparams, prompts, draft_cfg=dcfg, draft_params=dparams,
+                                       progress=bar.update,
+                                       **settings.decode_kwargs(options, speculative=False))
+            write_results_jsonl(p[f"{prefix}{mode}"], results, extra)
+            s = decode_summary(results, dcfg.block_size if dcfg else None, calibration=False)
+            out[table][mode] = s
+            log(f"decode {mode} (temperature {temperature:g}): tau {s['tau']:.3f}, "
+                f"{s['tokens_per_second']:.1f} tokens/s")
     return out
 
 
 # --------------------------------------------------------------------------- report
 
 
-def stage_report(cfg: DemoConfig, *, log: Callable[[str], None] = print) -> dict:
-    """The table (stdout, table.txt), report.json, acceptance.png, reliability_<name>.png, tb/."""
-    from dspark_jax.convert.checkpoint import load_draft
-    from dspark_jax.pipelines.evaluate import (decode_summary, format_table, plot_acceptance, plot_reliability,
-                                     read_results_jsonl, tensorboard_scalars, write_json_atomic)
+SPAN_OPEN, SPAN_CLOSE = "\u27e6", "\u27e7"   # ⟦draft tokens the target accepted in one round⟧
 
-    _require(cfg, "report", "decode")
-    p = paths(cfg)
-    results = {m: read_results_jsonl(p[f"decode_{m}"]) for m in MODES}
-    block = {m: load_draft(p[f"export_{m}"])[0].block_size for m in DRAFTERS}
-    rows = {m: decode_summary(results[m], block.get(m)) for m in MODES}
+
+def round_spans(result, detok: Callable[[Sequence[int]], str]) -> dict:
+    """What each round of a speculative ``Result`` committed: ``{"first": text of the prefill
+    token, "rounds": [{"accepted": draft text the target accepted, "bonus": the target's own
+    token}]}`` (cut at ``len(output_ids)``, like the output) and ``"marked"``: the continuation
+    with each round's accepted draft span (when not empty) as ``⟦accepted⟧`` followed by its bonus
+    token unmarked, so every unmarked token is the target's own (prefill, then one per round)."""
+    ids = list(result.output_ids)
+    drafts = list(result.accepted_drafts) or [a - 1 for a in result.acceptance_lengths]
+    pos = min(1, len(ids))
+    first = detok(ids[:pos])
+    rounds = []
+    for a, d in zip(result.acceptance_lengths, drafts):
+        if pos >= len(ids):
+            break
+        acc, bonus = ids[pos:pos + d], ids[pos + d:pos + a]
+        rounds.append({"accepted": detok(acc), "bonus": detok(bonus)})
+        pos += a
+    marked = first + "".join((f"{SPAN_OPEN}{r['accepted']}{SPAN_CLOSE}" if r["accepted"] else "") + r["bonus"]
+                             for r in rounds)
+    return {"first": first, "rounds": rounds, "marked": marked}
+
+
+def sample_continuations(cfg: DemoConfig, results, records, detok, mode: str = "dspark") -> list[dict]:
+    """The first ``cfg.num_samples`` held-out prompts and ``mode``'s continuations, rounds marked."""
+    out = []
+    for rec, res in list(zip(records, results))[:cfg.num_samples]:
+        spans = round_spans(res, detok)
+        out.append({"dataset": rec.dataset, "index": rec.index, "prompt": rec.text, "mode": mode,
+                    "text": detok(res.output_ids), "marked": spans["marked"],
+                    "acceptance_lengths": list(res.acceptance_lengths), "rounds": spans["rounds"]})
+    return out
+
+
+def format_samples(samples: Sequence[Mapping], temperature: float) -> str:
+    """The sample continuations as text: prompt, then the marked continuation."""
+    if not samples:
+        return ""
+    lines = [f"sample continuations ({samples[0]['mode']}, temperature {temperature:g}): "
+             f"{SPAN_OPEN}...{SPAN_CLOSE} = draft tokens the target accepted in one round; every other token "
+             "is the target's own (the prefill token, then one bonus token per round)"]
+    for i, smp in enumerate(samples, 1):
+        taus = smp["acceptance_lengths"]
+        lines.append(f"--- {i}. {smp['dataset']} #{smp['index']} ({len(taus)} rounds, "
+                     f"mean acceptance {sum(taus) / max(len(taus), 1):.2f})")
+        lines.append("prompt:")
+        lines.append(smp["prompt"].rstrip("\n"))
+        lines.append("\u2192 continuation:")
+        lines.append(smp["marked"])
+    return "\n".join(lines)
+
+
+def summary_rows(results: Mapping[str, Sequence], block: Mapping[str, int], tokenizer=None) -> dict:
+    """{mode: decode_summary + speedup over autoregressive + degeneracy} of one table."""
+    from dspark_jax.pipelines.evaluate import decode_summary
+
+    rows = {m: decode_summary(results[m], block.get(m), tokenizer=tokenizer) for m in MODES}
     base_tps = rows["autoregressive"]["tokens_per_second"]
     for m in MODES:
         rows[m]["speedup"] = rows[m]["tokens_per_second"] / base_tps if base_tps else None
-    ar_out = [r.output_ids for r in results["autoregressive"]]
-    agree = {m: float(np.mean([a == r.output_ids for a, r in zip(ar_out, results[m])])) for m in DRAFTERS}
-    table = format_table(rows, max_k=max(block.values()), baseline="autoregressive")
+    return rows
+
+
+TABLE_KEYS = ("tau", "mean_proposal", "verify_rate", "accept_rate", "conditional_accept", "tokens_per_second",
+              "speedup", "degenerate_fraction", "whitespace_fraction", "num_degenerate", "rounds",
+              "output_tokens", "requests")
+
+
+def _table_json(rows: Mapping[str, Mapping]) -> dict:
+    out = {}
+    for m, r in rows.items():
+        flat = dict(r, **{k: r["degeneracy"][k] for k in ("degenerate_fraction", "whitespace_fraction",
+                                                           "num_degenerate")})
+        out[m] = {k: flat[k] for k in TABLE_KEYS}
+    return out
+
+
+def stage_report(cfg: DemoConfig, *, log: Callable[[str], None] = print) -> dict:
+    """The tables (stdout, table.txt), sample continuations, report.json, acceptance.png,
+    reliability_<name>.png, tb/."""
+    from dspark_jax.convert.checkpoint import load_draft
+    from dspark_jax.pipelines.evaluate import (DEGENERACY_NOTE, format_table, plot_acceptance, plot_reliability,
+                                     read_results_jsonl, tensorboard_scalars, write_json_atomic)
+    from dspark_jax.tokenizer import load_tokenizer
+
+    _require(cfg, "report", "decode")
+    p = paths(cfg)
+    tdir = target_dir(cfg)
+    tok = load_tokenizer(tdir, required=True)
+    block = {m: load_draft(p[f"export_{m}"])[0].block_size for m in DRAFTERS}
+    settings = decode_settings(cfg)
+    results = {t: {m: read_results_jsonl(p[f"{pre}{m}"]) for m in MODES} for t, (pre, _) in settings.items()}
+    tables = {t: summary_rows(results[t], block, tok) for t in settings}
+    rows = tables["headline"]
+    lossless = "greedy" if "greedy" in tables else "headline"
+    ar_out = [r.output_ids for r in results[lossless]["autoregressive"]]
+    agree = {m: float(np.mean([a == r.output_ids for a, r in zip(ar_out, results[lossless][m])]))
+             for m in DRAFTERS}
+    max_k = max(block.values())
+    titles = {t: (f"temperature {temp:g}" + (" (headline, the paper's setting; lossless sampling)"
+                                               if t == "headline" and temp > 0 else
+                                               " (greedy; lossless: outputs equal the target's)"))
+              for t, (_, temp) in settings.items()}
+    text_tables = [f"{titles[t]}: {cfg.eval_dataset}, {rows['autoregressive']['requests']} held-out prompts, "
+                   f"{cfg.max_new_tokens} new tokens\n" + format_table(tables[t], max_k=max_k, baseline="autoregressive")
+                   for t in settings]
+    detok = lambda ids: tok.decode(list(ids), skip_special_tokens=True)
+    records = eval_prompts(cfg)
+    samples = sample_continuations(cfg, results["headline"]["dspark"], records, detok)
     files = {"table": str(p["table"]),
              "acceptance_png": str(plot_acceptance({m: rows[m] for m in DRAFTERS}, p["acceptance_png"],
-                                                   title=f"held-out prompts ({cfg.eval_dataset})"))}
+                                                   title=f"held-out prompts ({cfg.eval_dataset}), "
+                                                         f"temperature {cfg.temperature:g}"))}
     for m in DRAFTERS:
-        rel = plot_reliability(results[m], p["out"] / f"reliability_{m}.png", title=f"{m}: confidence")
+        rel = plot_reliability(results["headline"][m], p["out"] / f"reliability_{m}.png",
+                               title=f"{m}: confidence (temperature {cfg.temperature:g})")
         if rel is not None:
             files[f"reliability_{m}"] = str(rel)
     tensorboard_scalars(p["tb"], rows)
@@ -455,28 +575,36 @@ def stage_report(cfg: DemoConfig, *, log: Callable[[str], None] = print) -> dict
             fin = s.get("final") or {}
             train_info[m] = {"steps": s.get("steps"), "wall_s": s.get("wall_s"), "final_loss": fin.get("loss"),
                              "final_expected_accept_length": fin.get("expected_accept_length")}
-    tdir = target_dir(cfg)
     commands = reproduce_commands(cfg, tdir)
+    ratio = rows["dspark"]["tau"] / rows["dflash"]["tau"] if rows["dflash"]["tau"] else None
     report = {
-        "table": {m: {k: rows[m][k] for k in ("tau", "mean_proposal", "verify_rate", "accept_rate",
-                                              "conditional_accept", "tokens_per_second", "speedup",
-                                              "rounds", "output_tokens", "requests")} for m in MODES},
+        "temperature": cfg.temperature,
+        "table": _table_json(rows),
         "details": rows,
         "dspark_tau_minus_dflash_tau": rows["dspark"]["tau"] - rows["dflash"]["tau"],
+        "dspark_tau_over_dflash_tau": ratio,
         "outputs_equal_to_autoregressive": agree,
+        "outputs_equal_to_autoregressive_table": lossless,
+        "samples": samples,
         "train": train_info,
         "config": cfg.to_dict(),
         "target": str(tdir),
         "commands": commands,
         "files": files,
     }
-    text = table + "\n"
-    write_text(p["table"], text)
+    if "greedy" in tables:
+        report["table_greedy"] = _table_json(tables["greedy"])
+        report["details_greedy"] = tables["greedy"]
+    summary_line = (f"DSpark tau / DFlash tau = {ratio:.3f} at temperature {cfg.temperature:g} "
+                    f"(difference {report['dspark_tau_minus_dflash_tau']:+.3f}); outputs equal to autoregressive "
+                    f"({'temperature 0' if lossless == 'greedy' or cfg.temperature == 0 else 'sampling'}): "
+                    f"dflash {agree['dflash']:.0%}, dspark {agree['dspark']:.0%}"
+                    + (" (greedy: must be 100%)" if lossless == "greedy" or cfg.temperature == 0
+                       else " (sampling: may differ)")) if ratio is not None else ""
+    text = "\n\n".join(text_tables + [DEGENERACY_NOTE, summary_line, format_samples(samples, cfg.temperature)])
+    write_text(p["table"], text.rstrip("\n") + "\n")
     write_json_atomic(p["report"], report)
-    log(table)
-    log(f"DSpark tau - DFlash tau = {report['dspark_tau_minus_dflash_tau']:+.3f}; outputs equal to "
-        f"autoregressive: dflash {agree['dflash']:.0%}, dspark {agree['dspark']:.0%} "
-        f"({'greedy: must be 100%' if cfg.temperature == 0 else 'sampling: may differ'})")
+    log(text)
     return report
 
 

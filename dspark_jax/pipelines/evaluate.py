@@ -95,14 +95,19 @@ def _finite(x):
     return x
 
 
-def decode_summary(results, block_size: int | None = None, *, calibration: bool = True) -> dict:
-    """``decode.summarize`` plus, when the results carry confidences, ``calibration``:
-    per-position n / accept_rate / mean_conf / ece / brier / auroc / cond_auroc (raw
-    confidences, no STS) and their count-weighted summary. NaN -> null."""
+def decode_summary(results, block_size: int | None = None, *, calibration: bool = True,
+                   tokenizer=None) -> dict:
+    """``decode.summarize`` plus ``degeneracy`` (``dspark_jax.degeneracy.summarize`` of the
+    outputs: how many are loops, whitespace share of generated tokens; ``tokenizer`` decides
+    which ids are whitespace, None = byte ids) and, when the results carry confidences,
+    ``calibration``: per-position n / accept_rate / mean_conf / ece / brier / auroc /
+    cond_auroc (raw confidences, no STS) and their count-weighted summary. NaN -> null."""
+    from dspark_jax import degeneracy
     from dspark_jax.pipelines.calibrate import position_metrics, summary as calib_summary
     from dspark_jax.decode import summarize
 
     out = summarize(results, block_size)
+    out["degeneracy"] = degeneracy.summarize([r.output_ids for r in results], tokenizer=tokenizer)
     rounds = results_rounds(results) if calibration else None
     if rounds is not None:
         per_pos = position_metrics(rounds)
@@ -174,27 +179,37 @@ def plot_acceptance(curves: Mapping[str, Mapping[str, Sequence]], path, title: s
 
 
 def plot_reliability(results, path, title: str = "") -> Path | None:
-    """Reliability diagram (raw confidences and in-sample STS) of results with a confidence
-    head; None when they carry no confidences."""
-    from dspark_jax.pipelines.calibrate import fit_sts, reliability_diagram
+    """Reliability diagram (raw confidences and STS, held out when there are enough rounds:
+    ``calibrate.reliability_plot``) of results with a confidence head; None when they carry
+    no confidences."""
+    from dspark_jax.pipelines.calibrate import reliability_plot
 
     rounds = results_rounds(results)
     if rounds is None:
         return None
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    reliability_diagram(rounds, fit_sts(rounds), path, title=title)
+    reliability_plot(rounds, path, title=title)
     return path
+
+
+DEGENERACY_NOTE = ("degen = outputs whose distinct-4-gram ratio is below 0.3 (loops; a high tau on them "
+                   "is inflated); ws = share of generated tokens that are whitespace")
+DEGENERATE_WARN_FRACTION = 0.1
 
 
 def format_table(rows: Mapping[str, Mapping[str, Any]], *, max_k: int | None = None,
                  baseline: str | None = None) -> str:
     """Plain-text table, one row per label: tau, proposal, verify_rate, accept_rate@1..K,
-    tokens/s and (when ``baseline`` names a row) speedup over it."""
+    tokens/s, (when ``baseline`` names a row) speedup over it and (when the rows carry
+    ``degeneracy``) degenerate outputs / outputs and the whitespace share of tokens."""
     k = max_k if max_k is not None else max((len(r.get("accept_rate") or []) for r in rows.values()), default=0)
+    degen = any(r.get("degeneracy") for r in rows.values())
     head = ["", "tau", "prop", "verify"] + [f"acc@{i + 1}" for i in range(k)] + ["tok/s"]
     if baseline:
         head.append("speedup")
+    if degen:
+        head += ["degen", "ws"]
     lines = []
     base_tps = rows[baseline]["tokens_per_second"] if baseline in rows else None
     for label, r in rows.items():
@@ -204,6 +219,10 @@ def format_table(rows: Mapping[str, Mapping[str, Any]], *, max_k: int | None = N
         cells.append(f"{r['tokens_per_second']:.1f}")
         if baseline:
             cells.append(f"{r['tokens_per_second'] / base_tps:.2f}x" if base_tps else "-")
+        if degen:
+            d = r.get("degeneracy")
+            cells += ([f"{d['num_degenerate']}/{d['num_outputs']}", f"{100 * d['whitespace_fraction']:.0f}%"]
+                      if d else ["-", "-"])
         lines.append(cells)
     widths = [max(len(str(c)) for c in col) for col in zip(head, *lines)]
     fmt = lambda cells: "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
@@ -238,7 +257,8 @@ def tensorboard_scalars(log_dir, scalars: Mapping[str, Mapping[str, Any]]) -> Pa
 # --------------------------------------------------------------------------- the eval run
 
 
-def _decode_dataset(name, prompts, pair, options, settings, *, baseline: bool, progress: bool):
+def _decode_dataset(name, prompts, pair, options, settings, *, baseline: bool, progress: bool,
+                    tokenizer=None):
     """(decode_summary (+ autoregressive/speedup with ``baseline``), results) of one dataset."""
     from tqdm import tqdm
 
@@ -246,7 +266,7 @@ def _decode_dataset(name, prompts, pair, options, settings, *, baseline: bool, p
     with tqdm(total=len(prompts), desc=f"eval {name}", unit="prompt", disable=not progress) as bar:
         results = timed_decode(tcfg, tparams, prompts, draft_cfg=dcfg, draft_params=dparams,
                                progress=bar.update, **settings.decode_kwargs(options))
-    summ = decode_summary(results, dcfg.block_size)
+    summ = decode_summary(results, dcfg.block_size, tokenizer=tokenizer)
     if baseline:
         with tqdm(total=len(prompts), desc=f"autoregressive {name}", unit="prompt",
                   disable=not progress) as bar:
@@ -259,8 +279,32 @@ def _decode_dataset(name, prompts, pair, options, settings, *, baseline: bool, p
     return summ, results
 
 
+def degeneracy_warnings(summaries: Mapping[str, Mapping], threshold: float = DEGENERATE_WARN_FRACTION) -> list[str]:
+    """One warning per dataset whose share of degenerate outputs (loops) is >= ``threshold``."""
+    from dspark_jax.degeneracy import format_summary
+
+    out = []
+    for name, s in summaries.items():
+        d = s.get("degeneracy")
+        if d and d["num_outputs"] and d["degenerate_fraction"] >= threshold:
+            out.append(f"warning: {name}: {format_summary(d)}: the outputs are mostly loops, so tau and "
+                       "the acceptance rates measure how well the drafter predicts a loop; use prompts "
+                       "this target can continue")
+    return out
+
+
+def degeneracy_totals(summaries: Mapping[str, Mapping]) -> dict:
+    """Degenerate outputs over all datasets: {"num_degenerate", "num_outputs", "datasets_warned"}."""
+    ds = [s["degeneracy"] for s in summaries.values() if s.get("degeneracy")]
+    warned = [n for n, s in summaries.items() if s.get("degeneracy") and s["degeneracy"]["num_outputs"]
+              and s["degeneracy"]["degenerate_fraction"] >= DEGENERATE_WARN_FRACTION]
+    return {"num_degenerate": sum(d["num_degenerate"] for d in ds),
+            "num_outputs": sum(d["num_outputs"] for d in ds), "datasets_warned": warned}
+
+
 def _print_report(summaries: Mapping[str, Mapping], printer) -> None:
-    """The table, then per dataset the confidence metrics per position and the speedup."""
+    """The table, then per dataset the confidence metrics per position and the speedup, then
+    the degenerate-output count and a warning per degenerate dataset."""
     printer(format_table(dict(summaries)))
     for name, s in summaries.items():
         cal = s.get("calibration")
@@ -271,6 +315,11 @@ def _print_report(summaries: Mapping[str, Mapping], printer) -> None:
                     f"Brier {fmt('brier')}")
         if s.get("speedup") is not None:
             printer(f"{name} speedup over autoregressive: {s['speedup']:.2f}x")
+    tot = degeneracy_totals(summaries)
+    if tot["num_outputs"]:
+        printer(f"degenerate outputs: {tot['num_degenerate']}/{tot['num_outputs']} ({DEGENERACY_NOTE})")
+    for w in degeneracy_warnings(summaries):
+        printer(w)
 
 
 def _write_outputs(out: Path, report: dict, all_results: Mapping, prompts_by_ds: Mapping) -> dict:
@@ -290,15 +339,36 @@ def _write_outputs(out: Path, report: dict, all_results: Mapping, prompts_by_ds:
     return files
 
 
-def evaluate(target, draft, datasets, *, data_dir=None, max_samples: int | None = None,
+EMBEDDED_DEFAULT_DATASETS = ("stdlib-heldout",)
+
+
+def default_datasets(target) -> list[str]:
+    """The datasets ``eval`` uses without ``--datasets``: for the embedded default target the
+    packaged prompts it can continue (``EMBEDDED_DEFAULT_DATASETS``: held-out standard-library
+    code; not the math word problems or chat prompts, which it answers with loops); any other
+    target must name its datasets (InputError)."""
+    from dspark_jax.embedded.default import default_target_dir
+
+    try:
+        embedded = Path(target).resolve() == Path(default_target_dir()).resolve()
+    except OSError:
+        embedded = False
+    if not embedded:
+        raise InputError(f"--datasets is required with --target {str(target)!r} (only the embedded default "
+                         f"target has default datasets: {','.join(EMBEDDED_DEFAULT_DATASETS)})")
+    return list(EMBEDDED_DEFAULT_DATASETS)
+
+
+def evaluate(target, draft, datasets=None, *, data_dir=None, max_samples: int | None = None,
              options: DecodeOptions | None = None, baseline: bool = False, out=None,
              force: bool = False, progress: bool = True, printer=print) -> dict:
     """Evaluate drafter ``draft`` (dir) with target ``target`` (dir) on ``datasets``
     ("a,b" or a list of names in ``data_dir``, default the packaged small copies), decoding
-    with ``options`` (default ``DecodeOptions()``).
+    with ``options`` (default ``DecodeOptions()``); ``datasets`` None = ``default_datasets(target)``.
 
     Returns ``{"config": ..., "datasets": {name: decode_summary (+ "speedup",
-    "autoregressive" with baseline)}}``. With ``out`` (a directory, refused if it holds an
+    "autoregressive" with baseline)}, "degenerate_outputs": degeneracy_totals, "warnings":
+    [one line per dataset whose outputs are >= 10% loops]}``. With ``out`` (a directory, refused if it holds an
     eval unless ``force``) writes ``eval.json``, ``results/<dataset>.jsonl``, TensorBoard
     scalars under ``tb/`` and PNGs ``acceptance_<dataset>.png`` (+ ``reliability_<dataset>.png``
     with a confidence head). All input is checked before any model is loaded or compiled.
@@ -316,6 +386,8 @@ def evaluate(target, draft, datasets, *, data_dir=None, max_samples: int | None 
     for flag, d in (("--target", target), ("--draft", draft)):
         if not d.is_dir():
             raise InputError(f"{flag} {str(d)!r} is not a directory")
+    if datasets is None:
+        datasets = default_datasets(target)
     prompts_by_ds = load_datasets(datasets, data_dir, max_samples=max_samples)
     tokenizer = load_tokenizer(target, required=True)
     settings = resolve(options, target, draft, tokenizer)
@@ -340,7 +412,10 @@ def evaluate(target, draft, datasets, *, data_dir=None, max_samples: int | None 
     for name, prompts in encoded.items():
         pair = (tcfg, tparams, dcfg, dparams)
         report["datasets"][name], all_results[name] = _decode_dataset(
-            name, prompts, pair, options, settings, baseline=baseline, progress=progress)
+            name, prompts, pair, options, settings, baseline=baseline, progress=progress,
+            tokenizer=tokenizer)
+    report["degenerate_outputs"] = degeneracy_totals(report["datasets"])
+    report["warnings"] = degeneracy_warnings(report["datasets"])
     _print_report(report["datasets"], printer)
     if out is not None:
         report["files"] = _write_outputs(out, report, all_results, prompts_by_ds)

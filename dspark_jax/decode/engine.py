@@ -268,3 +268,53 @@ def serve(
                      chunks=n_chunks, prefills=n_prefills, buckets=sorted(used_buckets),
                      slots=slots, max_len=max_len)
     return results  # type: ignore[return-value]
+
+
+def decode_requests(target_cfg, target_params, prompts, *, draft_cfg=None, draft_params=None,
+                    batching: str = "continuous", mesh=None, batch_size: int = 1,
+                    max_new_tokens=128, temperature: float = 0.0, policy=None, seed: int = 0,
+                    stop_token_ids=None, confidence_temperatures=None,
+                    max_cache_len: int | None = None, progress=None, stats: dict | None = None):
+    """One entry point for generate / eval / benchmarks: ``batching`` "continuous" (``serve``
+    with ``batch_size`` slots) or "static" (``speculative_generate`` / ``autoregressive_generate``
+    in batches of ``batch_size``); ``mesh`` a Mesh, a spec string ("data=2,tensor=2") or None.
+    ``draft_cfg`` None: autoregressive. Results in input order."""
+    if isinstance(mesh, str) or mesh is None:
+        mesh = sharded.make_decode_mesh(mesh)
+    if batching == "continuous":
+        return serve(target_cfg, target_params, draft_cfg, draft_params, prompts,
+                     max_new_tokens=max_new_tokens, temperature=temperature, policy=policy,
+                     slots=batch_size, seed=seed, stop_token_ids=stop_token_ids,
+                     confidence_temperatures=confidence_temperatures,
+                     max_cache_len=max_cache_len, mesh=mesh, progress=progress, stats=stats)
+    if batching != "static":
+        raise InputError(f"batching must be 'continuous' or 'static', got {batching!r}")
+    if not isinstance(max_new_tokens, int):
+        raise InputError("static batching takes one max_new_tokens for every request")
+    common = dict(max_new_tokens=max_new_tokens, temperature=temperature, batch_size=batch_size,
+                  seed=seed, stop_token_ids=stop_token_ids, max_cache_len=max_cache_len,
+                  progress=progress, mesh=mesh)
+    t0 = time.perf_counter()
+    if draft_cfg is None:
+        res = L.autoregressive_generate(target_cfg, target_params, prompts, **common)
+    else:
+        res = L.speculative_generate(target_cfg, target_params, draft_cfg, draft_params, prompts,
+                                     policy=policy, confidence_temperatures=confidence_temperatures,
+                                     **common)
+    if stats is not None:
+        seconds = time.perf_counter() - t0
+        tokens = sum(len(r.output_ids) for r in res)
+        stats.update(seconds=seconds, output_tokens=tokens,
+                     tokens_per_second=tokens / seconds if seconds > 0 else 0.0)
+    return res
+
+
+def warmup_prompts(prompts, max_len: int) -> list[int]:
+    """Indices of one prompt per prompt bucket (the longest in it): decoding them compiles
+    every shape a continuous run of ``prompts`` at cache capacity ``max_len`` will use."""
+    best: dict[int, int] = {}
+    for i, p in enumerate(prompts):
+        b = bucket_of(len(p), max_len)
+        if b not in best or len(p) > len(prompts[best[b]]):
+            best[b] = i
+    return sorted(best.values())

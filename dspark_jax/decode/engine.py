@@ -37,7 +37,7 @@ from dspark_jax import sampling
 from dspark_jax.decode import loop as L
 from dspark_jax.decode import sharded
 from dspark_jax.decode.policies import FullPolicy
-from dspark_jax.errors import InputError, require_positive_int
+from dspark_jax.errors import InputError
 
 
 @dataclasses.dataclass
@@ -66,18 +66,6 @@ def buckets(max_len: int) -> list[int]:
 
 def bucket_of(n: int, max_len: int) -> int:
     return next(b for b in buckets(max_len) if b >= n)
-
-
-def _budgets(max_new_tokens, n: int) -> list[int]:
-    if isinstance(max_new_tokens, (list, tuple)):
-        if len(max_new_tokens) != n:
-            raise InputError(f"max_new_tokens: {len(max_new_tokens)} values for {n} prompts")
-        vals = list(max_new_tokens)
-    else:
-        vals = [max_new_tokens] * n
-    for i, v in enumerate(vals):
-        require_positive_int(v, f"max_new_tokens[{i}]")
-    return [int(v) for v in vals]
 
 
 def _empty_state(abstract, sharding=None):
@@ -118,7 +106,7 @@ def serve(
     spec = draft_cfg is not None
     if spec:
         draft_cfg.check_compatible(target_cfg)
-    budgets = _budgets(max_new_tokens, len(prompts) if isinstance(prompts, (list, tuple)) else 0)
+    budgets = L.per_request_budgets(max_new_tokens, len(prompts) if isinstance(prompts, (list, tuple)) else 0)
     r_cap = max(budgets) if budgets else 1
     prompts, stop_arr, stops = L._validate_common(target_cfg, prompts, r_cap, temperature, slots,
                                                   stop_token_ids)
@@ -289,8 +277,6 @@ def decode_requests(target_cfg, target_params, prompts, *, draft_cfg=None, draft
                      max_cache_len=max_cache_len, mesh=mesh, progress=progress, stats=stats)
     if batching != "static":
         raise InputError(f"batching must be 'continuous' or 'static', got {batching!r}")
-    if not isinstance(max_new_tokens, int):
-        raise InputError("static batching takes one max_new_tokens for every request")
     common = dict(max_new_tokens=max_new_tokens, temperature=temperature, batch_size=batch_size,
                   seed=seed, stop_token_ids=stop_token_ids, max_cache_len=max_cache_len,
                   progress=progress, mesh=mesh)

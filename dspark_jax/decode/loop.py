@@ -538,38 +538,53 @@ def _confidence_temperatures(temperatures, block_size: int) -> jax.Array:
     return jnp.asarray(temps, jnp.float32)
 
 
-def _batches(prompts, batch_size: int, p_len: int):
-    """Yield (indices, prompts [B, P], lens [B], valid [B]) with the last batch padded."""
+def per_request_budgets(max_new_tokens, n: int) -> list[int]:
+    """One output budget per request from an int or a sequence of n ints; InputError otherwise."""
+    if isinstance(max_new_tokens, (list, tuple, np.ndarray)):
+        vals = list(max_new_tokens)
+        if len(vals) != n:
+            raise InputError(f"max_new_tokens: {len(vals)} values for {n} prompts")
+        for i, v in enumerate(vals):
+            require_positive_int(v, f"max_new_tokens[{i}]")
+        return [int(v) for v in vals]
+    require_positive_int(max_new_tokens, "max_new_tokens")
+    return [int(max_new_tokens)] * n
+
+
+def _batches(prompts, batch_size: int, p_len: int, budgets: Sequence[int]):
+    """Yield (indices, prompts [B, P], lens [B], valid [B], budgets [B]), last batch padded."""
     for start in range(0, len(prompts), batch_size):
         idx = list(range(start, min(start + batch_size, len(prompts))))
         arr = np.zeros((batch_size, p_len), np.int32)
         lens = np.ones((batch_size,), np.int32)
         valid = np.zeros((batch_size,), bool)
+        mx = np.ones((batch_size,), np.int32)
         for r, i in enumerate(idx):
             arr[r, :len(prompts[i])] = prompts[i]
             lens[r] = len(prompts[i])
             valid[r] = True
-        yield idx, jnp.asarray(arr), jnp.asarray(lens), jnp.asarray(valid)
+            mx[r] = budgets[i]
+        yield idx, jnp.asarray(arr), jnp.asarray(lens), jnp.asarray(valid), jnp.asarray(mx)
 
 
 def _drive(prompts, batch_size: int, p_len: int, seed: int, decode_batch, row_result,
-           progress) -> list[Result]:
+           progress, budgets: Sequence[int]) -> list[Result]:
     """The batch loop shared by both decoders.
 
     Per batch (padded to ``batch_size`` rows of length ``p_len``): ``decode_batch(prompts
-    [B, P], lens [B], valid [B], key)`` returns host arrays; ``row_result(host, row,
+    [B, P], lens [B], valid [B], budgets [B], key)`` returns host arrays; ``row_result(host, row,
     prompt_length, batch_index, seconds)`` makes each request's Result; ``progress(n)``
     (optional) is told how many requests finished. Results are in prompt order.
     """
     key = jax.random.PRNGKey(seed)
     results: list[Result | None] = [None] * len(prompts)
-    for bi, (idx, arr, lens, valid) in enumerate(_batches(prompts, batch_size, p_len)):
+    for bi, (idx, arr, lens, valid, mx) in enumerate(_batches(prompts, batch_size, p_len, budgets)):
         key, k_batch = jax.random.split(key)
         t0 = time.perf_counter()
-        host = decode_batch(arr, lens, valid, k_batch)
+        host = decode_batch(arr, lens, valid, mx, k_batch)
         seconds = time.perf_counter() - t0
         for r, i in enumerate(idx):
-            results[i] = row_result(host, r, len(prompts[i]), bi, seconds)
+            results[i] = row_result(host, r, len(prompts[i]), bi, seconds, budgets[i])
         if progress is not None:
             progress(len(idx))
     return results  # type: ignore[return-value]
@@ -593,7 +608,7 @@ def speculative_generate(
     draft_params: dict,
     prompts: Sequence[Sequence[int]],
     *,
-    max_new_tokens: int = 128,
+    max_new_tokens: int | Sequence[int] = 128,
     temperature: float = 0.0,
     policy: VerifyPolicy | None = None,
     batch_size: int = 1,
@@ -619,6 +634,8 @@ def speculative_generate(
     """
     draft_cfg.check_compatible(target_cfg)
     sharded.check_mesh(mesh, target_cfg, draft_cfg, batch_size)
+    budgets = per_request_budgets(max_new_tokens, len(prompts) if isinstance(prompts, (list, tuple)) else 0)
+    max_new_tokens = max(budgets) if budgets else max_new_tokens
     prompts, stop_arr, stops = _validate_common(target_cfg, prompts, max_new_tokens, temperature,
                                                 batch_size, stop_token_ids)
     g = draft_cfg.block_size
@@ -635,10 +652,10 @@ def speculative_generate(
     target_params = prog.place_params(target_params, target_cfg)
     draft_params = prog.place_params(draft_params, draft_cfg)
 
-    def decode_batch(arr, lens, valid, k_batch):
-        arr, lens, valid = prog.place(arr), prog.place(lens), prog.place(valid)
+    def decode_batch(arr, lens, valid, mx, k_batch):
+        arr, lens, valid, mx = prog.place(arr), prog.place(lens), prog.place(valid), prog.place(mx)
         state = prog.prefill(target_params, draft_params, arr, lens, valid, k_batch, temp,
-                             stop_arr, static=prefill_static, max_len=max_len)
+                             stop_arr, static=prefill_static, max_len=max_len, max_new=mx)
         state = state.replace(policy_state=policy.init_state(batch_size, g))
         if loop == "device":
             state = prog.run(target_params, draft_params, state, temp, stop_arr, conf_temps,
@@ -653,17 +670,17 @@ def speculative_generate(
                                "prop": state.prop_rec, "drafts": state.drafts_rec,
                                "conf": state.conf_rec})
 
-    def row_result(host, r, start, bi, seconds):
+    def row_result(host, r, start, bi, seconds, budget):
         n = int(host["rounds"][r])
         acc = [int(x) for x in host["acc"][r, :n]]
         count = 1 + sum(acc)
-        out = _trim([int(t) for t in host["seq"][r, start:start + count]], max_new_tokens, stops)
+        out = _trim([int(t) for t in host["seq"][r, start:start + count]], budget, stops)
         conf = ([[float(c) for c in row] for row in host["conf"][r, :n]]
                 if draft_cfg.enable_confidence_head else None)
         return Result(out, acc, [int(x) for x in host["prop"][r, :n]],
                       [int(x) for x in host["drafts"][r, :n]], conf, start, bi, seconds)
 
-    return _drive(prompts, batch_size, p_len, seed, decode_batch, row_result, progress)
+    return _drive(prompts, batch_size, p_len, seed, decode_batch, row_result, progress, budgets)
 
 
 def autoregressive_generate(
@@ -671,7 +688,7 @@ def autoregressive_generate(
     target_params: dict,
     prompts: Sequence[Sequence[int]],
     *,
-    max_new_tokens: int = 128,
+    max_new_tokens: int | Sequence[int] = 128,
     temperature: float = 0.0,
     batch_size: int = 1,
     seed: int = 0,
@@ -685,6 +702,8 @@ def autoregressive_generate(
     Results have one "round" per generated token after the first (acceptance
     length 1, proposal length 0) so ``summarize`` works on both.
     """
+    budgets = per_request_budgets(max_new_tokens, len(prompts) if isinstance(prompts, (list, tuple)) else 0)
+    max_new_tokens = max(budgets) if budgets else max_new_tokens
     prompts, stop_arr, stops = _validate_common(target_cfg, prompts, max_new_tokens, temperature,
                                                 batch_size, stop_token_ids)
     sharded.check_mesh(mesh, target_cfg, None, batch_size)
@@ -696,20 +715,20 @@ def autoregressive_generate(
     prog = build_decode(mesh)
     target_params = prog.place_params(target_params, target_cfg)
 
-    def decode_batch(arr, lens, valid, k_batch):
-        arr, lens, valid = prog.place(arr), prog.place(lens), prog.place(valid)
+    def decode_batch(arr, lens, valid, mx, k_batch):
+        arr, lens, valid, mx = prog.place(arr), prog.place(lens), prog.place(valid), prog.place(mx)
         state = prog.ar_prefill(target_params, arr, lens, valid, k_batch, temp, stop_arr,
-                                static=static, max_len=max_len)
+                                static=static, max_len=max_len, max_new=mx)
         state = prog.ar_run(target_params, state, temp, stop_arr, static=static)
         return jax.device_get((state.seq, state.pos))
 
-    def row_result(host, r, start, bi, seconds):
+    def row_result(host, r, start, bi, seconds, budget):
         seq, pos = host
-        out = _trim([int(t) for t in seq[r, start:int(pos[r]) + 1]], max_new_tokens, stops)
+        out = _trim([int(t) for t in seq[r, start:int(pos[r]) + 1]], budget, stops)
         n = max(len(out) - 1, 0)
         return Result(out, [1] * n, [0] * n, [0] * n, None, start, bi, seconds)
 
-    return _drive(prompts, batch_size, p_len, seed, decode_batch, row_result, progress)
+    return _drive(prompts, batch_size, p_len, seed, decode_batch, row_result, progress, budgets)
 
 
 # --------------------------------------------------------------------------- metrics

@@ -135,3 +135,8 @@ def make_decode_mesh(spec: str | None) -> Mesh | None:
     if need > len(have):
         raise ConfigError(f"mesh {spec!r} needs {need} devices but {len(have)} are available")
     return sharding.make_mesh(spec, have[:need])
+
+
+def expand(prefix, shapes):
+    """The full sharding tree of ``shapes`` from a sharding pytree ``prefix`` of it."""
+    return jax.tree.map(lambda sh, sub: jax.tree.map(lambda _: sh, sub), prefix, shapes)

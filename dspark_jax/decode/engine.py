@@ -259,39 +259,29 @@ def serve(
 
 
 def decode_requests(target_cfg, target_params, prompts, *, draft_cfg=None, draft_params=None,
-                    batching: str = "continuous", mesh=None, batch_size: int = 1,
-                    max_new_tokens=128, temperature: float = 0.0, policy=None, seed: int = 0,
-                    stop_token_ids=None, confidence_temperatures=None,
-                    max_cache_len: int | None = None, progress=None, stats: dict | None = None):
-    """One entry point for generate / eval / benchmarks: ``batching`` "continuous" (``serve``
-    with ``batch_size`` slots) or "static" (``speculative_generate`` / ``autoregressive_generate``
-    in batches of ``batch_size``); ``mesh`` a Mesh, a spec string ("data=2,tensor=2") or None.
-    ``draft_cfg`` None: autoregressive. Results in input order."""
+                    batching: str = "continuous", mesh=None, policy=None,
+                    confidence_temperatures=None, **kw):
+    """``speculative_generate`` (``draft_cfg`` given) or ``autoregressive_generate`` with
+    ``batching`` ("continuous" | "static") and ``mesh`` (a Mesh, a spec string or None)."""
     if isinstance(mesh, str) or mesh is None:
         mesh = sharded.make_decode_mesh(mesh)
-    if batching == "continuous":
-        return serve(target_cfg, target_params, draft_cfg, draft_params, prompts,
-                     max_new_tokens=max_new_tokens, temperature=temperature, policy=policy,
-                     slots=batch_size, seed=seed, stop_token_ids=stop_token_ids,
-                     confidence_temperatures=confidence_temperatures,
-                     max_cache_len=max_cache_len, mesh=mesh, progress=progress, stats=stats)
-    if batching != "static":
-        raise InputError(f"batching must be 'continuous' or 'static', got {batching!r}")
-    common = dict(max_new_tokens=max_new_tokens, temperature=temperature, batch_size=batch_size,
-                  seed=seed, stop_token_ids=stop_token_ids, max_cache_len=max_cache_len,
-                  progress=progress, mesh=mesh)
     t0 = time.perf_counter()
+    stats = kw.pop("stats", None)
+    st: dict = {}
     if draft_cfg is None:
-        res = L.autoregressive_generate(target_cfg, target_params, prompts, **common)
+        res = L.autoregressive_generate(target_cfg, target_params, prompts, batching=batching,
+                                        mesh=mesh, stats=st, **kw)
     else:
         res = L.speculative_generate(target_cfg, target_params, draft_cfg, draft_params, prompts,
                                      policy=policy, confidence_temperatures=confidence_temperatures,
-                                     **common)
+                                     batching=batching, mesh=mesh, stats=st, **kw)
     if stats is not None:
-        seconds = time.perf_counter() - t0
-        tokens = sum(len(r.output_ids) for r in res)
-        stats.update(seconds=seconds, output_tokens=tokens,
-                     tokens_per_second=tokens / seconds if seconds > 0 else 0.0)
+        if not st:
+            seconds = time.perf_counter() - t0
+            tokens = sum(len(r.output_ids) for r in res)
+            st = dict(seconds=seconds, output_tokens=tokens,
+                      tokens_per_second=tokens / seconds if seconds > 0 else 0.0)
+        stats.update(st)
     return res
 
 

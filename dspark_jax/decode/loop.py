@@ -619,6 +619,8 @@ def speculative_generate(
     loop: str = "device",
     progress: Callable[[int], None] | None = None,
     mesh=None,
+    batching: str = "static",
+    stats: dict | None = None,
 ) -> list[Result]:
     """Speculative decoding of ``prompts`` (token-id lists) in batches of ``batch_size``.
 
@@ -630,8 +632,16 @@ def speculative_generate(
     ``progress(n)`` is called with the number of requests finished per batch; ``mesh``
     (a ``jax.sharding.Mesh``, see ``sharded.make_decode_mesh``) shards params by their declared
     axes and the state by ``sharded.STATE_AXES`` (``build_decode``).
-    Raises ConfigError / InputError before compiling anything.
+    ``batching="continuous"`` serves the prompts through ``batch_size`` slots instead
+    (``decode.engine.serve``: StreamResults with per-request latency; ``stats`` receives the
+    stream's throughput). Raises ConfigError / InputError before compiling anything.
     """
+    if batching != "static":
+        return _continuous(target_cfg, target_params, draft_cfg, draft_params, prompts, batching,
+                           max_new_tokens=max_new_tokens, temperature=temperature, policy=policy,
+                           slots=batch_size, seed=seed, stop_token_ids=stop_token_ids,
+                           confidence_temperatures=confidence_temperatures,
+                           max_cache_len=max_cache_len, mesh=mesh, progress=progress, stats=stats)
     draft_cfg.check_compatible(target_cfg)
     sharded.check_mesh(mesh, target_cfg, draft_cfg, batch_size)
     budgets = per_request_budgets(max_new_tokens, len(prompts) if isinstance(prompts, (list, tuple)) else 0)
@@ -696,12 +706,20 @@ def autoregressive_generate(
     max_cache_len: int | None = None,
     progress: Callable[[int], None] | None = None,
     mesh=None,
+    batching: str = "static",
+    stats: dict | None = None,
 ) -> list[Result]:
     """Baseline: one target token per step, same cache code, no drafter.
 
     Results have one "round" per generated token after the first (acceptance
-    length 1, proposal length 0) so ``summarize`` works on both.
+    length 1, proposal length 0) so ``summarize`` works on both. ``mesh`` / ``batching`` /
+    ``stats``: as for ``speculative_generate``.
     """
+    if batching != "static":
+        return _continuous(target_cfg, target_params, None, None, prompts, batching,
+                           max_new_tokens=max_new_tokens, temperature=temperature, slots=batch_size,
+                           seed=seed, stop_token_ids=stop_token_ids, max_cache_len=max_cache_len,
+                           mesh=mesh, progress=progress, stats=stats)
     budgets = per_request_budgets(max_new_tokens, len(prompts) if isinstance(prompts, (list, tuple)) else 0)
     max_new_tokens = max(budgets) if budgets else max_new_tokens
     prompts, stop_arr, stops = _validate_common(target_cfg, prompts, max_new_tokens, temperature,
@@ -729,6 +747,13 @@ def autoregressive_generate(
         return Result(out, [1] * n, [0] * n, [0] * n, None, start, bi, seconds)
 
     return _drive(prompts, batch_size, p_len, seed, decode_batch, row_result, progress, budgets)
+
+
+def _continuous(target_cfg, target_params, draft_cfg, draft_params, prompts, batching, **kw):
+    if batching != "continuous":
+        raise InputError(f"batching must be 'continuous' or 'static', got {batching!r}")
+    from dspark_jax.decode import engine  # the engine is built on this module
+    return engine.serve(target_cfg, target_params, draft_cfg, draft_params, prompts, **kw)
 
 
 # --------------------------------------------------------------------------- metrics

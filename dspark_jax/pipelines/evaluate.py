@@ -47,7 +47,8 @@ def timed_decode(target_cfg, target_params, prompts: Sequence[Sequence[int]], *,
     longest prompt is decoded first with identical shapes, so the timed run (the returned
     ``decode.loop.Result`` list, one per prompt) does not include compilation.
     """
-    from dspark_jax.decode.engine import decode_requests, warmup_prompts
+    from dspark_jax.decode import autoregressive_generate, speculative_generate
+    from dspark_jax.decode.engine import warmup_prompts
     from dspark_jax.decode.loop import plan_shapes, validate_prompts
     from dspark_jax.decode.sharded import make_decode_mesh
 
@@ -62,12 +63,14 @@ def timed_decode(target_cfg, target_params, prompts: Sequence[Sequence[int]], *,
     mesh = make_decode_mesh(mesh) if isinstance(mesh, str) or mesh is None else mesh
 
     def run(ps, prog):
-        return decode_requests(
-            target_cfg, target_params, ps, draft_cfg=draft_cfg, draft_params=draft_params,
-            batching=batching, mesh=mesh, batch_size=batch_size, max_new_tokens=max_new_tokens,
-            temperature=temperature, policy=policy, seed=seed,
-            stop_token_ids=list(stop_token_ids), confidence_temperatures=confidence_temperatures,
-            max_cache_len=cache_len, progress=prog)
+        common = dict(max_new_tokens=max_new_tokens, temperature=temperature, batch_size=batch_size,
+                      seed=seed, stop_token_ids=list(stop_token_ids), max_cache_len=cache_len,
+                      progress=prog, batching=batching, mesh=mesh)
+        if draft_cfg is None:
+            return autoregressive_generate(target_cfg, target_params, ps, **common)
+        return speculative_generate(target_cfg, target_params, draft_cfg, draft_params, ps,
+                                    policy=policy, confidence_temperatures=confidence_temperatures,
+                                    **common)
 
     if warmup:  # continuous: one prompt per bucket compiles every prefill shape and the chunk
         run([max(prompts, key=len)] if batching == "static"

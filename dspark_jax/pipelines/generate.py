@@ -29,8 +29,7 @@ def generate(target, prompts_file, out, *, draft=None, options: DecodeOptions = 
 
     from dspark_jax.convert.checkpoint import load_draft, load_target
     from dspark_jax.data.prompts import read_prompts
-    from dspark_jax.decode import summarize
-    from dspark_jax.decode.engine import decode_requests
+    from dspark_jax.decode import autoregressive_generate, speculative_generate, summarize
     from dspark_jax.decode.sharded import make_decode_mesh
     from dspark_jax.tokenizer import encode_prompt, load_tokenizer
 
@@ -57,11 +56,11 @@ def generate(target, prompts_file, out, *, draft=None, options: DecodeOptions = 
         block = dcfg.block_size
         if settings.sts_from_drafter:
             log(f"generate: STS temperatures from the drafter's extras: {settings.confidence_temperatures}")
-        results = decode_requests(tcfg, tparams, prompts, draft_cfg=dcfg, draft_params=dparams,
-                                  **settings.decode_kwargs(options), **common)
+        results = speculative_generate(tcfg, tparams, dcfg, dparams, prompts,
+                                       **settings.decode_kwargs(options), **common)
     else:
-        results = decode_requests(tcfg, tparams, prompts,
-                                  **settings.decode_kwargs(options, speculative=False), **common)
+        results = autoregressive_generate(tcfg, tparams, prompts,
+                                          **settings.decode_kwargs(options, speculative=False), **common)
     bar.close()
 
     with atomic_open(out) as f:

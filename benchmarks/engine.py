@@ -133,7 +133,7 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="smallest settings")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.concurrency, args.max_new_tokens, args.methods = "1,4", 12, "ar,fixed:G,scheduler"
+        args.concurrency, args.max_new_tokens, args.methods = "1,2", 8, "ar,scheduler"
         args.requests_per_slot = 2
     jax.monitoring.register_event_duration_secs_listener(_on_event)
 
@@ -146,7 +146,8 @@ def main(argv=None) -> int:
     stops = [int(json.loads(Path(args.prompts).read_text()).get("output_ids", [[2] * 21])[0][20])]
 
     t0 = time.perf_counter()
-    sizes = profile.default_batch_sizes(max(concs) * (g + 1), dense_up_to=8, growth=1.5)
+    top = max(concs) * (g + 1)
+    sizes = sorted({min(1 << k, top) for k in range(top.bit_length() + 1)} | {top})
     sps = profile.measure_sps(tc, tp, sizes, 64, warmup=1, iters=3, min_seconds=0.02, repeats=1)
     print(f"SPS table: {len(sizes)} sizes in {time.perf_counter() - t0:.0f}s", file=sys.stderr)
     policies = {"ar": None, "fixed:1": FixedPolicy(1), "fixed:G": FixedPolicy(g),

@@ -128,3 +128,14 @@ def test_continuous_no_recompilation_and_matches_static(fixture):
         static = speculative_generate(tc, tp, dc, dp, [prompts[i]], max_new_tokens=budgets[i],
                                       stop_token_ids=stops, max_cache_len=64)
         assert static[0].output_ids == res[i].output_ids
+
+
+def test_cli_mesh_flag_refuses_too_many_devices(tiny_dir, tmp_path, capsys):
+    from dspark_jax.cli import main
+    (tmp_path / "p.jsonl").write_text('{"prompt_ids": [1, 2, 3]}\n')
+    before = COMPILES[0]
+    rc = main(["generate", "--target", str(tiny_dir / "target"), "--draft", str(tiny_dir / "draft"),
+               "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "o.jsonl"),
+               "--mesh", "data=4,tensor=4", "--batching", "continuous"])
+    assert rc == 2 and "needs 16 devices" in capsys.readouterr().err
+    assert COMPILES[0] == before

@@ -455,6 +455,22 @@ def build_decode(mesh=None, rules=None) -> DecodeProgram:
     return prog
 
 
+DecodeStatic = _Static  # public name of the static config the builder's programs take
+
+
+def abstract_decode_state(tparams, dparams, static: _Static, batch: int, max_len: int,
+                          prompt_len: int = 64):
+    """ShapeDtypeStruct tree of a DecodeState of ``batch`` rows and cache capacity ``max_len``
+    (params may be abstract): what the planner compiles ``build_decode(mesh).round`` against."""
+    return jax.eval_shape(
+        lambda tp, dp: _spec_prefill(
+            tp, dp, jnp.zeros((batch, prompt_len), jnp.int32),
+            jnp.full((batch,), prompt_len, jnp.int32), jnp.ones((batch,), bool),
+            jax.random.PRNGKey(0), jnp.float32(1.0), jnp.full((MAX_STOP_IDS,), -1, jnp.int32),
+            static, max_len),
+        tparams, dparams)
+
+
 _LOCAL = build_decode()
 # Single-device entry points (kept for benchmarks/round_cost.py and older callers).
 spec_prefill_jit, spec_round_jit, spec_run_jit = _LOCAL.prefill, _LOCAL.round, _LOCAL.run

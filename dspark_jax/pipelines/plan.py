@@ -167,14 +167,8 @@ def plan_decode_round(draft_cfg: DraftConfig, target_cfg: TargetConfig, mesh: Me
     prog = decode_loop.build_decode(mesh)
     t_abs, _ = families.abstract_params(target_cfg, mesh, dtype, prog.rules)
     d_abs, _ = families.abstract_params(draft_cfg, mesh, dtype, prog.rules)
-    static = decode_loop._Static(target_cfg, draft_cfg, FullPolicy(), False, max_new_tokens)
-    prompt_len = 64
-    state_shapes = jax.eval_shape(
-        lambda tp, dp: decode_loop._spec_prefill(
-            tp, dp, jnp.zeros((batch, prompt_len), jnp.int32), jnp.full((batch,), prompt_len, jnp.int32),
-            jnp.ones((batch,), bool), jax.random.PRNGKey(0), jnp.float32(1.0),
-            jnp.full((decode_loop.MAX_STOP_IDS,), -1, jnp.int32), static, max_len),
-        t_abs, d_abs)
+    static = decode_loop.DecodeStatic(target_cfg, draft_cfg, FullPolicy(), False, max_new_tokens)
+    state_shapes = decode_loop.abstract_decode_state(t_abs, d_abs, static, batch, max_len)
     state_sh = sharded.expand(prog.state_sharding(), state_shapes)
     rep = shard_lib.replicated(mesh)
     args = (t_abs, d_abs, abstract(state_shapes, state_sh),

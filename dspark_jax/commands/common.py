@@ -36,6 +36,13 @@ DECODE_FLAGS = {
         action="store_true",
         help="encode text prompts as plain text (byte tokenizer: <|bos|> + text) instead of the "
              "tokenizer's chat template (the default)")),
+    "batching": ("--batching", dict(
+        choices=("continuous", "static"), default=_D.batching,
+        help="continuous (default): a finished request's slot takes the next one at once; "
+             "static: fixed batches of --batch-size that run until their slowest row ends")),
+    "mesh": ("--mesh", dict(
+        default=None, metavar="SPEC",
+        help="shard decoding over devices, e.g. tensor=2 or data=2,tensor=2 (default: one device)")),
     "thinking": ("--thinking", dict(
         action=argparse.BooleanOptionalAction, default=False,
         help="enable_thinking in the chat template (default off)")),

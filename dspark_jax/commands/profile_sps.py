@@ -41,6 +41,8 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="cast the target params (default: as stored)")
     p.add_argument("--force", action="store_true", help="overwrite --out")
+    p.add_argument("--mesh", default=None, metavar="SPEC",
+                   help="measure on the decode mesh, e.g. tensor=2 (default: one device)")
     p.set_defaults(func=run)
 
 
@@ -72,6 +74,8 @@ def run(args) -> int:
             raise InputError(f"--batch-sizes must be ints >= 1, got {args.batch_sizes!r}")
     else:
         sizes = profile.default_batch_sizes(args.max_batch)
+    from dspark_jax.decode.sharded import make_decode_mesh
+    mesh = make_decode_mesh(args.mesh)
     cfg, params = checkpoint.load_target(args.target)
     if args.dtype:
         dt = jnp.dtype(args.dtype)
@@ -85,7 +89,8 @@ def run(args) -> int:
     table = profile.measure_sps(cfg, params, sizes, args.cache_length, layout=args.layout,
                                 warmup=args.warmup, iters=args.iters, min_seconds=args.min_seconds,
                                 repeats=args.repeats, monotone=args.monotone, fit=args.fit,
-                                meta={"target": str(args.target)}, progress=progress)
+                                meta={"target": str(args.target), "mesh": args.mesh},
+                                progress=progress, mesh=mesh)
     bar.close()
     table.save(out, force=args.force)
     print(json.dumps({"out": str(out), "device": table.meta["device"],

@@ -36,13 +36,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax import sampling
+from dspark_jax import families, sampling
+from dspark_jax import sharding as sharding_lib
 from dspark_jax.config import DraftConfig, TargetConfig
+from dspark_jax.decode import sharded
 from dspark_jax.decode.policies import FullPolicy, VerifyPolicy
 from dspark_jax.decode.verify import rejection_sample
 from dspark_jax.draft import decode as draft_decode
 from dspark_jax.errors import InputError, require_positive_int
-from dspark_jax.target import qwen3
+from dspark_jax.target import qwen3  # KVCache type only; the forward comes from families
 
 MAX_STOP_IDS = 8     # stop-id slots (padded with -1) so the count never changes shapes
 MIN_PROMPT_BUCKET = 16  # padded prompt length P is a power of two >= this
@@ -57,7 +59,7 @@ class DecodeState:
     """Speculative decode state (a pytree; donated to each jitted round).
 
     seq [B, L] int32 prompt + generated tokens; pos [B] anchor position;
-    num_input [B] prompt lengths; active [B] bool; key PRNG key; round [] int32;
+    num_input [B] prompt lengths; max_new [B] per-row output budget (<= R); active [B] bool; key PRNG key; round [] int32;
     rounds [B] rounds run per row; acc_rec / prop_rec / drafts_rec [B, R] int32
     acceptance length (bonus included), proposal length and accepted drafts per
     round; conf_rec [B, R, G] raw confidence logits; cache target KV cache;
@@ -67,6 +69,7 @@ class DecodeState:
     seq: jax.Array
     pos: jax.Array
     num_input: jax.Array
+    max_new: jax.Array
     active: jax.Array
     key: jax.Array
     round: jax.Array
@@ -87,6 +90,7 @@ class ARState:
     seq: jax.Array
     pos: jax.Array
     num_input: jax.Array
+    max_new: jax.Array
     active: jax.Array
     key: jax.Array
     cache: qwen3.KVCache
@@ -127,6 +131,11 @@ def _is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
     return jnp.any(tokens[..., None] == stop_ids, axis=-1)
 
 
+def target_module(config):
+    """The forward module (init_cache / forward / compute_logits) of ``config``'s family."""
+    return families.for_config(config).module()
+
+
 def _tap_ids(static: _Static) -> tuple[int, ...]:
     return tuple(static.draft.target_layer_ids) if static.draft is not None else ()
 
@@ -140,14 +149,15 @@ def _prefill(tparams, dparams, prompts, lens, valid, key, temperature, stop_ids,
     """
     b, p = prompts.shape
     tcfg = static.target
+    tm = target_module(tcfg)
     dtype = tparams["embed_tokens"].dtype
-    cache = qwen3.init_cache(tcfg, b, max_len, dtype)
-    hidden, taps, cache = qwen3.forward(tparams, tcfg, prompts, cache, num_new=lens,
-                                        tap_layer_ids=_tap_ids(static))
+    cache = tm.init_cache(tcfg, b, max_len, dtype)
+    hidden, taps, cache = tm.forward(tparams, tcfg, prompts, cache, num_new=lens,
+                                     tap_layer_ids=_tap_ids(static))
     rows = jnp.arange(b)
     last = hidden[rows, lens - 1]
     key, k_first = jax.random.split(key)
-    first = sampling.sample_logits(k_first, qwen3.compute_logits(tparams, last), temperature,
+    first = sampling.sample_logits(k_first, tm.compute_logits(tparams, last), temperature,
                                    static.greedy)
     seq = jnp.zeros((b, max_len), jnp.int32).at[:, :p].set(prompts)
     seq = seq.at[rows, lens].set(first)
@@ -159,14 +169,16 @@ def _prefill(tparams, dparams, prompts, lens, valid, key, temperature, stop_ids,
 
 
 def _spec_prefill(tparams, dparams, prompts, lens, valid, key, temperature, stop_ids, static,
-                  max_len):
+                  max_len, max_new=None):
     cache, seq, _, active, ctx, key = _prefill(
         tparams, dparams, prompts, lens, valid, key, temperature, stop_ids, static, max_len)
     b = prompts.shape[0]
     r, g = static.max_new_tokens, static.draft.block_size
     zeros = jnp.zeros((b, r), jnp.int32)
+    max_new = jnp.full((b,), r, jnp.int32) if max_new is None else max_new.astype(jnp.int32)
+    active = active & (max_new > 0)
     return DecodeState(
-        seq=seq, pos=lens, num_input=lens, active=active, key=key,
+        seq=seq, pos=lens, num_input=lens, max_new=max_new, active=active, key=key,
         round=jnp.zeros((), jnp.int32), rounds=jnp.zeros((b,), jnp.int32),
         acc_rec=zeros, prop_rec=zeros, drafts_rec=zeros,
         conf_rec=jnp.zeros((b, r, g), jnp.float32), cache=cache, ctx=ctx,
@@ -194,9 +206,10 @@ def _round(tparams, dparams, state: DecodeState, temperature, stop_ids, conf_tem
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, g)
 
     verify_tokens = jnp.concatenate([anchor[:, None], drafts], axis=1)        # [B,G+1]
-    hidden, taps, cache = qwen3.forward(tparams, tcfg, verify_tokens, state.cache,
-                                        tap_layer_ids=dcfg.target_layer_ids)
-    target_logits = qwen3.compute_logits(tparams, hidden)
+    tm = target_module(tcfg)
+    hidden, taps, cache = tm.forward(tparams, tcfg, verify_tokens, state.cache,
+                                     tap_layer_ids=dcfg.target_layer_ids)
+    target_logits = tm.compute_logits(tparams, hidden)
     verdict = rejection_sample(k_verify, target_logits, draft_logits, drafts, lengths,
                                temperature, static.greedy, stop_ids)
     a = verdict.accepted
@@ -222,9 +235,9 @@ def _round(tparams, dparams, state: DecodeState, temperature, stop_ids, conf_tem
 
     next_stop = ~verdict.stopped & _is_stop(verdict.next_token, stop_ids)
     generated = new_pos - state.num_input
-    still = active & ~verdict.stopped & ~next_stop & (generated < static.max_new_tokens)
+    still = active & ~verdict.stopped & ~next_stop & (generated < state.max_new)
     return DecodeState(
-        seq=seq, pos=new_pos, num_input=state.num_input, active=still, key=key,
+        seq=seq, pos=new_pos, num_input=state.num_input, max_new=state.max_new, active=still, key=key,
         round=state.round + 1, rounds=state.rounds + active.astype(jnp.int32),
         acc_rec=acc_rec, prop_rec=prop_rec, drafts_rec=drafts_rec, conf_rec=conf_rec,
         cache=cache.with_lengths(jnp.where(active, new_pos, state.cache.lengths)),
@@ -241,11 +254,16 @@ def _spec_run_device(tparams, dparams, state, temperature, stop_ids, conf_temps,
     return jax.lax.while_loop(cond, body, state)
 
 
-def _ar_prefill(tparams, prompts, lens, valid, key, temperature, stop_ids, static, max_len):
+def _ar_prefill(tparams, prompts, lens, valid, key, temperature, stop_ids, static, max_len,
+                max_new=None):
     cache, seq, _, active, _, key = _prefill(
         tparams, None, prompts, lens, valid, key, temperature, stop_ids, static, max_len)
-    active = active & (static.max_new_tokens > 1)
-    return ARState(seq=seq, pos=lens, num_input=lens, active=active, key=key, cache=cache)
+    b = prompts.shape[0]
+    max_new = (jnp.full((b,), static.max_new_tokens, jnp.int32) if max_new is None
+               else max_new.astype(jnp.int32))
+    active = active & (max_new > 1)
+    return ARState(seq=seq, pos=lens, num_input=lens, max_new=max_new, active=active, key=key,
+                   cache=cache)
 
 
 def _ar_step(tparams, state: ARState, temperature, stop_ids, static) -> ARState:
@@ -253,14 +271,16 @@ def _ar_step(tparams, state: ARState, temperature, stop_ids, static) -> ARState:
     rows = jnp.arange(b)
     key, k_s = jax.random.split(state.key)
     tok = state.seq[rows, state.pos][:, None]
-    hidden, _, cache = qwen3.forward(tparams, static.target, tok, state.cache)
-    nxt = sampling.sample_logits(k_s, qwen3.compute_logits(tparams, hidden[:, 0]), temperature,
+    tm = target_module(static.target)
+    hidden, _, cache = tm.forward(tparams, static.target, tok, state.cache)
+    nxt = sampling.sample_logits(k_s, tm.compute_logits(tparams, hidden[:, 0]), temperature,
                                  static.greedy)
     active = state.active
     seq = state.seq.at[rows, jnp.where(active, state.pos + 1, max_len)].set(nxt, mode="drop")
     pos = jnp.where(active, state.pos + 1, state.pos)
-    still = active & ~_is_stop(nxt, stop_ids) & (pos + 1 - state.num_input < static.max_new_tokens)
-    return ARState(seq=seq, pos=pos, num_input=state.num_input, active=still, key=key,
+    still = active & ~_is_stop(nxt, stop_ids) & (pos + 1 - state.num_input < state.max_new)
+    return ARState(seq=seq, pos=pos, num_input=state.num_input, max_new=state.max_new,
+                   active=still, key=key,
                    cache=cache.with_lengths(jnp.where(active, pos, state.cache.lengths)))
 
 
@@ -269,20 +289,197 @@ def _ar_run_device(tparams, state, temperature, stop_ids, static):
                               lambda s: _ar_step(tparams, s, temperature, stop_ids, static), state)
 
 
-# Jitted entry points. Static: the _Static config (and max_len). State is donated.
-spec_prefill_jit = jax.jit(_spec_prefill, static_argnames=("static", "max_len"))
-spec_round_jit = jax.jit(_round, static_argnames=("static",), donate_argnames=("state",))
-spec_run_jit = jax.jit(_spec_run_device, static_argnames=("static",), donate_argnames=("state",))
-ar_prefill_jit = jax.jit(_ar_prefill, static_argnames=("static", "max_len"))
-ar_step_jit = jax.jit(_ar_step, static_argnames=("static",), donate_argnames=("state",))
-ar_run_jit = jax.jit(_ar_run_device, static_argnames=("static",), donate_argnames=("state",))
+def _run_chunk(step, state, max_steps, until_finish):
+    """Run ``step`` while any row is active, at most ``max_steps`` times, and (when
+    ``until_finish``) only until some row that was active has finished: the continuous
+    engine's unit of work between refills."""
+    n0 = jnp.sum(state.active.astype(jnp.int32))
 
-JITTED = (spec_prefill_jit, spec_round_jit, spec_run_jit, ar_prefill_jit, ar_step_jit, ar_run_jit)
+    def cond(c):
+        s, n = c
+        live = jnp.sum(s.active.astype(jnp.int32))
+        return (live > 0) & (n < max_steps) & ~(until_finish & (live < n0))
+
+    def body(c):
+        s, n = c
+        return step(s), n + 1
+
+    return jax.lax.while_loop(cond, body, (state, jnp.zeros((), jnp.int32)))[0]
+
+
+def _spec_chunk(tparams, dparams, state, temperature, stop_ids, conf_temps, max_steps, until_finish,
+                static):
+    return _run_chunk(lambda s: _round(tparams, dparams, s, temperature, stop_ids, conf_temps,
+                                       static), state, max_steps, until_finish)
+
+
+def _ar_chunk(tparams, state, temperature, stop_ids, max_steps, until_finish, static):
+    return _run_chunk(lambda s: _ar_step(tparams, s, temperature, stop_ids, static), state,
+                      max_steps, until_finish)
+
+
+def _put_row(big, row, slot, batch_dim: int):
+    """``big`` with its row ``slot`` (along ``batch_dim``) replaced by ``row``'s only row."""
+    idx = [jnp.zeros((), jnp.int32)] * big.ndim
+    idx[batch_dim] = slot
+    return jax.lax.dynamic_update_slice(big, row.astype(big.dtype), idx)
+
+
+def _insert(big, one, slot):
+    """Write the one-row state ``one`` into row ``slot`` of ``big`` (key/round/policy kept)."""
+    fields = {}
+    for name in big.__dataclass_fields__:
+        b, o = getattr(big, name), getattr(one, name)
+        if name in ("key", "round", "policy_state"):
+            fields[name] = b
+        elif name in ("cache", "ctx"):
+            fields[name] = None if b is None else jax.tree.map(
+                lambda x, y: _put_row(x, y, slot, 0 if x.ndim == 1 else 1), b, o)
+        else:
+            fields[name] = _put_row(b, o, slot, 0)
+    return type(big)(**fields)
+
+
+def _spec_prefill_into(tparams, dparams, state, slot, prompt, length, max_new, key, temperature,
+                       stop_ids, static, max_len):
+    """Prefill one request (prompt [1, P], length [1], max_new [1]) into row ``slot`` of ``state``."""
+    one = _spec_prefill(tparams, dparams, prompt, length, jnp.ones((1,), bool), key, temperature,
+                        stop_ids, static, max_len, max_new)
+    return _insert(state, one, slot)
+
+
+def _ar_prefill_into(tparams, state, slot, prompt, length, max_new, key, temperature, stop_ids,
+                     static, max_len):
+    one = _ar_prefill(tparams, prompt, length, jnp.ones((1,), bool), key, temperature, stop_ids,
+                      static, max_len, max_new)
+    return _insert(state, one, slot)
+
+
+# --------------------------------------------------------------------------- the builder
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeProgram:
+    """The compiled-program set of one (static config, mesh) — what every caller runs.
+
+    Jitted functions (``static=``/``max_len=`` keyword-static; the state is donated and keeps
+    its sharding ``state_sharding`` from call to call, so nothing recompiles as rows change):
+
+    - ``prefill(tp, dp, prompts [B,P], lens [B], valid [B], key, temp, stop, *, static, max_len)``
+      -> DecodeState (policy_state ``()``, set it with ``policy.init_state``)
+    - ``run(tp, dp, state, temp, stop, conf_temps, *, static)``: rounds until every row ends
+    - ``round(...)``: one round (host loop, planner, profile-sps)
+    - ``chunk(tp, dp, state, temp, stop, conf_temps, max_steps, until_finish, *, static)``
+    - ``prefill_into(tp, dp, state, slot, prompt [1,P], len [1], max_new [1], key, temp, stop,
+      *, static, max_len)``: the continuous engine's per-slot prefill
+    - ``ar_prefill / ar_run / ar_step / ar_chunk / ar_prefill_into``: the same for the AR baseline.
+
+    ``mesh`` None: one device, plain jit. Otherwise params go through ``place_params`` (their
+    declared logical axes) and state leaves through ``sharded.STATE_AXES``.
+    """
+
+    mesh: Any
+    rules: Any
+    prefill: Any
+    run: Any
+    round: Any
+    chunk: Any
+    prefill_into: Any
+    ar_prefill: Any
+    ar_run: Any
+    ar_step: Any
+    ar_chunk: Any
+    ar_prefill_into: Any
+
+    def state_sharding(self, ar: bool = False, with_ctx: bool = True):
+        """Sharding pytree (prefix) of a DecodeState / ARState; None without a mesh."""
+        if self.mesh is None:
+            return None
+        return sharded.state_shardings(ARState if ar else DecodeState, self.mesh, self.rules,
+                                       with_ctx=with_ctx)
+
+    def place_params(self, params, config):
+        return sharded.place_params(params, config, self.mesh, self.rules)
+
+    def place(self, x):
+        """A host input (prompts, lens, ...) on the mesh, batch-sharded when its dim 0 divides."""
+        if self.mesh is None:
+            return x
+        x = jnp.asarray(x)
+        if x.ndim and x.shape[0] % sharded.batch_multiple(self.mesh, self.rules) == 0:
+            return jax.device_put(x, sharding_lib.batch_sharding(self.mesh, x.ndim, self.rules))
+        return jax.device_put(x, sharding_lib.replicated(self.mesh))
+
+    def jitted(self):
+        return (self.prefill, self.run, self.round, self.chunk, self.prefill_into, self.ar_prefill,
+                self.ar_run, self.ar_step, self.ar_chunk, self.ar_prefill_into)
+
+
+_PROGRAMS: dict = {}
+
+
+def build_decode(mesh=None, rules=None) -> DecodeProgram:
+    """The decode program set for ``mesh`` (None: one device), built once per (mesh, rules).
+
+    Static configs (``_Static``: target/draft config, policy, greedy, max_new_tokens) are
+    static arguments of the jitted functions, so one program set serves every config; with
+    a mesh the outputs are constrained to ``state_sharding`` so a state keeps one layout.
+    """
+    rules = sharded.DECODE_RULES if rules is None else rules
+    key = (mesh, tuple(sorted((k, str(v)) for k, v in rules.items())))
+    if key in _PROGRAMS:
+        return _PROGRAMS[key]
+
+    def jit(fn, statics, donate=(), ar=None, with_ctx=True):
+        kw = dict(static_argnames=statics, donate_argnames=donate)
+        if mesh is not None and ar is not None:
+            kw["out_shardings"] = sharded.state_shardings(ARState if ar else DecodeState, mesh,
+                                                          rules, with_ctx=with_ctx)
+        return jax.jit(fn, **kw)
+
+    s, sm, st = ("static", "max_len"), ("static", "max_len"), ("state",)
+    prog = DecodeProgram(
+        mesh=mesh, rules=rules,
+        prefill=jit(_spec_prefill, sm, ar=False),
+        run=jit(_spec_run_device, ("static",), st, ar=False),
+        round=jit(_round, ("static",), st, ar=False),
+        chunk=jit(_spec_chunk, ("static",), st, ar=False),
+        prefill_into=jit(_spec_prefill_into, s, st, ar=False),
+        ar_prefill=jit(_ar_prefill, sm, ar=True),
+        ar_run=jit(_ar_run_device, ("static",), st, ar=True),
+        ar_step=jit(_ar_step, ("static",), st, ar=True),
+        ar_chunk=jit(_ar_chunk, ("static",), st, ar=True),
+        ar_prefill_into=jit(_ar_prefill_into, s, st, ar=True),
+    )
+    _PROGRAMS[key] = prog
+    return prog
+
+
+DecodeStatic = _Static  # public name of the static config the builder's programs take
+
+
+def abstract_decode_state(tparams, dparams, static: _Static, batch: int, max_len: int,
+                          prompt_len: int = 64):
+    """ShapeDtypeStruct tree of a DecodeState of ``batch`` rows and cache capacity ``max_len``
+    (params may be abstract): what the planner compiles ``build_decode(mesh).round`` against."""
+    return jax.eval_shape(
+        lambda tp, dp: _spec_prefill(
+            tp, dp, jnp.zeros((batch, prompt_len), jnp.int32),
+            jnp.full((batch,), prompt_len, jnp.int32), jnp.ones((batch,), bool),
+            jax.random.PRNGKey(0), jnp.float32(1.0), jnp.full((MAX_STOP_IDS,), -1, jnp.int32),
+            static, max_len),
+        tparams, dparams)
+
+
+_LOCAL = build_decode()
+# Single-device entry points (kept for benchmarks/round_cost.py and older callers).
+spec_prefill_jit, spec_round_jit, spec_run_jit = _LOCAL.prefill, _LOCAL.round, _LOCAL.run
+ar_prefill_jit, ar_step_jit, ar_run_jit = _LOCAL.ar_prefill, _LOCAL.ar_step, _LOCAL.ar_run
 
 
 def compile_cache_sizes() -> int:
-    """Total number of compiled variants held by this module's jitted functions."""
-    return sum(f._cache_size() for f in JITTED)
+    """Total number of compiled variants held by every built program's jitted functions."""
+    return sum(f._cache_size() for p in _PROGRAMS.values() for f in p.jitted())
 
 
 # --------------------------------------------------------------------------- validation
@@ -357,38 +554,53 @@ def _confidence_temperatures(temperatures, block_size: int) -> jax.Array:
     return jnp.asarray(temps, jnp.float32)
 
 
-def _batches(prompts, batch_size: int, p_len: int):
-    """Yield (indices, prompts [B, P], lens [B], valid [B]) with the last batch padded."""
+def per_request_budgets(max_new_tokens, n: int) -> list[int]:
+    """One output budget per request from an int or a sequence of n ints; InputError otherwise."""
+    if isinstance(max_new_tokens, (list, tuple, np.ndarray)):
+        vals = list(max_new_tokens)
+        if len(vals) != n:
+            raise InputError(f"max_new_tokens: {len(vals)} values for {n} prompts")
+        for i, v in enumerate(vals):
+            require_positive_int(v, f"max_new_tokens[{i}]")
+        return [int(v) for v in vals]
+    require_positive_int(max_new_tokens, "max_new_tokens")
+    return [int(max_new_tokens)] * n
+
+
+def _batches(prompts, batch_size: int, p_len: int, budgets: Sequence[int]):
+    """Yield (indices, prompts [B, P], lens [B], valid [B], budgets [B]), last batch padded."""
     for start in range(0, len(prompts), batch_size):
         idx = list(range(start, min(start + batch_size, len(prompts))))
         arr = np.zeros((batch_size, p_len), np.int32)
         lens = np.ones((batch_size,), np.int32)
         valid = np.zeros((batch_size,), bool)
+        mx = np.ones((batch_size,), np.int32)
         for r, i in enumerate(idx):
             arr[r, :len(prompts[i])] = prompts[i]
             lens[r] = len(prompts[i])
             valid[r] = True
-        yield idx, jnp.asarray(arr), jnp.asarray(lens), jnp.asarray(valid)
+            mx[r] = budgets[i]
+        yield idx, jnp.asarray(arr), jnp.asarray(lens), jnp.asarray(valid), jnp.asarray(mx)
 
 
 def _drive(prompts, batch_size: int, p_len: int, seed: int, decode_batch, row_result,
-           progress) -> list[Result]:
+           progress, budgets: Sequence[int]) -> list[Result]:
     """The batch loop shared by both decoders.
 
     Per batch (padded to ``batch_size`` rows of length ``p_len``): ``decode_batch(prompts
-    [B, P], lens [B], valid [B], key)`` returns host arrays; ``row_result(host, row,
+    [B, P], lens [B], valid [B], budgets [B], key)`` returns host arrays; ``row_result(host, row,
     prompt_length, batch_index, seconds)`` makes each request's Result; ``progress(n)``
     (optional) is told how many requests finished. Results are in prompt order.
     """
     key = jax.random.PRNGKey(seed)
     results: list[Result | None] = [None] * len(prompts)
-    for bi, (idx, arr, lens, valid) in enumerate(_batches(prompts, batch_size, p_len)):
+    for bi, (idx, arr, lens, valid, mx) in enumerate(_batches(prompts, batch_size, p_len, budgets)):
         key, k_batch = jax.random.split(key)
         t0 = time.perf_counter()
-        host = decode_batch(arr, lens, valid, k_batch)
+        host = decode_batch(arr, lens, valid, mx, k_batch)
         seconds = time.perf_counter() - t0
         for r, i in enumerate(idx):
-            results[i] = row_result(host, r, len(prompts[i]), bi, seconds)
+            results[i] = row_result(host, r, len(prompts[i]), bi, seconds, budgets[i])
         if progress is not None:
             progress(len(idx))
     return results  # type: ignore[return-value]
@@ -412,7 +624,7 @@ def speculative_generate(
     draft_params: dict,
     prompts: Sequence[Sequence[int]],
     *,
-    max_new_tokens: int = 128,
+    max_new_tokens: int | Sequence[int] = 128,
     temperature: float = 0.0,
     policy: VerifyPolicy | None = None,
     batch_size: int = 1,
@@ -422,6 +634,9 @@ def speculative_generate(
     max_cache_len: int | None = None,
     loop: str = "device",
     progress: Callable[[int], None] | None = None,
+    mesh=None,
+    batching: str = "static",
+    stats: dict | None = None,
 ) -> list[Result]:
     """Speculative decoding of ``prompts`` (token-id lists) in batches of ``batch_size``.
 
@@ -430,10 +645,23 @@ def speculative_generate(
     lengths (bonus included), proposal lengths, accepted drafts and raw
     confidence logits. ``policy`` defaults to FullPolicy; ``loop`` is "device"
     (lax.while_loop) or "host" (Python loop over one compiled round);
-    ``progress(n)`` is called with the number of requests finished per batch.
-    Raises ConfigError / InputError before compiling anything.
+    ``progress(n)`` is called with the number of requests finished per batch; ``mesh``
+    (a ``jax.sharding.Mesh``, see ``sharded.make_decode_mesh``) shards params by their declared
+    axes and the state by ``sharded.STATE_AXES`` (``build_decode``).
+    ``batching="continuous"`` serves the prompts through ``batch_size`` slots instead
+    (``decode.engine.serve``: StreamResults with per-request latency; ``stats`` receives the
+    stream's throughput). Raises ConfigError / InputError before compiling anything.
     """
+    if batching != "static":
+        return _continuous(target_cfg, target_params, draft_cfg, draft_params, prompts, batching,
+                           max_new_tokens=max_new_tokens, temperature=temperature, policy=policy,
+                           slots=batch_size, seed=seed, stop_token_ids=stop_token_ids,
+                           confidence_temperatures=confidence_temperatures,
+                           max_cache_len=max_cache_len, mesh=mesh, progress=progress, stats=stats)
     draft_cfg.check_compatible(target_cfg)
+    sharded.check_mesh(mesh, target_cfg, draft_cfg, batch_size)
+    budgets = per_request_budgets(max_new_tokens, len(prompts) if isinstance(prompts, (list, tuple)) else 0)
+    max_new_tokens = max(budgets) if budgets else max_new_tokens
     prompts, stop_arr, stops = _validate_common(target_cfg, prompts, max_new_tokens, temperature,
                                                 batch_size, stop_token_ids)
     g = draft_cfg.block_size
@@ -446,35 +674,39 @@ def speculative_generate(
     static = _Static(target_cfg, draft_cfg, policy, sampling.is_greedy(temperature), max_new_tokens)
     prefill_static = dataclasses.replace(static, policy=None)  # one prefill compile for all policies
     temp = jnp.float32(max(float(temperature), sampling.GREEDY_EPS))
+    prog = build_decode(mesh)
+    target_params = prog.place_params(target_params, target_cfg)
+    draft_params = prog.place_params(draft_params, draft_cfg)
 
-    def decode_batch(arr, lens, valid, k_batch):
-        state = spec_prefill_jit(target_params, draft_params, arr, lens, valid, k_batch, temp,
-                                 stop_arr, static=prefill_static, max_len=max_len)
+    def decode_batch(arr, lens, valid, mx, k_batch):
+        arr, lens, valid, mx = prog.place(arr), prog.place(lens), prog.place(valid), prog.place(mx)
+        state = prog.prefill(target_params, draft_params, arr, lens, valid, k_batch, temp,
+                             stop_arr, static=prefill_static, max_len=max_len, max_new=mx)
         state = state.replace(policy_state=policy.init_state(batch_size, g))
         if loop == "device":
-            state = spec_run_jit(target_params, draft_params, state, temp, stop_arr, conf_temps,
-                                 static=static)
+            state = prog.run(target_params, draft_params, state, temp, stop_arr, conf_temps,
+                             static=static)
         else:
             for _ in range(max_new_tokens):
                 if not bool(jnp.any(state.active)):
                     break
-                state = spec_round_jit(target_params, draft_params, state, temp, stop_arr,
-                                       conf_temps, static=static)
+                state = prog.round(target_params, draft_params, state, temp, stop_arr,
+                                   conf_temps, static=static)
         return jax.device_get({"seq": state.seq, "rounds": state.rounds, "acc": state.acc_rec,
                                "prop": state.prop_rec, "drafts": state.drafts_rec,
                                "conf": state.conf_rec})
 
-    def row_result(host, r, start, bi, seconds):
+    def row_result(host, r, start, bi, seconds, budget):
         n = int(host["rounds"][r])
         acc = [int(x) for x in host["acc"][r, :n]]
         count = 1 + sum(acc)
-        out = _trim([int(t) for t in host["seq"][r, start:start + count]], max_new_tokens, stops)
+        out = _trim([int(t) for t in host["seq"][r, start:start + count]], budget, stops)
         conf = ([[float(c) for c in row] for row in host["conf"][r, :n]]
                 if draft_cfg.enable_confidence_head else None)
         return Result(out, acc, [int(x) for x in host["prop"][r, :n]],
                       [int(x) for x in host["drafts"][r, :n]], conf, start, bi, seconds)
 
-    return _drive(prompts, batch_size, p_len, seed, decode_batch, row_result, progress)
+    return _drive(prompts, batch_size, p_len, seed, decode_batch, row_result, progress, budgets)
 
 
 def autoregressive_generate(
@@ -482,39 +714,62 @@ def autoregressive_generate(
     target_params: dict,
     prompts: Sequence[Sequence[int]],
     *,
-    max_new_tokens: int = 128,
+    max_new_tokens: int | Sequence[int] = 128,
     temperature: float = 0.0,
     batch_size: int = 1,
     seed: int = 0,
     stop_token_ids: Sequence[int] | None = None,
     max_cache_len: int | None = None,
     progress: Callable[[int], None] | None = None,
+    mesh=None,
+    batching: str = "static",
+    stats: dict | None = None,
 ) -> list[Result]:
     """Baseline: one target token per step, same cache code, no drafter.
 
     Results have one "round" per generated token after the first (acceptance
-    length 1, proposal length 0) so ``summarize`` works on both.
+    length 1, proposal length 0) so ``summarize`` works on both. ``mesh`` / ``batching`` /
+    ``stats``: as for ``speculative_generate``.
     """
+    if batching != "static":
+        return _continuous(target_cfg, target_params, None, None, prompts, batching,
+                           max_new_tokens=max_new_tokens, temperature=temperature, slots=batch_size,
+                           seed=seed, stop_token_ids=stop_token_ids, max_cache_len=max_cache_len,
+                           mesh=mesh, progress=progress, stats=stats)
+    budgets = per_request_budgets(max_new_tokens, len(prompts) if isinstance(prompts, (list, tuple)) else 0)
+    max_new_tokens = max(budgets) if budgets else max_new_tokens
     prompts, stop_arr, stops = _validate_common(target_cfg, prompts, max_new_tokens, temperature,
                                                 batch_size, stop_token_ids)
+    sharded.check_mesh(mesh, target_cfg, None, batch_size)
     p_len, max_len = plan_shapes(prompts, max_new_tokens, 1, target_cfg.max_position_embeddings,
                                  max_cache_len)
     static = _Static(target_cfg, None, None, sampling.is_greedy(temperature), max_new_tokens)
     temp = jnp.float32(max(float(temperature), sampling.GREEDY_EPS))
 
-    def decode_batch(arr, lens, valid, k_batch):
-        state = ar_prefill_jit(target_params, arr, lens, valid, k_batch, temp, stop_arr,
-                               static=static, max_len=max_len)
-        state = ar_run_jit(target_params, state, temp, stop_arr, static=static)
+    prog = build_decode(mesh)
+    target_params = prog.place_params(target_params, target_cfg)
+
+    def decode_batch(arr, lens, valid, mx, k_batch):
+        arr, lens, valid, mx = prog.place(arr), prog.place(lens), prog.place(valid), prog.place(mx)
+        state = prog.ar_prefill(target_params, arr, lens, valid, k_batch, temp, stop_arr,
+                                static=static, max_len=max_len, max_new=mx)
+        state = prog.ar_run(target_params, state, temp, stop_arr, static=static)
         return jax.device_get((state.seq, state.pos))
 
-    def row_result(host, r, start, bi, seconds):
+    def row_result(host, r, start, bi, seconds, budget):
         seq, pos = host
-        out = _trim([int(t) for t in seq[r, start:int(pos[r]) + 1]], max_new_tokens, stops)
+        out = _trim([int(t) for t in seq[r, start:int(pos[r]) + 1]], budget, stops)
         n = max(len(out) - 1, 0)
         return Result(out, [1] * n, [0] * n, [0] * n, None, start, bi, seconds)
 
-    return _drive(prompts, batch_size, p_len, seed, decode_batch, row_result, progress)
+    return _drive(prompts, batch_size, p_len, seed, decode_batch, row_result, progress, budgets)
+
+
+def _continuous(target_cfg, target_params, draft_cfg, draft_params, prompts, batching, **kw):
+    if batching != "continuous":
+        raise InputError(f"batching must be 'continuous' or 'static', got {batching!r}")
+    from dspark_jax.decode import engine  # the engine is built on this module
+    return engine.serve(target_cfg, target_params, draft_cfg, draft_params, prompts, **kw)
 
 
 # --------------------------------------------------------------------------- metrics

@@ -32,7 +32,7 @@ import numpy as np
 from dspark_jax.config import TargetConfig
 from dspark_jax.decode.scheduler import DEFAULT_FIT, FITS, SPSTable, fit_sps, isotonic_decreasing  # noqa: F401
 from dspark_jax.errors import InputError
-from dspark_jax.target import qwen3
+from dspark_jax.decode import sharded
 
 LAYOUTS = ("rows", "block")
 
@@ -50,10 +50,13 @@ def default_batch_sizes(max_batch: int, dense_up_to: int = 16, growth: float = 1
 
 
 def _verify_fn(config: TargetConfig, compute_dtype):
+    from dspark_jax.decode.loop import target_module
+    tm = target_module(config)
+
     def verify(params, cache, tokens):
         start = cache.lengths
-        hidden, _, cache = qwen3.forward(params, config, tokens, cache, compute_dtype=compute_dtype)
-        logits = qwen3.compute_logits(params, hidden)                    # [rows, T, V]
+        hidden, _, cache = tm.forward(params, config, tokens, cache, compute_dtype=compute_dtype)
+        logits = tm.compute_logits(params, hidden)                       # [rows, T, V]
         return jnp.argmax(logits, axis=-1), cache.with_lengths(start)   # roll back, as a reject would
     return jax.jit(verify, donate_argnums=(1,))
 
@@ -75,19 +78,25 @@ def measure_sps(
     compute_dtype=None,
     meta: dict | None = None,
     progress: Callable[[int, float], None] | None = None,
+    mesh=None,
 ) -> SPSTable:
     """SPS table for ``batch_sizes`` (verification tokens per forward) at ``cache_length``.
 
     ``fit``: one of ``none|monotone|linear|convex``; ``monotone=True`` (legacy flag) means
     ``fit="monotone"``, ``monotone=False`` leaves ``fit`` as given. ``progress(B, sps)`` is
-    called once per size after the last pass.
+    called once per size after the last pass. ``mesh``: measure on the mesh the decode engine
+    runs on, params and cache placed by the same logical axes (``decode.sharded``) as
+    ``build_decode`` places them (rows split over data where they divide, KV heads over tensor).
     """
     if monotone:
         fit = "monotone"
     sizes = _check_inputs(config, batch_sizes, cache_length, fit, layout, warmup, iters)
     dtype = cache_dtype or params["embed_tokens"].dtype
     verify = _verify_fn(config, compute_dtype)
-    state = _warm_states(config, params, verify, sizes, cache_length, layout, dtype, warmup)
+    if mesh is not None:
+        sharded.check_mesh(mesh, config, None, 1)
+        params = sharded.place_params(params, config, mesh)
+    state = _warm_states(config, params, verify, sizes, cache_length, layout, dtype, warmup, mesh)
     best = _time_states(params, verify, state, repeats, iters, min_seconds)
     del state
     if progress is not None:
@@ -115,15 +124,29 @@ def _check_inputs(config, batch_sizes, cache_length, fit, layout, warmup, iters)
     return sizes
 
 
-def _warm_states(config, params, verify, sizes, cache_length, layout, dtype, warmup) -> list:
+def _place(x, axes, mesh):
+    if mesh is None:
+        return x
+    from dspark_jax import sharding
+    spec = sharding.logical_to_spec(axes, sharded.DECODE_RULES, x.shape, mesh)
+    return jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+
+
+def _warm_states(config, params, verify, sizes, cache_length, layout, dtype, warmup,
+                 mesh=None) -> list:
     """Per size: [cache, tokens] after ``warmup`` untimed (compiling) calls."""
+    from dspark_jax.decode.loop import target_module
+    tm = target_module(config)
     rng = np.random.default_rng(0)
     state = []
     for b in sizes:
         rows, t = (b, 1) if layout == "rows" else (1, b)
-        cache = qwen3.init_cache(config, rows, cache_length + t, dtype)
+        cache = tm.init_cache(config, rows, cache_length + t, dtype)
         cache = cache.with_lengths(jnp.full((rows,), cache_length, jnp.int32))
-        tokens = jnp.asarray(rng.integers(0, config.vocab_size, (rows, t)), jnp.int32)
+        cache = cache.replace(**{k: _place(getattr(cache, k), a, mesh)
+                                 for k, a in sharded.CACHE_AXES.items()})
+        tokens = _place(jnp.asarray(rng.integers(0, config.vocab_size, (rows, t)), jnp.int32),
+                        ("batch", None), mesh)
         for _ in range(warmup):
             out, cache = verify(params, cache, tokens)
         jax.block_until_ready((out, cache))

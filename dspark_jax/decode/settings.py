@@ -16,6 +16,9 @@ from typing import Any, Sequence
 from dspark_jax.errors import InputError, require_positive_int, warn
 
 
+BATCHING = ("continuous", "static")
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeOptions:
     """User-facing decode settings. ``None`` means "the checkpoint's default"."""
@@ -31,9 +34,13 @@ class DecodeOptions:
     stop_token_ids: tuple[int, ...] | None = None
     raw_prompt: bool = False
     thinking: bool = False
+    batching: str = "continuous"
+    mesh: str | None = None
 
     def __post_init__(self):
         require_positive_int(self.max_new_tokens, "max_new_tokens")
+        if self.batching not in BATCHING:
+            raise InputError(f"batching must be one of {BATCHING}, got {self.batching!r}")
         require_positive_int(self.batch_size, "batch_size")
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not (t >= 0 and math.isfinite(t)):
@@ -118,7 +125,8 @@ def options_from(values: dict, names: Sequence[str] | None = None) -> DecodeOpti
     """DecodeOptions from a dict of field values (missing or None -> the field's default,
     except for the fields whose None means "the checkpoint's default")."""
     fields = {f.name: f for f in dataclasses.fields(DecodeOptions)}
-    nullable = {"confidence_threshold", "confidence_temperatures", "sps_table", "stop_token_ids"}
+    nullable = {"confidence_threshold", "confidence_temperatures", "sps_table", "stop_token_ids",
+                "mesh"}
     kw = {}
     for name in names or fields:
         if name not in values or (values[name] is None and name not in nullable):

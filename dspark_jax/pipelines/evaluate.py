@@ -39,7 +39,8 @@ def timed_decode(target_cfg, target_params, prompts: Sequence[Sequence[int]], *,
                  draft_params=None, max_new_tokens: int = 128, temperature: float = 0.0,
                  policy=None, batch_size: int = 1, seed: int = 0,
                  stop_token_ids: Sequence[int] = (), confidence_temperatures=None,
-                 warmup: bool = True, progress: Callable[[int], None] | None = None) -> list:
+                 warmup: bool = True, progress: Callable[[int], None] | None = None,
+                 batching: str = "static", mesh=None) -> list:
     """Decode ``prompts`` speculatively (with a drafter) or autoregressively (``draft_cfg=None``).
 
     The cache capacity is fixed from all prompts, and with ``warmup`` one batch holding the
@@ -47,7 +48,9 @@ def timed_decode(target_cfg, target_params, prompts: Sequence[Sequence[int]], *,
     ``decode.loop.Result`` list, one per prompt) does not include compilation.
     """
     from dspark_jax.decode import autoregressive_generate, speculative_generate
+    from dspark_jax.decode.engine import warmup_prompts
     from dspark_jax.decode.loop import plan_shapes, validate_prompts
+    from dspark_jax.decode.sharded import make_decode_mesh
 
     prompts = validate_prompts(list(prompts), target_cfg.vocab_size)
     if draft_cfg is None:
@@ -57,18 +60,21 @@ def timed_decode(target_cfg, target_params, prompts: Sequence[Sequence[int]], *,
         max_pos = min(target_cfg.max_position_embeddings, draft_cfg.max_position_embeddings)
     _, cache_len = plan_shapes(prompts, max_new_tokens, slack, max_pos, None)
 
+    mesh = make_decode_mesh(mesh) if isinstance(mesh, str) or mesh is None else mesh
+
     def run(ps, prog):
         common = dict(max_new_tokens=max_new_tokens, temperature=temperature, batch_size=batch_size,
                       seed=seed, stop_token_ids=list(stop_token_ids), max_cache_len=cache_len,
-                      progress=prog)
+                      progress=prog, batching=batching, mesh=mesh)
         if draft_cfg is None:
             return autoregressive_generate(target_cfg, target_params, ps, **common)
         return speculative_generate(target_cfg, target_params, draft_cfg, draft_params, ps,
                                     policy=policy, confidence_temperatures=confidence_temperatures,
                                     **common)
 
-    if warmup:
-        run([max(prompts, key=len)], None)
+    if warmup:  # continuous: one prompt per bucket compiles every prefill shape and the chunk
+        run([max(prompts, key=len)] if batching == "static"
+            else [prompts[i] for i in warmup_prompts(prompts, cache_len)], None)
     return run(prompts, progress)
 
 
@@ -265,12 +271,14 @@ def _decode_dataset(name, prompts, pair, options, settings, *, baseline: bool, p
     tcfg, tparams, dcfg, dparams = pair
     with tqdm(total=len(prompts), desc=f"eval {name}", unit="prompt", disable=not progress) as bar:
         results = timed_decode(tcfg, tparams, prompts, draft_cfg=dcfg, draft_params=dparams,
-                               progress=bar.update, **settings.decode_kwargs(options))
+                               progress=bar.update, batching=options.batching, mesh=options.mesh,
+                               **settings.decode_kwargs(options))
     summ = decode_summary(results, dcfg.block_size, tokenizer=tokenizer)
     if baseline:
         with tqdm(total=len(prompts), desc=f"autoregressive {name}", unit="prompt",
                   disable=not progress) as bar:
             ar = timed_decode(tcfg, tparams, prompts, progress=bar.update,
+                              batching=options.batching, mesh=options.mesh,
                               **settings.decode_kwargs(options, speculative=False))
         ar_summ = decode_summary(ar)
         summ["autoregressive"] = {k: ar_summ[k] for k in ("output_tokens", "seconds", "tokens_per_second")}
@@ -391,6 +399,8 @@ def evaluate(target, draft, datasets=None, *, data_dir=None, max_samples: int | 
     prompts_by_ds = load_datasets(datasets, data_dir, max_samples=max_samples)
     tokenizer = load_tokenizer(target, required=True)
     settings = resolve(options, target, draft, tokenizer)
+    from dspark_jax.decode.sharded import make_decode_mesh
+    make_decode_mesh(options.mesh)  # a mesh needing more devices than exist: ConfigError now
     encoded = {name: [encode_prompt(tokenizer, p.text, raw=options.raw_prompt, thinking=options.thinking)
                       for p in ps]
                for name, ps in prompts_by_ds.items()}
@@ -404,6 +414,7 @@ def evaluate(target, draft, datasets=None, *, data_dir=None, max_samples: int | 
               "temperature": options.temperature, "verify": options.verify,
               "thinking": options.thinking, "raw_prompt": options.raw_prompt,
               "batch_size": options.batch_size, "seed": options.seed,
+              "batching": options.batching, "mesh": options.mesh,
               "stop_token_ids": settings.stop_ids,
               "block_size": dcfg.block_size, "markov_rank": dcfg.markov_rank,
               "confidence_head": dcfg.enable_confidence_head}

@@ -20,7 +20,9 @@ def generate(target, prompts_file, out, *, draft=None, options: DecodeOptions = 
     """Decode every prompt of ``prompts_file`` and write one JSON line per prompt to ``out``.
 
     Lines are the input record plus output_ids, acceptance_lengths, proposal_lengths,
-    accepted_drafts, confidence_logits and (with a tokenizer) output_text. Returns the
+    accepted_drafts, confidence_logits, (with a tokenizer) output_text and, with continuous
+    batching (``options.batching``, the default), ttft_s / latency_s / tokens_per_second;
+    ``options.mesh`` ("data=2,tensor=2") shards the decode. Returns the
     ``decode.summarize`` summary with "mode" and "verify".
     """
     from tqdm import tqdm
@@ -28,6 +30,7 @@ def generate(target, prompts_file, out, *, draft=None, options: DecodeOptions = 
     from dspark_jax.convert.checkpoint import load_draft, load_target
     from dspark_jax.data.prompts import read_prompts
     from dspark_jax.decode import autoregressive_generate, speculative_generate, summarize
+    from dspark_jax.decode.sharded import make_decode_mesh
     from dspark_jax.tokenizer import encode_prompt, load_tokenizer
 
     out = check_output(out, force=force)
@@ -40,9 +43,11 @@ def generate(target, prompts_file, out, *, draft=None, options: DecodeOptions = 
     prompts = [ids for _, ids in records]
     settings = resolve(options, target_dir, draft, tokenizer)
 
+    mesh = make_decode_mesh(options.mesh)  # ConfigError before loading or compiling
     tcfg, tparams = load_target(target_dir, dtype)
     bar = tqdm(total=len(prompts), desc="generate", unit="prompt", disable=not progress)
-    common = dict(max_cache_len=max_cache_len, progress=bar.update)
+    common = dict(max_cache_len=max_cache_len, progress=bar.update, mesh=mesh,
+                  batching=options.batching)
     block = None
     if draft:
         dcfg, dparams = load_draft(draft, dtype)
@@ -66,8 +71,13 @@ def generate(target, prompts_file, out, *, draft=None, options: DecodeOptions = 
                         confidence_logits=res.confidence_logits)
             if tokenizer is not None:
                 line["output_text"] = tokenizer.decode(res.output_ids)
+            for k in ("ttft_s", "latency_s", "tokens_per_second"):
+                if hasattr(res, k):
+                    line[k] = getattr(res, k)
             f.write(json.dumps(line) + "\n")
     summary = summarize(results, block)
     summary["mode"] = "speculative" if draft else "autoregressive"
     summary["verify"] = options.verify if draft else None
+    summary["batching"] = options.batching
+    summary["mesh"] = options.mesh
     return summary

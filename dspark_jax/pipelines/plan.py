@@ -151,61 +151,31 @@ def sharding_summary(tree) -> dict[str, str]:
     return out
 
 
-def _batch_leaf_sharding(x, batch: int, mesh: Mesh) -> NamedSharding:
-    """Shard the batch dimension (dim 0, or dim 1 of layer-stacked caches) over (data, fsdp)."""
-    axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1)
-    n = math.prod(mesh.shape[a] for a in axes) if axes else 1
-    spec = [None] * len(x.shape)
-    for dim in (0, 1):
-        if len(x.shape) > dim and x.shape[dim] == batch and axes and batch % n == 0:
-            spec[dim] = axes if len(axes) > 1 else axes[0]
-            break
-    return NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
-
-
-def _kv_cache_sharding(x, batch: int, mesh: Mesh) -> NamedSharding:
-    spec = list(_batch_leaf_sharding(x, batch, mesh).spec) + [None] * len(x.shape)
-    spec = spec[:len(x.shape)]
-    if mesh.shape["tensor"] > 1 and x.shape[3] % mesh.shape["tensor"] == 0:
-        spec[3] = "tensor"
-    return NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
-
-
 def plan_decode_round(draft_cfg: DraftConfig, target_cfg: TargetConfig, mesh: Mesh, *, batch: int,
                       max_len: int, dtype=jnp.bfloat16, max_new_tokens: int = 1024) -> tuple[ProgramPlan, dict]:
-    """Compile one speculative decode round (draft, Markov sampling, verify, commit) for abstract state."""
+    """Compile one speculative decode round (draft, Markov sampling, verify, commit) on ``mesh``
+    for abstract state: the very jitted ``round`` of ``decode.build_decode(mesh)`` that
+    ``generate --mesh`` runs, with params and state placed by their declared logical axes."""
+    import types
+
     from dspark_jax.decode import loop as decode_loop
+    from dspark_jax.decode import sharded
     from dspark_jax.decode.policies import FullPolicy
 
-    t_abs, t_sh = families.abstract_params(target_cfg, mesh, dtype)
-    d_abs, d_sh = families.abstract_params(draft_cfg, mesh, dtype)
-    static = decode_loop._Static(target_cfg, draft_cfg, FullPolicy(), False, max_new_tokens)
-    prompt_len = 64
-    state_shapes = jax.eval_shape(
-        lambda tp, dp: decode_loop._spec_prefill(
-            tp, dp, jnp.zeros((batch, prompt_len), jnp.int32), jnp.full((batch,), prompt_len, jnp.int32),
-            jnp.ones((batch,), bool), jax.random.PRNGKey(0), jnp.float32(1.0),
-            jnp.full((decode_loop.MAX_STOP_IDS,), -1, jnp.int32), static, max_len),
-        t_abs, d_abs)
-    state_sh = jax.tree.map(lambda x: _batch_leaf_sharding(x, batch, mesh), state_shapes)
-    # KV caches [L, B, T, Hkv, D]: heads follow the tensor-parallel k/v projections.
-    kv_sh = lambda x: _kv_cache_sharding(x, batch, mesh)
-    state_sh = dataclasses.replace(
-        state_sh, cache=dataclasses.replace(state_sh.cache, k=kv_sh(state_shapes.cache.k),
-                                            v=kv_sh(state_shapes.cache.v)),
-        ctx=dataclasses.replace(state_sh.ctx, k=kv_sh(state_shapes.ctx.k), v=kv_sh(state_shapes.ctx.v)))
+    sharded.check_mesh(mesh, target_cfg, draft_cfg, batch)
+    prog = decode_loop.build_decode(mesh)
+    t_abs, _ = families.abstract_params(target_cfg, mesh, dtype, prog.rules)
+    d_abs, _ = families.abstract_params(draft_cfg, mesh, dtype, prog.rules)
+    static = decode_loop.DecodeStatic(target_cfg, draft_cfg, FullPolicy(), False, max_new_tokens)
+    state_shapes = decode_loop.abstract_decode_state(t_abs, d_abs, static, batch, max_len)
+    state_sh = sharded.expand(prog.state_sharding(), state_shapes)
     rep = shard_lib.replicated(mesh)
-
-    def round_fn(tp, dp, state, temperature, stop_ids, conf_temps):
-        return decode_loop._round(tp, dp, state, temperature, stop_ids, conf_temps, static)
-
     args = (t_abs, d_abs, abstract(state_shapes, state_sh),
             jax.ShapeDtypeStruct((), jnp.float32, sharding=rep),
             jax.ShapeDtypeStruct((decode_loop.MAX_STOP_IDS,), jnp.int32, sharding=rep),
             jax.ShapeDtypeStruct((draft_cfg.block_size,), jnp.float32, sharding=rep))
-    plan = compile_plan("decode_round", round_fn, *args,
-                        in_shardings=(t_sh, d_sh, state_sh, rep, rep, rep), out_shardings=state_sh,
-                        donate_argnums=(2,))
+    round_program = types.SimpleNamespace(lower=lambda *a: prog.round.lower(*a, static=static))
+    plan = compile_plan("decode_round", round_program, *args)
     sizes = {"target_bytes": tree_bytes_per_device(t_abs), "draft_bytes": tree_bytes_per_device(d_abs),
              "state_bytes": tree_bytes_per_device(args[2]),
              "kv_cache_bytes": tree_bytes_per_device(args[2].cache),

@@ -1,0 +1,213 @@
+"""The decode engine measured end to end: a mixed request stream at several concurrencies.
+
+    nice -n 15 python benchmarks/engine.py [--out DIR] [--smoke] [--target DIR --draft DIR]
+
+A stream of requests with mixed prompt lengths and output budgets (stop tokens on) is decoded
+with AR, fixed:1, fixed:G, threshold and the prefix scheduler, each with static batching
+(batches of C requests that run until their slowest row ends) and continuous batching (C slots,
+a finished row takes the next request at once), at arrival concurrencies C (default
+1,2,4,8,16,32,64; the stream holds ``--requests-per-slot`` x C requests, at least 16).
+Default pair: the tiny reference fixture (tests/fixtures/dspark_qwen3_tiny); pass a trained
+pair with --target/--draft (e.g. the embedded target and a drafter from ``dspark-jax demo``).
+The scheduler's SPS table is measured first on the same target (``decode.profile``).
+
+Every configuration is warmed up on prompts that cover its compiled shapes (static: one batch
+with the longest prompt; continuous: one prompt per prompt bucket), then timed once; the
+number of XLA compilations during the timed runs is reported (should be 0).
+
+Reports per (C, method, batching): tokens/s, per-user tokens/s (mean over requests of tokens /
+(finish - start)), mean verification budget (drafts verified per round), tau. Writes
+DIR/engine.json and DIR/engine.png (Fig. 8 style: throughput, per-user speed and mean
+verification budget vs concurrency); a table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.monitoring
+import numpy as np
+
+from dspark_jax.convert.checkpoint import load_draft, load_target
+from dspark_jax.decode import FixedPolicy, ThresholdPolicy, engine, loop, profile, summarize
+from dspark_jax.decode import scheduler as S
+from dspark_jax.fileio import write_json
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURE = ROOT / "tests/fixtures/dspark_qwen3_tiny"
+COMPILES = [0]
+
+
+def _on_event(event, duration, **kwargs):
+    if event == "/jax/core/compile/backend_compile_duration":
+        COMPILES[0] += 1
+
+
+def make_stream(base_prompts, n: int, vocab: int, max_new: int, seed: int):
+    """n requests: prompts = a base prompt cut to a random length (>= 2) or random tokens
+    (lengths 2..3x the longest base prompt); budgets uniform in [max_new // 8, max_new]."""
+    rng = np.random.default_rng(seed)
+    longest = max(len(p) for p in base_prompts)
+    prompts, budgets = [], []
+    for _ in range(n):
+        if rng.random() < 0.7:
+            p = base_prompts[int(rng.integers(len(base_prompts)))]
+            prompts.append(list(p[:int(rng.integers(2, len(p) + 1))]))
+        else:
+            prompts.append(rng.integers(0, vocab, size=int(rng.integers(2, 3 * longest))).tolist())
+        budgets.append(int(rng.integers(max(1, max_new // 8), max_new + 1)))
+    return prompts, budgets
+
+
+def run_one(tc, tp, dc, dp, prompts, budgets, *, batching, slots, policy, stops, cache_len):
+    """Warm up, then time one decode of the stream; returns (results, stats, compiles)."""
+    kw = dict(draft_cfg=dc, draft_params=dp, batching=batching, batch_size=slots, policy=policy,
+              stop_token_ids=stops, max_cache_len=cache_len)
+    if batching == "static":
+        i = int(np.argmax([len(p) for p in prompts]))
+        warm = [i]
+    else:
+        warm = engine.warmup_prompts(prompts, cache_len)
+    wb = [max(budgets)] * len(warm)
+    engine.decode_requests(tc, tp, [prompts[i] for i in warm],
+                           max_new_tokens=wb if batching == "continuous" else max(budgets), **kw)
+    before, st = COMPILES[0], {}
+    res = engine.decode_requests(tc, tp, prompts, max_new_tokens=budgets, stats=st, **kw)
+    return res, st, COMPILES[0] - before
+
+
+def per_user(results, batching) -> float:
+    if batching == "continuous":
+        return float(np.mean([r.tokens_per_second for r in results]))
+    return float(np.mean([len(r.output_ids) / r.batch_seconds for r in results]))
+
+
+def plot(rows, path: Path) -> Path | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    keys = sorted({(r["method"], r["batching"]) for r in rows})
+    for method, batching in keys:
+        sel = sorted((r for r in rows if r["method"] == method and r["batching"] == batching),
+                     key=lambda r: r["concurrency"])
+        c = [r["concurrency"] for r in sel]
+        style = "-" if batching == "continuous" else "--"
+        lab = f"{method} ({batching})"
+        axes[0].plot(c, [r["tokens_per_second"] for r in sel], style, marker="o", label=lab)
+        axes[1].plot(c, [r["per_user_tokens_per_second"] for r in sel], style, marker="o", label=lab)
+        axes[2].plot(c, [r["mean_verify_budget"] for r in sel], style, marker="o", label=lab)
+    for ax, t in zip(axes, ("throughput (tokens/s)", "per-user tokens/s", "mean verification budget")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_title(t)
+    axes[0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=str(FIXTURE / "target"))
+    ap.add_argument("--draft", default=str(FIXTURE / "draft"))
+    ap.add_argument("--prompts", default=str(FIXTURE / "decode_greedy.json"),
+                    help="JSON with 'prompts' (token-id lists) the stream is cut from")
+    ap.add_argument("--concurrency", default="1,2,4,8,16,32,64")
+    ap.add_argument("--requests-per-slot", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--methods", default="ar,fixed:1,fixed:G,threshold,scheduler")
+    ap.add_argument("--batching", default="static,continuous")
+    ap.add_argument("--threshold", type=float, default=0.5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, metavar="DIR", help="write DIR/engine.json, DIR/engine.png")
+    ap.add_argument("--smoke", action="store_true", help="smallest settings")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.concurrency, args.max_new_tokens, args.methods = "1,2", 8, "ar,scheduler"
+        args.requests_per_slot = 2
+    jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+    tc, tp = load_target(args.target)
+    dc, dp = load_draft(args.draft)
+    g = dc.block_size
+    base = json.loads(Path(args.prompts).read_text())["prompts"]
+    concs = [int(c) for c in args.concurrency.split(",")]
+    # Stop tokens on: a token the fixture's outputs contain now and then.
+    stops = [int(json.loads(Path(args.prompts).read_text()).get("output_ids", [[2] * 21])[0][20])]
+
+    t0 = time.perf_counter()
+    top = max(concs) * (g + 1)
+    sizes = sorted({min(1 << k, top) for k in range(top.bit_length() + 1)} | {top})
+    sps = profile.measure_sps(tc, tp, sizes, 64, warmup=1, iters=3, min_seconds=0.02, repeats=1)
+    print(f"SPS table: {len(sizes)} sizes in {time.perf_counter() - t0:.0f}s", file=sys.stderr)
+    policies = {"ar": None, "fixed:1": FixedPolicy(1), "fixed:G": FixedPolicy(g),
+                "threshold": ThresholdPolicy(args.threshold), "scheduler": S.make_policy("scheduler", sps)}
+    methods = args.methods.split(",")
+
+    rows = []
+    print(f"{'C':>3} {'method':>10} {'batching':>10} {'tok/s':>9} {'user tok/s':>10} "
+          f"{'budget':>6} {'tau':>5} {'compiles':>8}")
+    for c in concs:
+        n = max(16, args.requests_per_slot * c)
+        prompts, budgets = make_stream(base, n, tc.vocab_size, args.max_new_tokens, args.seed + c)
+        _, cache_len = loop.plan_shapes(prompts, args.max_new_tokens, g,
+                                        min(tc.max_position_embeddings, dc.max_position_embeddings), None)
+        for method in methods:
+            for batching in args.batching.split(","):
+                spec = method != "ar"
+                res, st, compiles = run_one(tc, tp, dc if spec else None, dp if spec else None,
+                                            prompts, budgets, batching=batching, slots=c,
+                                            policy=policies[method], stops=stops, cache_len=cache_len)
+                s = summarize(res, g if spec else None)
+                row = {"concurrency": c, "method": method, "batching": batching, "requests": n,
+                       "output_tokens": st["output_tokens"], "seconds": st["seconds"],
+                       "tokens_per_second": st["tokens_per_second"],
+                       "per_user_tokens_per_second": per_user(res, batching),
+                       "mean_verify_budget": s["mean_proposal"] if spec else 0.0,
+                       "tau": s["tau"], "timed_compiles": compiles}
+                if batching == "continuous":
+                    row["mean_ttft_s"] = float(np.mean([r.ttft_s for r in res]))
+                rows.append(row)
+                print(f"{c:>3} {method:>10} {batching:>10} {row['tokens_per_second']:>9.1f} "
+                      f"{row['per_user_tokens_per_second']:>10.1f} {row['mean_verify_budget']:>6.2f} "
+                      f"{row['tau']:>5.2f} {compiles:>8}", flush=True)
+
+    summary = {}
+    for c in concs:
+        at = {(r["method"], r["batching"]): r for r in rows if r["concurrency"] == c}
+        entry = {}
+        for m in methods:
+            if (m, "static") in at and (m, "continuous") in at:
+                entry[f"continuous_over_static[{m}]"] = (at[(m, "continuous")]["tokens_per_second"]
+                                                         / at[(m, "static")]["tokens_per_second"])
+        fixed = [at[(m, "continuous")]["tokens_per_second"] for m in ("fixed:1", "fixed:G")
+                 if (m, "continuous") in at]
+        if fixed and ("scheduler", "continuous") in at:
+            entry["scheduler_over_best_fixed"] = at[("scheduler", "continuous")]["tokens_per_second"] / max(fixed)
+        summary[c] = entry
+    print(json.dumps(summary, indent=1))
+    report = {"config": {k: v for k, v in vars(args).items()}, "block_size": g,
+              "stop_token_ids": stops, "sps": {"batch_sizes": list(sps.batch_sizes), "sps": list(sps.sps)},
+              "rows": rows, "summary": {str(k): v for k, v in summary.items()},
+              "total_compiles": COMPILES[0], "devices": str(jax.devices()[0])}
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(out / "engine.json", report)
+        png = plot(rows, out / "engine.png")
+        print(f"wrote {out / 'engine.json'}" + (f" and {png}" if png else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
 import platform
 import sys
 import time
@@ -56,18 +54,11 @@ import roofline  # noqa: E402  (model FLOPs)
 from dspark_jax.config import DraftConfig, TargetConfig  # noqa: E402
 from dspark_jax.draft import model as draft_model  # noqa: E402
 from dspark_jax.target import qwen3  # noqa: E402
+from dspark_jax.compiles import COMPILES
 
 # device_kind substring -> peak dense bf16 FLOP/s per chip (for MFU)
 PEAKS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12, "TPU v5 lite": 197e12,
          "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v5": 459e12, "TPU v6": 918e12, "TPU v4": 275e12}
-COMPILES = [0]
-
-
-def _on_event(event, duration, **kwargs):
-    if event == "/jax/core/compile/backend_compile_duration":
-        COMPILES[0] += 1
-
-
 def device_info() -> dict:
     d = jax.devices()[0]
     kind = getattr(d, "device_kind", "")
@@ -281,7 +272,6 @@ def main(argv=None) -> int:
     if args.loss_chunk is not None:
         options = dict(options, loss_chunk=args.loss_chunk)
     mm_n = args.matmul_n or mm_n
-    jax.monitoring.register_event_duration_secs_listener(_on_event)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()

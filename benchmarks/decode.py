@@ -22,16 +22,9 @@ import jax.monitoring
 from dspark_jax.convert.checkpoint import load_draft, load_target
 from dspark_jax.decode import autoregressive_generate, speculative_generate, summarize
 from dspark_jax.fileio import write_json
+from dspark_jax.compiles import COMPILES
 
 ROOT = Path(__file__).resolve().parents[1]
-COMPILES = [0]
-
-
-def _on_event(event, duration, **kwargs):
-    if event == "/jax/core/compile/backend_compile_duration":
-        COMPILES[0] += 1
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fixture", default=str(ROOT / "tests/fixtures/dspark_qwen3_tiny"))
@@ -45,7 +38,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.smoke:
         args.max_new_tokens, args.batch_sizes, args.repeats, args.loops = 4, [1], 1, ["device"]
-    jax.monitoring.register_event_duration_secs_listener(_on_event)
 
     tc, tp = load_target(Path(args.fixture) / "target")
     dc, dp = load_draft(Path(args.fixture) / "draft")

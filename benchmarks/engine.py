@@ -37,17 +37,10 @@ from dspark_jax.convert.checkpoint import load_draft, load_target
 from dspark_jax.decode import FixedPolicy, ThresholdPolicy, engine, loop, profile, summarize
 from dspark_jax.decode import scheduler as S
 from dspark_jax.fileio import write_json
+from dspark_jax.compiles import COMPILES
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests/fixtures/dspark_qwen3_tiny"
-COMPILES = [0]
-
-
-def _on_event(event, duration, **kwargs):
-    if event == "/jax/core/compile/backend_compile_duration":
-        COMPILES[0] += 1
-
-
 def make_stream(base_prompts, n: int, vocab: int, max_new: int, seed: int):
     """n requests: prompts = a base prompt cut to a random length (>= 2) or random tokens
     (lengths 2..3x the longest base prompt); budgets uniform in [max_new // 8, max_new]."""
@@ -135,7 +128,6 @@ def main(argv=None) -> int:
     if args.smoke:
         args.concurrency, args.max_new_tokens, args.methods = "1,2", 8, "ar,scheduler"
         args.requests_per_slot = 2
-    jax.monitoring.register_event_duration_secs_listener(_on_event)
 
     tc, tp = load_target(args.target)
     dc, dp = load_draft(args.draft)

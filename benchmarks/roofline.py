@@ -38,8 +38,6 @@ import argparse
 import contextlib
 import datetime
 import importlib.util
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -57,6 +55,7 @@ import round_cost  # noqa: E402  (the decode adapter lives there, once)
 from dspark_jax.config import DraftConfig, TargetConfig  # noqa: E402
 from dspark_jax.draft import model as draft_model  # noqa: E402
 from dspark_jax.target import qwen3  # noqa: E402
+from dspark_jax.compiles import COMPILES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -324,12 +323,7 @@ def main(argv=None) -> int:
         args.families, args.batch_sizes, args.prompt_len, args.max_new_tokens = "tiny", [1, 2], 64, 64
         args.train_seq = 128
     COMPILE_COST[0] = args.compile_cost
-    compiles = [0]
-
-    def on_event(event, duration, **kw):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles[0] += 1
-    jax.monitoring.register_event_duration_secs_listener(on_event)
+    compiles_before = COMPILES[0]
     report = {"benchmark": "roofline",
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "backend": jax.default_backend(), "jax": jax.__version__,
@@ -354,9 +348,9 @@ def main(argv=None) -> int:
         if not args.no_train:
             entry["train"] = train_costs(fam, args.train_seq or int(fam["train"].get("max_length", 4096)))
         report["families"][name] = entry
-    report["compiles"] = compiles[0]
+    report["compiles"] = (COMPILES[0] - compiles_before)
     print_tables(report)
-    print(f"compiles: {compiles[0]} (costs come from lowered programs; nothing is timed)")
+    print(f"compiles: {(COMPILES[0] - compiles_before)} (costs come from lowered programs; nothing is timed)")
     if args.out:
         round_cost.write_json(Path(args.out) / "roofline.json", report)
         print(f"wrote {Path(args.out) / 'roofline.json'}")

@@ -63,19 +63,12 @@ from dspark_jax.draft import backbone, confidence, markov  # noqa: E402
 from dspark_jax.draft import decode as draft_decode  # noqa: E402
 from dspark_jax.draft import model as draft_model  # noqa: E402
 from dspark_jax.target import qwen3  # noqa: E402
+from dspark_jax.compiles import COMPILES
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests/fixtures/dspark_qwen3_tiny"
 PARTS = ("draft_backbone", "draft_lm_head", "markov_scan", "confidence", "target_verify",
          "rejection", "commit")
-COMPILES = [0]
-
-
-def _on_event(event, duration, **kwargs):
-    if event == "/jax/core/compile/backend_compile_duration":
-        COMPILES[0] += 1
-
-
 # --------------------------------------------------------------------------- models
 
 SIZES = {
@@ -513,7 +506,6 @@ def main(argv=None) -> int:
     if args.smoke:
         args.sizes, args.batch_sizes, args.repeats, args.min_seconds = "tiny", [1, 2], 2, 0.01
         args.prompt_len, args.max_new_tokens = 16, 32
-    jax.monitoring.register_event_duration_secs_listener(_on_event)
     print(HEADER, flush=True)
     rows = []
     for size in args.sizes.split(","):

@@ -4,7 +4,6 @@ import json
 import warnings
 
 import jax
-import jax.monitoring
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -12,6 +11,7 @@ import pytest
 import decode_pairs as testing
 from dspark_jax.cli import main
 from dspark_jax.config import DraftConfig
+from dspark_jax.compiles import COMPILES
 from dspark_jax.convert.checkpoint import load_draft, load_target
 from dspark_jax.decode import (FixedPolicy, FullPolicy, ThresholdPolicy, autoregressive_generate,
                                parse_policy, speculative_generate)
@@ -20,17 +20,6 @@ from dspark_jax.decode.verify import rejection_sample
 from dspark_jax.errors import ConfigError, InputError
 
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-
-COMPILES = [0]
-
-
-def _listener(event, duration, **kwargs):
-    if event == "/jax/core/compile/backend_compile_duration":
-        COMPILES[0] += 1
-
-
-jax.monitoring.register_event_duration_secs_listener(_listener)
-
 
 @pytest.fixture(scope="module")
 def pair():

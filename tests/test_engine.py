@@ -9,28 +9,15 @@ bad meshes / prompts fail before compiling; no recompilation while requests come
 import json
 import warnings
 
-import jax
-import jax.monitoring
 import numpy as np
 import pytest
 
-import decode_pairs as testing
+from dspark_jax.compiles import COMPILES
 from dspark_jax.convert.checkpoint import load_draft, load_target
 from dspark_jax.decode import ThresholdPolicy, autoregressive_generate, engine, sharded, speculative_generate
 from dspark_jax.errors import ConfigError, InputError
 
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-
-COMPILES = [0]
-
-
-def _listener(event, duration, **kwargs):
-    if event == "/jax/core/compile/backend_compile_duration":
-        COMPILES[0] += 1
-
-
-jax.monitoring.register_event_duration_secs_listener(_listener)
-
 
 @pytest.fixture(scope="module")
 def fixture(tiny_dir):

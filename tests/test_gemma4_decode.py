@@ -54,3 +54,12 @@ def test_qwen3_drafter_on_gemma4_target_is_rejected(pair):
                      num_target_layers=tc.num_hidden_layers, target_layer_ids=(0,))
     with pytest.raises(ConfigError, match="gemma4"):
         speculative_generate(tc, tp, qd, {}, ref["prompts"][:1], max_new_tokens=4)
+
+
+def test_mesh_is_refused_before_compiling(pair):
+    """Sharded decode has Qwen3 state axes only: a Gemma4 target on a mesh is one ConfigError."""
+    from dspark_jax.decode import sharded
+    tc, tp, dc, dp, ref = pair
+    mesh = sharded.make_decode_mesh("data=1")
+    with pytest.raises(ConfigError, match="Qwen3 targets only"):
+        speculative_generate(tc, tp, dc, dp, ref["prompts"][:1], max_new_tokens=4, mesh=mesh)

@@ -86,8 +86,9 @@ def _build_params(tcfg, dcfg, seed):
 
 @functools.partial(jax.jit, static_argnums=(1,))
 def _target_logits(tparams, tcfg, tokens):
-    hidden, _, _ = qwen3.forward(tparams, tcfg, tokens)
-    return qwen3.compute_logits(tparams, hidden)
+    from dspark_jax import families  # any registered target family (Qwen3, Gemma4)
+    hidden, _, _ = families.for_config(tcfg).module().forward(tparams, tcfg, tokens)
+    return families.compute_logits(tcfg, tparams, hidden)
 
 
 def exact_joint(tcfg: TargetConfig, tparams: dict, prompt, n: int, temperature: float) -> np.ndarray:

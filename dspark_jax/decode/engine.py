@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax import sampling
+from dspark_jax import families
 from dspark_jax.decode import loop as L
 from dspark_jax.decode import sharded
 from dspark_jax.decode.policies import FullPolicy
@@ -105,6 +106,7 @@ def serve(
     """
     spec = draft_cfg is not None
     if spec:
+        families.check_pair(draft_cfg, target_cfg)
         draft_cfg.check_compatible(target_cfg)
     budgets = L.per_request_budgets(max_new_tokens, len(prompts) if isinstance(prompts, (list, tuple)) else 0)
     r_cap = max(budgets) if budgets else 1

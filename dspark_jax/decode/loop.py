@@ -136,6 +136,23 @@ def target_module(config):
     return families.for_config(config).module()
 
 
+def init_target_cache(tcfg, batch: int, max_len: int, dtype, max_extend: int):
+    """Empty target cache of ``tcfg``'s family for ``max_len`` positions. A family with sliding-window
+    layers (Gemma4: ``ring_slots``) keeps a ring of ``window - 1 + max_extend`` slots there: the
+    largest forward after the prefill is ``max_extend`` tokens (G + 1 verify tokens, 1 for AR), and
+    a rolled-back extend of at most that many tokens stays exact in such a ring."""
+    tm = target_module(tcfg)
+    if hasattr(tm, "ring_slots"):
+        return tm.init_cache(tcfg, batch, max_len, dtype,
+                             sliding_slots=tm.ring_slots(tcfg, max_extend))
+    return tm.init_cache(tcfg, batch, max_len, dtype)
+
+
+def target_logits(tcfg, tparams, hidden):
+    """hidden [..., H] -> [..., V] float32 logits through ``tcfg``'s family."""
+    return families.compute_logits(tcfg, tparams, hidden)
+
+
 def _tap_ids(static: _Static) -> tuple[int, ...]:
     return tuple(static.draft.target_layer_ids) if static.draft is not None else ()
 
@@ -151,13 +168,14 @@ def _prefill(tparams, dparams, prompts, lens, valid, key, temperature, stop_ids,
     tcfg = static.target
     tm = target_module(tcfg)
     dtype = tparams["embed_tokens"].dtype
-    cache = tm.init_cache(tcfg, b, max_len, dtype)
+    extend = static.draft.block_size + 1 if static.draft is not None else 1
+    cache = init_target_cache(tcfg, b, max_len, dtype, extend)
     hidden, taps, cache = tm.forward(tparams, tcfg, prompts, cache, num_new=lens,
                                      tap_layer_ids=_tap_ids(static))
     rows = jnp.arange(b)
     last = hidden[rows, lens - 1]
     key, k_first = jax.random.split(key)
-    first = sampling.sample_logits(k_first, tm.compute_logits(tparams, last), temperature,
+    first = sampling.sample_logits(k_first, target_logits(tcfg, tparams, last), temperature,
                                    static.greedy)
     seq = jnp.zeros((b, max_len), jnp.int32).at[:, :p].set(prompts)
     seq = seq.at[rows, lens].set(first)
@@ -209,8 +227,8 @@ def _round(tparams, dparams, state: DecodeState, temperature, stop_ids, conf_tem
     tm = target_module(tcfg)
     hidden, taps, cache = tm.forward(tparams, tcfg, verify_tokens, state.cache,
                                      tap_layer_ids=dcfg.target_layer_ids)
-    target_logits = tm.compute_logits(tparams, hidden)
-    verdict = rejection_sample(k_verify, target_logits, draft_logits, drafts, lengths,
+    t_logits = target_logits(tcfg, tparams, hidden)
+    verdict = rejection_sample(k_verify, t_logits, draft_logits, drafts, lengths,
                                temperature, static.greedy, stop_ids)
     a = verdict.accepted
     acc_len = jnp.where(verdict.stopped, a, a + 1)
@@ -273,7 +291,7 @@ def _ar_step(tparams, state: ARState, temperature, stop_ids, static) -> ARState:
     tok = state.seq[rows, state.pos][:, None]
     tm = target_module(static.target)
     hidden, _, cache = tm.forward(tparams, static.target, tok, state.cache)
-    nxt = sampling.sample_logits(k_s, tm.compute_logits(tparams, hidden[:, 0]), temperature,
+    nxt = sampling.sample_logits(k_s, target_logits(static.target, tparams, hidden[:, 0]), temperature,
                                  static.greedy)
     active = state.active
     seq = state.seq.at[rows, jnp.where(active, state.pos + 1, max_len)].set(nxt, mode="drop")
@@ -658,6 +676,7 @@ def speculative_generate(
                            slots=batch_size, seed=seed, stop_token_ids=stop_token_ids,
                            confidence_temperatures=confidence_temperatures,
                            max_cache_len=max_cache_len, mesh=mesh, progress=progress, stats=stats)
+    families.check_pair(draft_cfg, target_cfg)
     draft_cfg.check_compatible(target_cfg)
     sharded.check_mesh(mesh, target_cfg, draft_cfg, batch_size)
     budgets = per_request_budgets(max_new_tokens, len(prompts) if isinstance(prompts, (list, tuple)) else 0)

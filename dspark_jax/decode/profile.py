@@ -29,9 +29,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspark_jax import families
 from dspark_jax.config import TargetConfig
 from dspark_jax.decode.scheduler import DEFAULT_FIT, FITS, SPSTable, fit_sps, isotonic_decreasing  # noqa: F401
 from dspark_jax.errors import InputError
+from dspark_jax import families
 from dspark_jax.decode import sharded
 
 LAYOUTS = ("rows", "block")
@@ -56,7 +58,7 @@ def _verify_fn(config: TargetConfig, compute_dtype):
     def verify(params, cache, tokens):
         start = cache.lengths
         hidden, _, cache = tm.forward(params, config, tokens, cache, compute_dtype=compute_dtype)
-        logits = tm.compute_logits(params, hidden)                       # [rows, T, V]
+        logits = families.compute_logits(config, params, hidden)         # [rows, T, V]
         return jnp.argmax(logits, axis=-1), cache.with_lengths(start)   # roll back, as a reject would
     return jax.jit(verify, donate_argnums=(1,))
 
@@ -143,8 +145,9 @@ def _warm_states(config, params, verify, sizes, cache_length, layout, dtype, war
         rows, t = (b, 1) if layout == "rows" else (1, b)
         cache = tm.init_cache(config, rows, cache_length + t, dtype)
         cache = cache.with_lengths(jnp.full((rows,), cache_length, jnp.int32))
-        cache = cache.replace(**{k: _place(getattr(cache, k), a, mesh)
-                                 for k, a in sharded.CACHE_AXES.items()})
+        if mesh is not None:
+            cache = cache.replace(**{k: _place(getattr(cache, k), a, mesh)
+                                     for k, a in sharded.CACHE_AXES.items()})
         tokens = _place(jnp.asarray(rng.integers(0, config.vocab_size, (rows, t)), jnp.int32),
                         ("batch", None), mesh)
         for _ in range(warmup):

@@ -87,6 +87,12 @@ def check_mesh(mesh: Mesh | None, target_cfg, draft_cfg, batch_size: int,
     """ConfigError unless ``mesh`` splits heads, KV heads, MLP of both models and the batch."""
     if mesh is None:
         return
+    family = families.for_config(target_cfg).name
+    if family != "qwen3":
+        # STATE_AXES / CACHE_AXES describe Qwen3's KVCache; Gemma4Cache (per layer-type group dicts,
+        # static max_len) has no state sharding yet.
+        raise ConfigError(f"mesh {dict(mesh.shape)}: sharded decode supports Qwen3 targets only, "
+                          f"not the {family!r} family yet; decode it on one device (no --mesh)")
     t = rules.get("heads")
     tnames = (t,) if isinstance(t, str) else tuple(t or ())
     tp = math.prod(mesh.shape[n] for n in tnames)

@@ -4,7 +4,8 @@ Shapes: B rows, L cache capacity, G block size, V vocab, Ld draft layers, Hkv KV
 heads, D head_dim, T new context positions, n*H concatenated target features.
 
 The context cache holds the drafter's keys/values of the committed positions
-(``backbone.context_kv`` of the projected target features). A block at anchor
+(``context_kv`` of the projected target features). The backbone functions are the drafter
+family's (``families.draft_ops``: Qwen3 ``draft.backbone``, Gemma4 ``draft.gemma4.OPS``). A block at anchor
 position p reads context rows < p and the whole block (paper section 3).
 """
 
@@ -18,9 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.config import DraftConfig
-from dspark_jax import sampling
-from dspark_jax.draft import backbone, confidence, markov
-from dspark_jax.draft import model as draft_model
+from dspark_jax import families, sampling
+from dspark_jax.draft import confidence, markov
 
 
 @flax.struct.dataclass
@@ -51,8 +51,9 @@ class ContextCache:
 
 def context_kv(dparams: dict, dcfg: DraftConfig, taps: jax.Array, positions: jax.Array):
     """Context k, v [Ld, B, T, Hkv, D] of target features taps [B, T, n*H] at positions [B, T]."""
-    ctx = backbone.project_context(dparams, dcfg, taps)
-    return backbone.context_kv(dparams, dcfg, ctx, positions)
+    ops = families.draft_ops(dcfg)
+    ctx = ops.project_context(dparams, dcfg, taps)
+    return ops.context_kv(dparams, dcfg, ctx, positions)
 
 
 def init_context(dparams: dict, dcfg: DraftConfig, taps: jax.Array, max_len: int) -> ContextCache:
@@ -90,10 +91,11 @@ def block_hidden(dparams: dict, dcfg: DraftConfig, anchor: jax.Array, pos: jax.A
                                        dcfg.head_dim))
     block_ids = jnp.concatenate(
         [anchor[:, None], jnp.full((b, g - 1), dcfg.mask_token_id, jnp.int32)], axis=1)
-    embeds = dparams["embed_tokens"][block_ids][:, None]                     # [B,1,G,H]
+    ops = families.draft_ops(dcfg)
+    embeds = ops.embed_block(dparams, dcfg, block_ids)[:, None]               # [B,1,G,H]
     block_pos = (pos[:, None] + jnp.arange(g, dtype=jnp.int32))[:, None]      # [B,1,G]
     ctx_mask = jnp.arange(ctx.max_len)[None, None, :] < pos[:, None, None]    # [B,1,L]
-    return backbone.block_forward(dparams, dcfg, embeds, block_pos, ctx.k, ctx.v,
+    return ops.block_forward(dparams, dcfg, embeds, block_pos, ctx.k, ctx.v,
                                   ctx_mask, jnp.ones((b, 1), bool))[:, 0]    # [B,G,H]
 
 
@@ -109,7 +111,7 @@ def sample_block(dparams: dict, dcfg: DraftConfig, hidden: jax.Array, anchor: ja
     does not read them (rejection sampling) lets XLA drop them.
     """
     b, g = anchor.shape[0], dcfg.block_size
-    base = draft_model.compute_logits(dparams, hidden)                        # [B,G,V]
+    base = families.draft_ops(dcfg).compute_logits(dparams, dcfg, hidden)   # [B,G,V]
 
     def step(carry, xs):
         prev, mstate = carry

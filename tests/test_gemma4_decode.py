@@ -1,0 +1,65 @@
+"""Gemma4 target + Gemma4 DSpark drafter through the shipped decode loop (family dispatch).
+
+Greedy speculative decoding reproduces the reference's ``decode_greedy.json`` token for token with
+the same acceptance length every round: one prompt per batch, all prompts in one batch (prompts
+longer than the sliding window, so the ring cache of the sliding layers wraps), and through the
+continuous-batching engine. A Qwen3 drafter on a Gemma4 target fails before compiling.
+"""
+
+import json
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax.config import DraftConfig
+from dspark_jax.decode import speculative_generate, summarize
+from dspark_jax.draft import gemma4 as draft_gemma4
+from dspark_jax.errors import ConfigError
+from dspark_jax.target import gemma4 as target_gemma4
+
+warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+FIXTURE = Path(__file__).parent / "fixtures" / "dspark_gemma4_tiny"
+
+
+@pytest.fixture(scope="module")
+def pair():
+    tc, tp = target_gemma4.load_params(FIXTURE / "target")
+    dc, dp = draft_gemma4.load_params(FIXTURE / "draft")
+    tp, dp = jax.tree.map(jnp.asarray, tp), jax.tree.map(jnp.asarray, dp)
+    return tc, tp, dc, dp, json.loads((FIXTURE / "decode_greedy.json").read_text())
+
+
+@pytest.mark.parametrize("batch_size,batching", [(1, "static"), (8, "static"), (4, "continuous")])
+def test_greedy_matches_reference(pair, batch_size, batching):
+    tc, tp, dc, dp, ref = pair
+    assert max(len(p) for p in ref["prompts"]) > tc.sliding_window
+    res = speculative_generate(tc, tp, dc, dp, ref["prompts"], max_new_tokens=ref["max_new_tokens"],
+                               temperature=0.0, batch_size=batch_size, batching=batching)
+    for i, r in enumerate(res):
+        assert r.output_ids == ref["output_ids"][i], f"prompt {i}: tokens differ"
+        assert r.acceptance_lengths == ref["acceptance_lengths"][i], f"prompt {i}: acceptance lengths differ"
+        assert r.proposal_lengths == ref["proposal_lengths"][i]
+    acc = [a for x in ref["acceptance_lengths"] for a in x]
+    assert summarize(res, dc.block_size)["tau"] == pytest.approx(np.mean(acc))
+
+
+def test_qwen3_drafter_on_gemma4_target_is_rejected(pair):
+    tc, tp, _, _, ref = pair
+    qd = DraftConfig(vocab_size=tc.vocab_size, hidden_size=tc.hidden_size, intermediate_size=16,
+                     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                     num_target_layers=tc.num_hidden_layers, target_layer_ids=(0,))
+    with pytest.raises(ConfigError, match="gemma4"):
+        speculative_generate(tc, tp, qd, {}, ref["prompts"][:1], max_new_tokens=4)
+
+
+def test_mesh_is_refused_before_compiling(pair):
+    """Sharded decode has Qwen3 state axes only: a Gemma4 target on a mesh is one ConfigError."""
+    from dspark_jax.decode import sharded
+    tc, tp, dc, dp, ref = pair
+    mesh = sharded.make_decode_mesh("data=1")
+    with pytest.raises(ConfigError, match="Qwen3 targets only"):
+        speculative_generate(tc, tp, dc, dp, ref["prompts"][:1], max_new_tokens=4, mesh=mesh)

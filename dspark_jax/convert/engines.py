@@ -1,7 +1,7 @@
 """What each serving engine loads, as data: load rules, config transforms and sidecar files.
 
-Every rule names the engine file it was read from (read 2026-11 via the code search tools;
-see also /work/shared/reference/SERVING.md). A rule is a predicate over ``DraftFacts`` (the
+Every rule names the engine file it was read from (the engines' public repositories, read
+2026-11). A rule is a predicate over ``DraftFacts`` (the
 family-independent facts of a drafter config) that returns ``None`` when the engine can load
 the drafter, else one line saying why not.
 

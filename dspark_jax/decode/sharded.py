@@ -68,6 +68,25 @@ def state_shardings(state_cls, mesh: Mesh, rules: Mapping[str, object] = DECODE_
     return state_cls(**fields)
 
 
+def state_sharding_tree(state, mesh: Mesh, rules: Mapping[str, object] = DECODE_RULES):
+    """Full NamedSharding tree of ``state`` (arrays or ShapeDtypeStructs) from its leaves' shapes.
+
+    Works off the actual cache pytree (Qwen3 KVCache, or Gemma4Cache whose k/v are dicts of
+    per-layer-type groups): every k/v leaf takes ``KV_AXES``, ``lengths`` ``ROW``, other fields
+    ``STATE_AXES``. A dim its mesh axes do not divide stays replicated (e.g. Gemma4's full-attention
+    group with 1 KV head under tensor=2)."""
+    def leaf(path, x):
+        name = path[0].name
+        if name in ("cache", "ctx"):
+            axes = ROW if path[1].name == "lengths" else KV_AXES
+        else:
+            axes = STATE_AXES[name]
+        if axes is None:
+            return NamedSharding(mesh, P())
+        return NamedSharding(mesh, sharding.logical_to_spec(axes, rules, x.shape, mesh))
+    return jax.tree_util.tree_map_with_path(leaf, state)
+
+
 def _cache_cls():
     from dspark_jax.target import qwen3
     return qwen3.KVCache
@@ -87,19 +106,18 @@ def check_mesh(mesh: Mesh | None, target_cfg, draft_cfg, batch_size: int,
     """ConfigError unless ``mesh`` splits heads, KV heads, MLP of both models and the batch."""
     if mesh is None:
         return
-    family = families.for_config(target_cfg).name
-    if family != "qwen3":
-        # STATE_AXES / CACHE_AXES describe Qwen3's KVCache; Gemma4Cache (per layer-type group dicts,
-        # static max_len) has no state sharding yet.
-        raise ConfigError(f"mesh {dict(mesh.shape)}: sharded decode supports Qwen3 targets only, "
-                          f"not the {family!r} family yet; decode it on one device (no --mesh)")
     t = rules.get("heads")
     tnames = (t,) if isinstance(t, str) else tuple(t or ())
     tp = math.prod(mesh.shape[n] for n in tnames)
     for cfg, who in ((target_cfg, "target"), (draft_cfg, "drafter")):
         if cfg is None:
             continue
+        gemma4 = families.for_config(cfg).name.startswith("gemma4")
         for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+            if field == "num_key_value_heads" and gemma4:
+                # Gemma4 (1 KV head in full layers / the drafter): an indivisible KV-head dim
+                # stays replicated, in params (params.shardings) and cache (state_sharding_tree).
+                continue
             size = getattr(cfg, field, None)
             if size is not None and size % tp:
                 raise ConfigError(f"mesh {dict(mesh.shape)}: tensor parallelism {tp} does not divide "

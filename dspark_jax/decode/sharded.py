@@ -8,7 +8,8 @@ leaf                        logical axes
 seq [B, L]                  ("batch", "sequence")
 pos/num_input/active/...    ("batch",)
 acc/prop/drafts rec [B, R]  ("batch", None); conf_rec [B, R, G] ("batch", None, None)
-target cache k, v           ("layers", "batch", "sequence", "kv_heads", "head_dim")
+target cache k, v           ("layers", "batch", "sequence", "kv_heads", "head_dim") (Gemma4: each
+                            layer-type group of the k/v dicts)
 draft context cache k, v    ("layers", "batch", "sequence", "kv_heads", "head_dim")
 cache lengths [B]           ("batch",)
 key, round, policy state    replicated
@@ -17,7 +18,9 @@ key, round, policy state    replicated
 ``DECODE_RULES`` extends ``sharding.DEFAULT_RULES``: requests (batch) over ``data``/``fsdp``,
 KV heads over ``tensor``, sequence and head_dim unsharded. Params use their declared axes
 (``families.declare``), so tensor parallelism splits heads and MLP of target and drafter alike.
-``check_mesh`` refuses a mesh that does not divide heads / MLP / the batch, before compiling.
+``check_mesh`` refuses a mesh that does not divide heads / MLP / the batch, before compiling
+(Gemma4's KV heads excepted: an indivisible KV-head dim stays replicated). ``state_sharding_tree``
+derives the full tree from the actual state pytree, so Qwen3 and Gemma4 caches both fit.
 """
 
 from __future__ import annotations

@@ -56,10 +56,14 @@ def test_qwen3_drafter_on_gemma4_target_is_rejected(pair):
         speculative_generate(tc, tp, qd, {}, ref["prompts"][:1], max_new_tokens=4)
 
 
-def test_mesh_is_refused_before_compiling(pair):
-    """Sharded decode has Qwen3 state axes only: a Gemma4 target on a mesh is one ConfigError."""
+def test_greedy_matches_reference_on_a_mesh(pair):
+    """data=2 x tensor=2: batch over data, sliding-group KV heads (2) over tensor; the full group's
+    single KV head stays replicated. Same tokens and acceptance lengths as the reference."""
     from dspark_jax.decode import sharded
     tc, tp, dc, dp, ref = pair
-    mesh = sharded.make_decode_mesh("data=1")
-    with pytest.raises(ConfigError, match="Qwen3 targets only"):
-        speculative_generate(tc, tp, dc, dp, ref["prompts"][:1], max_new_tokens=4, mesh=mesh)
+    mesh = sharded.make_decode_mesh("data=2,tensor=2")
+    res = speculative_generate(tc, tp, dc, dp, ref["prompts"], max_new_tokens=ref["max_new_tokens"],
+                               temperature=0.0, batch_size=4, mesh=mesh)
+    for i, r in enumerate(res):
+        assert r.output_ids == ref["output_ids"][i], f"prompt {i}: tokens differ"
+        assert r.acceptance_lengths == ref["acceptance_lengths"][i], f"prompt {i}: acceptance lengths differ"

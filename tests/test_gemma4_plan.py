@@ -89,3 +89,14 @@ def test_plan_gemma4_12b_online_train_step_on_8_devices(tmp_path):
     assert report["draft_params"] == report["draft_params_from_reference_shapes"] == released_tensor_count("dspark")
     online = report["programs"]["online"]
     assert online["peak_bytes"] > 0 and online["collectives"]
+
+
+def test_plan_gemma4_12b_decode_round_on_8_devices():
+    """One speculative decode round of the released Gemma4-12B DSpark drafter on data=2,tensor=4
+    (abstract params): compiles and reports per-device memory."""
+    from dspark_jax.decode import sharded
+    mesh = sharded.make_decode_mesh("data=2,tensor=4")
+    prog, sizes = plan.plan_decode_round(presets.released_drafter(presets.GEMMA4_12B),
+                                         presets.TARGETS[presets.GEMMA4_12B], mesh, batch=2, max_len=256)
+    print(prog, sizes)
+    assert prog.peak_bytes > 0 and all(v > 0 for k, v in sizes.items() if k.endswith("_bytes"))

@@ -147,14 +147,14 @@ def serve(
         state = _empty_state(abstract, None)
         state = state.replace(policy_state=policy.init_state(slots, g), key=key0)
         if mesh is not None:
-            state = jax.device_put(state, prog.state_sharding())
+            state = jax.device_put(state, prog.state_sharding(like=state))
     else:
         abstract = jax.eval_shape(
             lambda a, b, c, k: L._ar_prefill(target_params, a, b, c, k, temp, stop_arr, static,
                                              max_len), *dummy, key0)
         state = _empty_state(abstract, None).replace(key=key0)
         if mesh is not None:
-            state = jax.device_put(state, prog.state_sharding(ar=True))
+            state = jax.device_put(state, prog.state_sharding(like=state))
 
     host_rng = np.random.default_rng(seed)
     pending = collections.deque(order)

@@ -26,6 +26,7 @@ benchmarks/decode.py) or a host loop (``loop="host"``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from typing import Any, Callable, Sequence
@@ -409,10 +410,13 @@ class DecodeProgram:
     ar_chunk: Any
     ar_prefill_into: Any
 
-    def state_sharding(self, ar: bool = False, with_ctx: bool = True):
-        """Sharding pytree (prefix) of a DecodeState / ARState; None without a mesh."""
+    def state_sharding(self, ar: bool = False, with_ctx: bool = True, like=None):
+        """Sharding pytree (prefix) of a DecodeState / ARState; None without a mesh. With ``like``
+        (a state or its shapes, any target family): the full shape-aware tree of it."""
         if self.mesh is None:
             return None
+        if like is not None:
+            return sharded.state_sharding_tree(like, self.mesh, self.rules)
         return sharded.state_shardings(ARState if ar else DecodeState, self.mesh, self.rules,
                                        with_ctx=with_ctx)
 
@@ -451,8 +455,13 @@ def build_decode(mesh=None, rules=None) -> DecodeProgram:
     def jit(fn, statics, donate=(), ar=None, with_ctx=True):
         kw = dict(static_argnames=statics, donate_argnames=donate)
         if mesh is not None and ar is not None:
-            kw["out_shardings"] = sharded.state_shardings(ARState if ar else DecodeState, mesh,
-                                                          rules, with_ctx=with_ctx)
+            # The output state is constrained leaf by leaf from its own pytree (the cache layout
+            # differs per target family), so one program set serves Qwen3 and Gemma4 targets.
+            @functools.wraps(fn)
+            def fn(*a, _fn=fn, **k):
+                out = _fn(*a, **k)
+                return jax.lax.with_sharding_constraint(
+                    out, sharded.state_sharding_tree(out, mesh, rules))
         return jax.jit(fn, **kw)
 
     s, sm, st = ("static", "max_len"), ("static", "max_len"), ("state",)

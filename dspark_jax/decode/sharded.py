@@ -8,7 +8,8 @@ leaf                        logical axes
 seq [B, L]                  ("batch", "sequence")
 pos/num_input/active/...    ("batch",)
 acc/prop/drafts rec [B, R]  ("batch", None); conf_rec [B, R, G] ("batch", None, None)
-target cache k, v           ("layers", "batch", "sequence", "kv_heads", "head_dim")
+target cache k, v           ("layers", "batch", "sequence", "kv_heads", "head_dim") (Gemma4: each
+                            layer-type group of the k/v dicts)
 draft context cache k, v    ("layers", "batch", "sequence", "kv_heads", "head_dim")
 cache lengths [B]           ("batch",)
 key, round, policy state    replicated
@@ -17,7 +18,9 @@ key, round, policy state    replicated
 ``DECODE_RULES`` extends ``sharding.DEFAULT_RULES``: requests (batch) over ``data``/``fsdp``,
 KV heads over ``tensor``, sequence and head_dim unsharded. Params use their declared axes
 (``families.declare``), so tensor parallelism splits heads and MLP of target and drafter alike.
-``check_mesh`` refuses a mesh that does not divide heads / MLP / the batch, before compiling.
+``check_mesh`` refuses a mesh that does not divide heads / MLP / the batch, before compiling
+(Gemma4's KV heads excepted: an indivisible KV-head dim stays replicated). ``state_sharding_tree``
+derives the full tree from the actual state pytree, so Qwen3 and Gemma4 caches both fit.
 """
 
 from __future__ import annotations
@@ -68,6 +71,25 @@ def state_shardings(state_cls, mesh: Mesh, rules: Mapping[str, object] = DECODE_
     return state_cls(**fields)
 
 
+def state_sharding_tree(state, mesh: Mesh, rules: Mapping[str, object] = DECODE_RULES):
+    """Full NamedSharding tree of ``state`` (arrays or ShapeDtypeStructs) from its leaves' shapes.
+
+    Works off the actual cache pytree (Qwen3 KVCache, or Gemma4Cache whose k/v are dicts of
+    per-layer-type groups): every k/v leaf takes ``KV_AXES``, ``lengths`` ``ROW``, other fields
+    ``STATE_AXES``. A dim its mesh axes do not divide stays replicated (e.g. Gemma4's full-attention
+    group with 1 KV head under tensor=2)."""
+    def leaf(path, x):
+        name = path[0].name
+        if name in ("cache", "ctx"):
+            axes = ROW if path[1].name == "lengths" else KV_AXES
+        else:
+            axes = STATE_AXES[name]
+        if axes is None:
+            return NamedSharding(mesh, P())
+        return NamedSharding(mesh, sharding.logical_to_spec(axes, rules, x.shape, mesh))
+    return jax.tree_util.tree_map_with_path(leaf, state)
+
+
 def _cache_cls():
     from dspark_jax.target import qwen3
     return qwen3.KVCache
@@ -87,19 +109,18 @@ def check_mesh(mesh: Mesh | None, target_cfg, draft_cfg, batch_size: int,
     """ConfigError unless ``mesh`` splits heads, KV heads, MLP of both models and the batch."""
     if mesh is None:
         return
-    family = families.for_config(target_cfg).name
-    if family != "qwen3":
-        # STATE_AXES / CACHE_AXES describe Qwen3's KVCache; Gemma4Cache (per layer-type group dicts,
-        # static max_len) has no state sharding yet.
-        raise ConfigError(f"mesh {dict(mesh.shape)}: sharded decode supports Qwen3 targets only, "
-                          f"not the {family!r} family yet; decode it on one device (no --mesh)")
     t = rules.get("heads")
     tnames = (t,) if isinstance(t, str) else tuple(t or ())
     tp = math.prod(mesh.shape[n] for n in tnames)
     for cfg, who in ((target_cfg, "target"), (draft_cfg, "drafter")):
         if cfg is None:
             continue
+        gemma4 = families.for_config(cfg).name.startswith("gemma4")
         for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+            if field == "num_key_value_heads" and gemma4:
+                # Gemma4 (1 KV head in full layers / the drafter): an indivisible KV-head dim
+                # stays replicated, in params (params.shardings) and cache (state_sharding_tree).
+                continue
             size = getattr(cfg, field, None)
             if size is not None and size % tp:
                 raise ConfigError(f"mesh {dict(mesh.shape)}: tensor parallelism {tp} does not divide "

@@ -62,7 +62,8 @@ def _np_dtype(dtype) -> np.dtype | None:
     return _DTYPES[name]
 
 
-def _read_json(path: Path, what: str) -> dict:
+def read_json_object(path: Path, what: str) -> dict:
+    """A JSON object from ``path`` (``what`` names it in errors: missing, unparsable, not an object)."""
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError as e:
@@ -111,7 +112,7 @@ def detect_family(path) -> Family:
     p = Path(path)
     if detect_format(p) == "jax":
         return _family_of_hf(_read_meta(p)["config"], f"{p / META_NAME} 'config'")
-    return _family_of_hf(_read_json(p / "config.json", "config.json"), str(p / "config.json"))
+    return _family_of_hf(read_json_object(p / "config.json", "config.json"), str(p / "config.json"))
 
 
 def detect_kind(path) -> str:
@@ -123,7 +124,7 @@ def detect_kind(path) -> str:
 
 
 def _read_meta(p: Path) -> dict:
-    meta = _read_json(p / META_NAME, META_NAME)
+    meta = read_json_object(p / META_NAME, META_NAME)
     where = str(p / META_NAME)
     if meta.get("format") != "dspark-jax":
         raise CheckpointError(f"{where}: field 'format' is {meta.get('format')!r}, expected 'dspark-jax'")
@@ -190,7 +191,7 @@ def _config_from_hf(kind: str, hf: Mapping[str, Any], where: str):
 
 
 def _load_torch(kind: str, p: Path, *, allow_pickle: bool):
-    hf = _read_json(p / "config.json", "config.json")
+    hf = read_json_object(p / "config.json", "config.json")
     cfg = _config_from_hf(kind, hf, str(p / "config.json"))
     family = families.for_config(cfg)
     reader = safetensors_io.TensorReader(p, allow_pickle=allow_pickle)
@@ -304,7 +305,7 @@ def read_extras(path) -> dict:
     p = Path(path)
     if detect_format(p) == "jax":
         return dict(_read_meta(p).get("extras") or {})
-    hf = _read_json(p / "config.json", "config.json")
+    hf = read_json_object(p / "config.json", "config.json")
     return dict((hf.get("dspark_jax") or {}).get("extras") or {})
 
 
@@ -328,7 +329,7 @@ def default_stop_ids(target_dir, tokenizer=None) -> list[int]:
     for name in ("generation_config.json", "config.json"):
         path = target_dir / name
         if path.is_file():
-            eos = _read_json(path, name).get("eos_token_id")
+            eos = read_json_object(path, name).get("eos_token_id")
             if eos is not None:
                 return [int(eos)] if isinstance(eos, int) else sorted({int(e) for e in eos})
     eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None

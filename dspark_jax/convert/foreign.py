@@ -42,13 +42,13 @@ speculators (vllm-project/speculators)
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
 
 from dspark_jax.config import DraftConfig
+from dspark_jax.convert.checkpoint import read_json_object
 from dspark_jax.errors import CheckpointError, ConfigError
 
 FORMATS = ("specforge", "speculators")
@@ -60,16 +60,7 @@ _DROP_PREFIXES = ("rotary_emb.", "verifier_norm.", "verifier_lm_head.", "t2d", "
 
 
 def _read_config(path: Path) -> dict:
-    f = path / "config.json"
-    try:
-        data = json.loads(f.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{f}: config.json is missing") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{f}: cannot parse config.json ({e})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{f}: config.json must be a JSON object")
-    return data
+    return read_json_object(path / "config.json", "config.json")
 
 
 def detect(path) -> str | None:

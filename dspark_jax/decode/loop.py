@@ -41,10 +41,10 @@ from dspark_jax import families, sampling
 from dspark_jax import sharding as sharding_lib
 from dspark_jax.config import DraftConfig, TargetConfig
 from dspark_jax.decode import sharded
-from dspark_jax.decode.policies import FullPolicy, VerifyPolicy
+from dspark_jax.decode.policies import FullPolicy, VerifyPolicy, constant_length
 from dspark_jax.decode.verify import rejection_sample
 from dspark_jax.draft import decode as draft_decode
-from dspark_jax.errors import InputError, require_positive_int
+from dspark_jax.errors import ConfigError, InputError, require_positive_int
 from dspark_jax.target import qwen3  # KVCache type only; the forward comes from families
 
 MAX_STOP_IDS = 8     # stop-id slots (padded with -1) so the count never changes shapes
@@ -106,6 +106,7 @@ class _Static:
     policy: Any
     greedy: bool
     max_new_tokens: int
+    widths: tuple[int, ...] | None = None  # compiled verification widths (``round_widths``)
 
 
 @dataclasses.dataclass
@@ -204,10 +205,99 @@ def _spec_prefill(tparams, dparams, prompts, lens, valid, key, temperature, stop
         policy_state=())  # set by the caller: the prefill's compilation does not depend on the policy
 
 
+def default_widths(block_size: int) -> tuple[int, ...]:
+    """The default compiled verification widths for block size G: the powers of two below G+1,
+    then G+1 (G=7: (1, 2, 4, 8)). A width w verifies the anchor and w-1 drafts per row; a
+    round runs the smallest width >= its longest active proposal + 1, so doubling widths
+    keep the padding waste under 2x with log2(G+1)+1 compiled branches."""
+    out, w = [], 1
+    while w < block_size + 1:
+        out.append(w)
+        w *= 2
+    return tuple(out) + (block_size + 1,)
+
+
+def verify_widths(block_size: int, widths=None) -> tuple[int, ...]:
+    """Sorted distinct widths in [1, G+1], G+1 always included (``widths`` None: the default).
+    ConfigError on a width outside [1, G+1]."""
+    if widths is None:
+        return default_widths(block_size)
+    ws = sorted({int(w) for w in widths} | {block_size + 1})
+    if ws[0] < 1 or ws[-1] > block_size + 1:
+        raise ConfigError(f"verification widths must be in [1, block_size + 1 = {block_size + 1}], "
+                          f"got {sorted(widths)}")
+    return tuple(ws)
+
+
+def round_widths(static: _Static) -> tuple[int, ...]:
+    """The widths the round of ``static`` compiles: ``static.widths``, else the policy's
+    ``verify_widths`` (a scheduler measured on a round table uses the table's widths), else
+    ``default_widths(G)``; a policy of one constant length l (``policies.constant_length``:
+    full, fixed:K) keeps only the smallest width >= l+1 (one branch, no switch)."""
+    g = static.draft.block_size
+    ws = static.widths if static.widths is not None else getattr(static.policy, "verify_widths", None)
+    ws = verify_widths(g, ws)
+    fixed = constant_length(static.policy, g)
+    if fixed is not None:
+        return (next(w for w in ws if w >= min(fixed, g) + 1),)
+    return ws
+
+
+def width_index(lengths: jax.Array, active: jax.Array, widths: Sequence[int]) -> jax.Array:
+    """Index into ``widths`` (sorted, last >= G+1) of the smallest width >= max(lengths of
+    active rows) + 1 (scalar int32; ``widths[0]`` when no row is active). lengths/active [B]."""
+    longest = jnp.max(jnp.where(active, lengths, 0), initial=0)
+    ws = jnp.asarray(widths, jnp.int32)
+    return jnp.minimum(jnp.sum((ws < longest + 1).astype(jnp.int32)), len(widths) - 1)
+
+
+def _verify_commit(tparams, dparams, state: DecodeState, anchor, drafts, draft_logits, lengths,
+                   k_verify, temperature, stop_ids, static: _Static, width: int):
+    """Target verification, rejection sampling, commits over the first ``width`` (static) block
+    tokens [x0, x_1..x_{w-1}] at positions p..p+w-1; every active row has lengths <= w-1.
+
+    Returns (seq [B, L], new_pos [B], cache, ctx, verdict). The rejection sampler draws its
+    uniforms for the whole block (G) and uses the first w-1, so a sampled run is the same
+    whatever width runs it."""
+    tcfg, dcfg = static.target, static.draft
+    b, max_len = state.seq.shape
+    g = dcfg.block_size
+    rows = jnp.arange(b)
+    active = state.active
+    d = width - 1
+    verify_tokens = jnp.concatenate([anchor[:, None], drafts[:, :d]], axis=1)      # [B,w]
+    tm = target_module(tcfg)
+    hidden, taps, cache = tm.forward(tparams, tcfg, verify_tokens, state.cache,
+                                     tap_layer_ids=dcfg.target_layer_ids)
+    t_logits = target_logits(tcfg, tparams, hidden)
+    verdict = rejection_sample(k_verify, t_logits, draft_logits[:, :d], drafts[:, :d],
+                               jnp.minimum(lengths, d), temperature, static.greedy, stop_ids,
+                               draw_width=g)
+    a = verdict.accepted
+    acc_len = jnp.where(verdict.stopped, a, a + 1)
+
+    # Commit: slots pos+1..pos+a get the drafts, pos+a+1 the replacement/bonus token.
+    k_idx = jnp.arange(width, dtype=jnp.int32)[None, :]
+    padded = jnp.concatenate([drafts[:, :d], jnp.zeros((b, 1), jnp.int32)], axis=1)
+    new_tokens = jnp.where(k_idx == a[:, None], verdict.next_token[:, None], padded)
+    slots = jnp.where(active[:, None], state.pos[:, None] + 1 + k_idx, max_len)
+    seq = state.seq.at[rows[:, None], slots].set(new_tokens, mode="drop")
+    new_pos = jnp.where(active, state.pos + acc_len, state.pos)
+
+    # Draft context: features of the verified positions p..p+w-1 (only < new_pos are ever read).
+    ctx = draft_decode.extend_context(dparams, dcfg, state.ctx, taps, state.pos[:, None] + k_idx,
+                                      active)
+    return seq, new_pos, cache, ctx, verdict
+
+
 def _round(tparams, dparams, state: DecodeState, temperature, stop_ids, conf_temps,
            static: _Static) -> DecodeState:
-    """One speculative round for every row (finished rows: masked no-ops)."""
-    tcfg, dcfg = static.target, static.draft
+    """One speculative round for every row (finished rows: masked no-ops).
+
+    The verification width follows the policy's lengths: ``round_widths(static)`` are compiled
+    (one ``lax.switch`` branch each, no switch when there is one), and the round runs the
+    smallest width >= the longest active proposal + 1 (``width_index``)."""
+    dcfg = static.draft
     b, max_len = state.seq.shape
     g = dcfg.block_size
     rows = jnp.arange(b)
@@ -224,27 +314,17 @@ def _round(tparams, dparams, state: DecodeState, temperature, stop_ids, conf_tem
     lengths, policy_state = static.policy(state.policy_state, conf, active)
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, g)
 
-    verify_tokens = jnp.concatenate([anchor[:, None], drafts], axis=1)        # [B,G+1]
-    tm = target_module(tcfg)
-    hidden, taps, cache = tm.forward(tparams, tcfg, verify_tokens, state.cache,
-                                     tap_layer_ids=dcfg.target_layer_ids)
-    t_logits = target_logits(tcfg, tparams, hidden)
-    verdict = rejection_sample(k_verify, t_logits, draft_logits, drafts, lengths,
-                               temperature, static.greedy, stop_ids)
+    widths = round_widths(static)
+    branches = [functools.partial(_verify_commit, tparams, dparams, state, anchor, drafts,
+                                  draft_logits, lengths, k_verify, temperature, stop_ids, static,
+                                  w) for w in widths]
+    if len(branches) == 1:
+        seq, new_pos, cache, ctx, verdict = branches[0]()
+    else:
+        seq, new_pos, cache, ctx, verdict = jax.lax.switch(width_index(lengths, active, widths),
+                                                           branches)
     a = verdict.accepted
     acc_len = jnp.where(verdict.stopped, a, a + 1)
-
-    # Commit: slots pos+1..pos+a get the drafts, pos+a+1 the replacement/bonus token.
-    k_idx = jnp.arange(g + 1, dtype=jnp.int32)[None, :]
-    padded = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
-    new_tokens = jnp.where(k_idx == a[:, None], verdict.next_token[:, None], padded)
-    slots = jnp.where(active[:, None], state.pos[:, None] + 1 + k_idx, max_len)
-    seq = state.seq.at[rows[:, None], slots].set(new_tokens, mode="drop")
-    new_pos = jnp.where(active, state.pos + acc_len, state.pos)
-
-    # Draft context: features of the verified positions p..p+G (only < new_pos are ever read).
-    ctx = draft_decode.extend_context(dparams, dcfg, state.ctx, taps, state.pos[:, None] + k_idx,
-                                      active)
 
     rec = jnp.where(active, state.rounds, static.max_new_tokens)  # out of range -> dropped
     acc_rec = state.acc_rec.at[rows, rec].set(acc_len, mode="drop")

@@ -142,7 +142,8 @@ def main(argv=None) -> int:
     # The scheduler's cost: whole rounds of the decode program at every slot count run here
     # and every compiled verification width (a round table; decode.profile.measure_rounds).
     sps = profile.measure_rounds(tc, tp, dc, dp, concs, 64, rounds=8, warmup=1,
-                                 min_seconds=0.05 if not args.smoke else 0.0, repeats=2)
+                                 min_seconds=0.2 if not args.smoke else 0.0,
+                                 repeats=20 if not args.smoke else 2)
     print(f"round table: slots {list(sps.batch_sizes)} x widths {list(sps.widths)} in "
           f"{time.perf_counter() - t0:.0f}s", file=sys.stderr)
     policies = {"ar": None, "fixed:1": FixedPolicy(1), "fixed:G": FixedPolicy(g),

@@ -14,9 +14,16 @@ Ld draft layers. All shapes are static; per-row progress lives in arrays:
 One round (``_round``): ``draft.decode.propose`` drafts a block at positions
 p..p+G-1 (queries see context rows < p and the whole block; Markov sampling
 with ``lax.scan``) -> confidences -> policy lengths -> one target extend over
-[x0, x_1..x_G] at p..p+G -> rejection sampling of each row's own l_b tokens
+[x0, x_1..x_{w-1}] at p..p+w-1 -> rejection sampling of each row's own l_b tokens
 -> commit, roll back, scatter the committed positions' features into the
 draft context cache. Finished rows stay in the batch as masked no-ops.
+
+The verification width w follows the lengths: the round compiles a small set of widths
+(``round_widths``: ``_Static.widths``, else the policy's ``verify_widths``, else
+``default_widths(G)`` = 1, 2, 4, .., G+1; one width only for a constant-length policy such as
+``full`` or ``fixed:K``), one ``lax.switch`` branch each, and runs the smallest width >= the
+longest active row's length + 1 (``width_index``). Every shape stays static (the cache and the
+state are the same in every branch), so nothing recompiles as widths change from round to round.
 
 The loop over rounds is a ``lax.while_loop`` on device (``loop="device"``,
 default, measured faster than a host loop over one compiled round, see

@@ -6,10 +6,11 @@ the continuous engine's device loop of rounds), at each slot count B and each co
 verification width w (``loop.round_widths``). The policy is a forced length (every row l = w-1,
 read from the policy state), so the one compiled program per B (every width a ``lax.switch``
 branch, as under the scheduler) is timed at every width. Each (B, w) runs chunks of ``rounds``
-rounds from a cache of ``cache_length`` positions (rolled back between chunks); ``repeats``
-round-robin passes over all (B, w), the fastest chunk counts. The stored latency (1/rps) is
-made non-decreasing in w and in B (a running max: a wider or taller round never costs less; a
-dip is timing noise), raw values in ``meta["raw_rps"]``.
+rounds from a cache of ``cache_length`` positions (rolled back between chunks); per B, chunks go
+round-robin over the widths (at least ``repeats`` passes and ``min_seconds`` per width), the
+fastest chunk counts. The stored latency (1/rps) is made non-decreasing in w and in B: other
+processes only ever slow a chunk down, so a latency above that of a wider (or taller) round is
+noise and is capped by it (reverse cumulative min). Raw values: ``meta["raw_rps"]``.
 
 Token tables (``measure_sps``, ``profile-sps`` without ``--draft``): SPS(B), target
 verification steps per second at B verification tokens (the verify forward alone).
@@ -249,7 +250,7 @@ def measure_rounds(
     rounds: int = 16,
     warmup: int = 1,
     min_seconds: float = 0.05,
-    repeats: int = 3,
+    repeats: int = 10,
     mesh=None,
     meta: dict | None = None,
     progress: Callable[[int, int, float], None] | None = None,
@@ -316,22 +317,26 @@ def measure_rounds(
         states[b] = state
 
     best = {(b, w): np.inf for b in sizes for w in ws}
-    for _ in range(repeats):
-        for b in sizes:
-            for w in ws:
-                spent = 0.0
-                while spent < min_seconds or spent == 0.0:
-                    state = reset(states[b], b, w)
-                    jax.block_until_ready(state.pos)
-                    t0 = time.perf_counter()
-                    state = chunk(state)
-                    jax.block_until_ready(state.pos)
-                    dt = time.perf_counter() - t0
-                    states[b] = state
-                    spent += dt
-                    best[(b, w)] = min(best[(b, w)], dt / rounds)
+    for b in sizes:
+        spent = {w: 0.0 for w in ws}
+        done = 0
+        while done < repeats or min(spent.values()) < min_seconds:
+            for w in ws:  # one chunk per width in turn: a busy spell hits every width alike
+                state = reset(states[b], b, w)
+                jax.block_until_ready(state.pos)
+                t0 = time.perf_counter()
+                state = chunk(state)
+                jax.block_until_ready(state.pos)
+                dt = time.perf_counter() - t0
+                states[b] = state
+                spent[w] += dt
+                best[(b, w)] = min(best[(b, w)], dt / rounds)
+            done += 1
     raw = np.array([[best[(b, w)] for w in ws] for b in sizes])            # seconds per round
-    lat = np.maximum.accumulate(np.maximum.accumulate(raw, axis=1), axis=0)
+    # Noise only ever slows a chunk down: a latency above that of a wider width (or more rows)
+    # is noise, so each entry is capped by every wider / taller one (reverse cumulative min).
+    lat = np.minimum.accumulate(raw[:, ::-1], axis=1)[:, ::-1]
+    lat = np.minimum.accumulate(lat[::-1], axis=0)[::-1]
     if progress is not None:
         for i, b in enumerate(sizes):
             for j, w in enumerate(ws):

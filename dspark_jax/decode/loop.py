@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import time
 from typing import Any, Callable, Sequence
@@ -258,43 +259,36 @@ def width_index(lengths: jax.Array, active: jax.Array, widths: Sequence[int]) ->
     return jnp.minimum(jnp.sum((ws < longest + 1).astype(jnp.int32)), len(widths) - 1)
 
 
-def _verify_commit(tparams, dparams, state: DecodeState, anchor, drafts, draft_logits, lengths,
-                   k_verify, temperature, stop_ids, static: _Static, width: int):
-    """Target verification, rejection sampling, commits over the first ``width`` (static) block
-    tokens [x0, x_1..x_{w-1}] at positions p..p+w-1; every active row has lengths <= w-1.
+def _defers_cache_write(tm) -> bool:
+    """Whether family module ``tm``'s forward can return the new k/v unwritten (``write_cache``)."""
+    return "write_cache" in inspect.signature(tm.forward).parameters
 
-    Returns (seq [B, L], new_pos [B], cache, ctx, verdict). The rejection sampler draws its
-    uniforms for the whole block (G) and uses the first w-1, so a sampled run is the same
-    whatever width runs it."""
+
+def _verify_width(tparams, state: DecodeState, anchor, drafts, draft_logits, lengths, k_verify,
+                  temperature, stop_ids, static: _Static, width: int):
+    """Target verification and rejection sampling over the first ``width`` (static) block tokens
+    [x0, x_1..x_{w-1}] at positions p..p+w-1 (every active row has lengths <= w-1).
+
+    Returns (verdict, taps [B, G+1, F] zero-padded past w, kv): kv is the new target (k, v)
+    [Lt, B, G+1, Hkv, D] zero-padded past w when the family defers its cache write (written by
+    the caller, outside any ``lax.switch``: in place), else the written cache (a branch that
+    writes copies the cache). The rejection sampler draws its uniforms for the whole block (G)
+    and uses the first w-1, so a sampled run is the same whatever width runs it."""
     tcfg, dcfg = static.target, static.draft
-    b, max_len = state.seq.shape
     g = dcfg.block_size
-    rows = jnp.arange(b)
-    active = state.active
-    d = width - 1
+    d, pad = width - 1, g + 1 - width
     verify_tokens = jnp.concatenate([anchor[:, None], drafts[:, :d]], axis=1)      # [B,w]
     tm = target_module(tcfg)
-    hidden, taps, cache = tm.forward(tparams, tcfg, verify_tokens, state.cache,
-                                     tap_layer_ids=dcfg.target_layer_ids)
+    kw = dict(write_cache=False) if _defers_cache_write(tm) else {}
+    hidden, taps, kv = tm.forward(tparams, tcfg, verify_tokens, state.cache,
+                                  tap_layer_ids=dcfg.target_layer_ids, **kw)
+    if kw:
+        kv = tuple(jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0))) for x in kv)
     t_logits = target_logits(tcfg, tparams, hidden)
     verdict = rejection_sample(k_verify, t_logits, draft_logits[:, :d], drafts[:, :d],
                                jnp.minimum(lengths, d), temperature, static.greedy, stop_ids,
                                draw_width=g)
-    a = verdict.accepted
-    acc_len = jnp.where(verdict.stopped, a, a + 1)
-
-    # Commit: slots pos+1..pos+a get the drafts, pos+a+1 the replacement/bonus token.
-    k_idx = jnp.arange(width, dtype=jnp.int32)[None, :]
-    padded = jnp.concatenate([drafts[:, :d], jnp.zeros((b, 1), jnp.int32)], axis=1)
-    new_tokens = jnp.where(k_idx == a[:, None], verdict.next_token[:, None], padded)
-    slots = jnp.where(active[:, None], state.pos[:, None] + 1 + k_idx, max_len)
-    seq = state.seq.at[rows[:, None], slots].set(new_tokens, mode="drop")
-    new_pos = jnp.where(active, state.pos + acc_len, state.pos)
-
-    # Draft context: features of the verified positions p..p+w-1 (only < new_pos are ever read).
-    ctx = draft_decode.extend_context(dparams, dcfg, state.ctx, taps, state.pos[:, None] + k_idx,
-                                      active)
-    return seq, new_pos, cache, ctx, verdict
+    return verdict, jnp.pad(taps, ((0, 0), (0, pad), (0, 0))), kv
 
 
 def _round(tparams, dparams, state: DecodeState, temperature, stop_ids, conf_temps,
@@ -303,8 +297,10 @@ def _round(tparams, dparams, state: DecodeState, temperature, stop_ids, conf_tem
 
     The verification width follows the policy's lengths: ``round_widths(static)`` are compiled
     (one ``lax.switch`` branch each, no switch when there is one), and the round runs the
-    smallest width >= the longest active proposal + 1 (``width_index``)."""
-    dcfg = static.draft
+    smallest width w >= the longest active proposal + 1 (``width_index``). The branches only
+    verify; the commits (target cache, tokens, draft context) happen after the switch over
+    G+1 padded slots, the ones >= w dropped, so the donated buffers are updated in place."""
+    tcfg, dcfg = static.target, static.draft
     b, max_len = state.seq.shape
     g = dcfg.block_size
     rows = jnp.arange(b)
@@ -322,16 +318,37 @@ def _round(tparams, dparams, state: DecodeState, temperature, stop_ids, conf_tem
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, g)
 
     widths = round_widths(static)
-    branches = [functools.partial(_verify_commit, tparams, dparams, state, anchor, drafts,
-                                  draft_logits, lengths, k_verify, temperature, stop_ids, static,
-                                  w) for w in widths]
+    branches = [functools.partial(_verify_width, tparams, state, anchor, drafts, draft_logits,
+                                  lengths, k_verify, temperature, stop_ids, static, w)
+                for w in widths]
     if len(branches) == 1:
-        seq, new_pos, cache, ctx, verdict = branches[0]()
+        verdict, taps, kv = branches[0]()
+        width = jnp.int32(widths[0])
     else:
-        seq, new_pos, cache, ctx, verdict = jax.lax.switch(width_index(lengths, active, widths),
-                                                           branches)
+        index = width_index(lengths, active, widths)
+        verdict, taps, kv = jax.lax.switch(index, branches)
+        width = jnp.asarray(widths, jnp.int32)[index]
     a = verdict.accepted
     acc_len = jnp.where(verdict.stopped, a, a + 1)
+    k_idx = jnp.arange(g + 1, dtype=jnp.int32)[None, :]
+    in_width = k_idx < width                                                     # [1, G+1]
+    if _defers_cache_write(target_module(tcfg)):
+        cache = state.cache.write(*kv, jnp.where(in_width, state.cache.lengths[:, None] + k_idx,
+                                                 state.cache.max_len))
+    else:
+        cache = kv
+
+    # Commit: slots pos+1..pos+a get the drafts, pos+a+1 the replacement/bonus token.
+    padded = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
+    new_tokens = jnp.where(k_idx == a[:, None], verdict.next_token[:, None], padded)
+    slots = jnp.where(active[:, None] & in_width, state.pos[:, None] + 1 + k_idx, max_len)
+    seq = state.seq.at[rows[:, None], slots].set(new_tokens, mode="drop")
+    new_pos = jnp.where(active, state.pos + acc_len, state.pos)
+
+    # Draft context: features of the verified positions p..p+w-1 (only < new_pos are ever read).
+    ctx = draft_decode.extend_context(
+        dparams, dcfg, state.ctx, taps,
+        jnp.where(in_width, state.pos[:, None] + k_idx, state.ctx.max_len), active)
 
     rec = jnp.where(active, state.rounds, static.max_new_tokens)  # out of range -> dropped
     acc_rec = state.acc_rec.at[rows, rec].set(acc_len, mode="drop")

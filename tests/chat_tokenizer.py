@@ -12,7 +12,9 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"
 # always has a think block, empty when it has no reasoning); earlier turns drop their reasoning.
 QWEN3_STYLE_TEMPLATE = (
     "{%- set ns = namespace(last_user=-1) -%}"
-    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
     "{%- for m in messages -%}"
     "{%- if m.role == 'assistant' -%}"
     "{%- set reasoning = m.reasoning_content if m.reasoning_content is defined and m.reasoning_content else '' -%}"
@@ -27,13 +29,17 @@ QWEN3_STYLE_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}"
     "{{- '<|im_start|>assistant\\n' -}}"
-    "{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}"
+    "{{- '<think>\\n\\n</think>\\n\\n' -}}"
+    "{%- endif -%}"
     "{%- endif -%}"
 )
 
 # A template that ignores add_generation_prompt (refused: turns cannot be located).
 NO_GENERATION_PROMPT_TEMPLATE = (
-    "{%- for m in messages -%}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
 )
 
 CORPUS = [

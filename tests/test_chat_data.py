@@ -71,11 +71,12 @@ def test_single_turn_mask_is_exactly_the_assistant_tokens(tok, thinking, last, e
     assert trained_spans(tok, ids, mask) == [expected]
     text = template_text(tok, msgs, thinking)
     assert tok.decode(ids) == text  # round trip
-    assert ids == list(tok.apply_chat_template(msgs, tokenize=True, return_dict=True,
-                                               **({} if thinking is None else {"enable_thinking": thinking}))["input_ids"])
+    kw = {} if thinking is None else {"enable_thinking": thinking}
+    assert ids == list(tok.apply_chat_template(msgs, tokenize=True, return_dict=True, **kw)["input_ids"])
     # the untrained remainder is the prompt (header included) and the newline after <|im_end|>
     first = mask.index(1.0)
-    assert tok.decode(ids[:first]).endswith("<|im_start|>assistant\n" + ("" if thinking is not False or last is A2 else EMPTY_THINK))
+    in_prompt = EMPTY_THINK if thinking is False and last is A2_PLAIN else ""
+    assert tok.decode(ids[:first]).endswith("<|im_start|>assistant\n" + in_prompt)
     assert tok.decode(ids[len(ids) - mask[::-1].index(1.0):]) == "\n"
 
 
@@ -182,6 +183,15 @@ def test_a_template_without_generation_prompt_is_refused(tmp_path):
         read_chat_jsonl(path, t, 64)
     t.chat_template = None
     with pytest.raises(InputError, match="has no chat template"):
+        read_chat_jsonl(path, t, 64)
+
+
+def test_a_conversation_the_template_refuses_names_the_row(tmp_path):
+    from tests.chat_tokenizer import QWEN3_STYLE_TEMPLATE
+    t = build_tokenizer("{%- if messages[0].role == 'system' -%}{{- raise_exception('no system role') -}}"
+                        "{%- endif -%}" + QWEN3_STYLE_TEMPLATE)
+    path = _write(tmp_path / "c.jsonl", [{"messages": [U1, A2_PLAIN]}, {"messages": [SYSTEM, U1, A2_PLAIN]}])
+    with pytest.raises(InputError, match=f"^{path}:2: the chat template refused this conversation: .*no system role"):
         read_chat_jsonl(path, t, 64)
 
 

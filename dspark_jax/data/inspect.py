@@ -79,7 +79,8 @@ def inspect_data(path, *, tokenizer=None, fmt: str = "auto", thinking: bool | No
                  max_length: int | None = None, sample_rows: int = 3) -> dict:
     """Statistics of a training file and its first ``sample_rows`` rows as segments.
 
-    Returns {"file", "format", "decoded" (sample decoded with a tokenizer, else ids), "rows", "tokens", "trained_tokens", "trained_share",
+    Returns {"file", "format", "decoded" (sample decoded with a tokenizer, else ids), "rows",
+    "tokens", "trained_tokens", "trained_share",
     "length": {min, mean, p50, p90, p99, max}, "rows_without_trained", "first_without_trained"
     (up to 5 "file:line"), ["max_length", "rows_over_max_length", "trained_tokens_cut"],
     "sample": [{"where", "tokens", "trained", "segments": [[text, trained], ...]}]}.

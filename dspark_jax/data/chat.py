@@ -25,7 +25,8 @@ renders earlier assistant turns without their reasoning, the last one with it):
    generation prompt opens);
 3. the turn ends after the first end-of-turn string at or after its start; the end-of-turn
    string is the special token a template writes right after an assistant's content, found
-   once per tokenizer by rendering a probe conversation;
+   once per tokenizer by rendering a probe conversation (so tool calls the template writes
+   before it are trained; content that contains that string literally ends the span there);
 4. tokens whose character offset (``return_offsets_mapping`` of a fast tokenizer) starts inside
    a span get mask 1.
 

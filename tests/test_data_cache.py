@@ -12,7 +12,7 @@ from dspark_jax.config import DraftConfig
 from dspark_jax.convert.checkpoint import load_target
 from dspark_jax.convert.identity import target_identity
 from dspark_jax.data import cache as cache_lib
-from dspark_jax.data import pipeline, sources
+from dspark_jax.data import chat, pipeline, sources
 from dspark_jax.data.sample import sample_sequences, write_jsonl
 from dspark_jax.errors import ConfigError, InputError
 from dspark_jax.target.features import target_features
@@ -180,10 +180,10 @@ def test_chat_source_masks_only_assistant_tokens(tmp_path):
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo!"},
             {"role": "user", "content": "q"}, {"role": "assistant", "content": "ab"}]
     path.write_text(json.dumps({"messages": msgs}) + "\n")
-    src = sources.read_chat_jsonl(path, _CharTokenizer(), 32)
+    src = chat.read_chat_jsonl(path, _CharTokenizer(), 32)
     ids, mask = src.raw(0)
     # user "hi" = [1, h, i, 3]; assistant = [2] (prompt) + "yo!" + [3]
     assert ids[:4] == [1, 10 + ord("h"), 10 + ord("i"), 3]
     assert mask == [0] * 4 + [0] + [1] * 4 + [0] * 3 + [0] + [1] * 3
     with pytest.raises(InputError, match="longer than max_length=8"):
-        sources.read_chat_jsonl(path, _CharTokenizer(), 8, overlong="refuse")
+        chat.read_chat_jsonl(path, _CharTokenizer(), 8, overlong="refuse")

@@ -42,7 +42,10 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    from dspark_jax.commands.train import maybe_initialize_distributed
     from dspark_jax.pipelines.generate import generate
+
+    maybe_initialize_distributed()  # under launch/ (multi-process --mesh); no-op otherwise
 
     summary = generate(args.target, args.prompts, args.out, draft=args.draft,
                        options=decode_options(args), dtype=args.dtype,

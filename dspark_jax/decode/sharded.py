@@ -145,7 +145,7 @@ def place_params(params, config, mesh: Mesh | None, rules: Mapping[str, object] 
     flat = traverse_util.flatten_dict(params)
     rep = NamedSharding(mesh, P())
     return traverse_util.unflatten_dict(
-        {path: jax.device_put(x, shards.get(path, rep)) for path, x in flat.items()})
+        {path: sharding.to_global(x, shards.get(path, rep)) for path, x in flat.items()})
 
 
 def make_decode_mesh(spec: str | None) -> Mesh | None:

@@ -22,6 +22,7 @@ round, accepted_drafts, confidence_logits per round (raw, for `calibrate`), and 
 tokenizer is present. A summary (tau, verify_rate, accept_rate@k, conditional acceptance,
 tokens/s) is printed at the end as JSON. Without --draft, the target decodes alone
 (autoregressive baseline). --target/--draft accept PyTorch (HF) and dspark-jax directories.
+Under launch/ (several processes), --mesh spans every process's devices; process 0 writes --out.
 """
 
 

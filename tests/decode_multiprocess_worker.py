@@ -54,9 +54,9 @@ def main(out: str) -> None:
         got[name] = {"output_ids": [x.output_ids for x in results],
                      "acceptance_lengths": [x.acceptance_lengths for x in results]}
 
-    for name, mesh in meshes():
-        keep(f"{name}/spec/static", speculative_generate(tc, tp, dc, dp, prompts, max_new_tokens=r,
-                                                         batch_size=n, mesh=mesh))
+    for (name, mesh), loop in zip(meshes(), ("device", "host")):
+        keep(f"{name}/spec/static-{loop}-loop", speculative_generate(
+            tc, tp, dc, dp, prompts, max_new_tokens=r, batch_size=n, mesh=mesh, loop=loop))
         keep(f"{name}/spec/continuous", engine.serve(tc, tp, dc, dp, prompts, max_new_tokens=r,
                                                      slots=4, mesh=mesh, order=list(range(n))[::-1]))
     name, mesh = meshes()[0]

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax import sampling
+from dspark_jax import sharding as sharding_lib
 from dspark_jax import families
 from dspark_jax.decode import loop as L
 from dspark_jax.decode import sharded
@@ -132,7 +133,7 @@ def serve(
     tp = prog.place_params(target_params, target_cfg)
     dp = prog.place_params(draft_params, draft_cfg) if spec else None
     place_rep = (lambda x: x) if mesh is None else (
-        lambda x: jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())))
+        lambda x: sharding_lib.to_global(x, sharding_lib.replicated(mesh)))
     temp, stop_arr = place_rep(temp), place_rep(stop_arr)
     conf_temps = place_rep(conf_temps) if spec else None
 
@@ -147,14 +148,14 @@ def serve(
         state = _empty_state(abstract, None)
         state = state.replace(policy_state=policy.init_state(slots, g), key=key0)
         if mesh is not None:
-            state = jax.device_put(state, prog.state_sharding(like=state))
+            state = sharding_lib.to_global(state, prog.state_sharding(like=state))
     else:
         abstract = jax.eval_shape(
             lambda a, b, c, k: L._ar_prefill(target_params, a, b, c, k, temp, stop_arr, static,
                                              max_len), *dummy, key0)
         state = _empty_state(abstract, None).replace(key=key0)
         if mesh is not None:
-            state = jax.device_put(state, prog.state_sharding(like=state))
+            state = sharding_lib.to_global(state, prog.state_sharding(like=state))
 
     host_rng = np.random.default_rng(seed)
     pending = collections.deque(order)
@@ -230,17 +231,17 @@ def serve(
             state = prog.ar_chunk(tp, state, temp, stop_arr, place_rep(steps), place_rep(until),
                                   static=static)
         n_chunks += 1
-        active = np.asarray(jax.device_get(state.active))
+        active = np.asarray(sharding_lib.to_host(state.active))
         now = time.perf_counter()
         done = [s for s in range(slots) if slot_req[s] is not None and not active[s]]
         if not done:
             continue
         if spec:
-            host = jax.device_get({"seq": state.seq, "rounds": state.rounds, "acc": state.acc_rec,
+            host = sharding_lib.to_host({"seq": state.seq, "rounds": state.rounds, "acc": state.acc_rec,
                                    "prop": state.prop_rec, "drafts": state.drafts_rec,
                                    "conf": state.conf_rec})
         else:
-            host = jax.device_get({"seq": state.seq, "pos": state.pos})
+            host = sharding_lib.to_host({"seq": state.seq, "pos": state.pos})
         for s in done:
             harvest(host, s, slot_req[s], now)
             slot_req[s] = None

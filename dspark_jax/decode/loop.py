@@ -429,8 +429,8 @@ class DecodeProgram:
             return x
         x = jnp.asarray(x)
         if x.ndim and x.shape[0] % sharded.batch_multiple(self.mesh, self.rules) == 0:
-            return jax.device_put(x, sharding_lib.batch_sharding(self.mesh, x.ndim, self.rules))
-        return jax.device_put(x, sharding_lib.replicated(self.mesh))
+            return sharding_lib.to_global(x, sharding_lib.batch_sharding(self.mesh, x.ndim, self.rules))
+        return sharding_lib.to_global(x, sharding_lib.replicated(self.mesh))
 
     def jitted(self):
         return (self.prefill, self.run, self.round, self.chunk, self.prefill_into, self.ar_prefill,
@@ -720,7 +720,7 @@ def speculative_generate(
                     break
                 state = prog.round(target_params, draft_params, state, temp, stop_arr,
                                    conf_temps, static=static)
-        return jax.device_get({"seq": state.seq, "rounds": state.rounds, "acc": state.acc_rec,
+        return sharding_lib.to_host({"seq": state.seq, "rounds": state.rounds, "acc": state.acc_rec,
                                "prop": state.prop_rec, "drafts": state.drafts_rec,
                                "conf": state.conf_rec})
 
@@ -782,7 +782,7 @@ def autoregressive_generate(
         state = prog.ar_prefill(target_params, arr, lens, valid, k_batch, temp, stop_arr,
                                 static=static, max_len=max_len, max_new=mx)
         state = prog.ar_run(target_params, state, temp, stop_arr, static=static)
-        return jax.device_get((state.seq, state.pos))
+        return sharding_lib.to_host((state.seq, state.pos))
 
     def row_result(host, r, start, bi, seconds, budget):
         seq, pos = host

@@ -43,6 +43,8 @@ class ProgramPlan:
     code_bytes: int
     collectives: dict[str, dict[str, int]]
     compile_seconds: float
+    upcast_bytes: int = 0
+
 
     @property
     def peak_bytes(self) -> int:
@@ -106,6 +108,34 @@ def collectives_in(hlo_text: str) -> dict[str, dict[str, int]]:
     return out
 
 
+def _shape_bytes(dtype: str, dims: str) -> int:
+    return _DTYPE_BYTES.get(dtype, 0) * math.prod(int(d) for d in dims.split(",") if d)
+
+
+def upcast_bytes(hlo_text: str) -> int:
+    """Bytes of the float32 copies the backend made of bfloat16 *arguments* (weights, KV caches).
+
+    XLA:CPU has no bf16 dot/scatter/collective kernels: it converts every bf16 entry parameter
+    that feeds one to f32 once, in the entry computation (hoisted out of the layer loops), and
+    those copies live in the temporaries. A GPU/TPU compile of the same program keeps them
+    bf16, so its temporaries are smaller by about this much. Counted: entry-computation
+    ``convert`` ops (plain or wrapped in a loop fusion) from a bf16 parameter to an f32 result.
+    """
+    entry = hlo_text[hlo_text.find("\nENTRY"):] if "\nENTRY" in hlo_text else ""
+    if not entry:
+        return 0
+    header, _, body = entry.partition("{\n")
+    bf16_params = {name for name, dt in re.findall(r"([\w.\-]+): (\w+)\[", header) if dt == "bf16"}
+    total = 0
+    for line in body.splitlines():
+        m = re.match(r"\s*%\S+ = f32\[([0-9,]*)\]\S* (?:convert|fusion)\(%([\w.\-]+)\)(.*)", line)
+        if not m or m.group(2) not in bf16_params:
+            continue
+        if "convert" in line.split("=", 1)[1].split("(", 1)[0] or "calls=%wrapped_convert" in m.group(3):
+            total += _shape_bytes("f32", m.group(1))
+    return total
+
+
 def compile_plan(name: str, fn: Callable, *abstract_args, **jit_kwargs) -> ProgramPlan:
     """Lower + compile ``fn`` (jitted with ``jit_kwargs`` unless it is jitted already) on
     abstract args; return its ProgramPlan."""
@@ -116,9 +146,11 @@ def compile_plan(name: str, fn: Callable, *abstract_args, **jit_kwargs) -> Progr
     seconds = time.perf_counter() - start
     mem = compiled.memory_analysis()
     get = lambda attr: int(getattr(mem, attr, 0) or 0) if mem is not None else 0
+    text = compiled.as_text()
     return ProgramPlan(name, get("argument_size_in_bytes"), get("output_size_in_bytes"),
                        get("temp_size_in_bytes"), get("alias_size_in_bytes"),
-                       get("generated_code_size_in_bytes"), collectives_in(compiled.as_text()), seconds)
+                       get("generated_code_size_in_bytes"), collectives_in(text), seconds,
+                       upcast_bytes(text) if jax.default_backend() == "cpu" else 0)
 
 
 def plan_train_step(draft_cfg: DraftConfig, target_cfg: TargetConfig, train_cfg: TrainConfig,

@@ -118,8 +118,10 @@ def upcast_bytes(hlo_text: str) -> int:
     XLA:CPU has no bf16 dot/scatter/collective kernels: it converts every bf16 entry parameter
     that feeds one to f32 once, in the entry computation (hoisted out of the layer loops), and
     those copies live in the temporaries. A GPU/TPU compile of the same program keeps them
-    bf16, so its temporaries are smaller by about this much. Counted: entry-computation
-    ``convert`` ops (plain or wrapped in a loop fusion) from a bf16 parameter to an f32 result.
+    bf16. This is the sum of the copies' sizes, not their peak: copies used in different phases
+    of a program (the draft layers' weights, then the target's) may share one buffer, so the
+    sum can exceed the temporaries. Counted: entry-computation ``convert`` ops (plain or wrapped
+    in a loop fusion) from a bf16 parameter to an f32 result.
     """
     entry = hlo_text[hlo_text.find("\nENTRY"):] if "\nENTRY" in hlo_text else ""
     if not entry:

@@ -45,10 +45,11 @@ FEATURE_ARRAYS = ("features", "last_hidden")
 
 
 def storage_dtype(dtype) -> np.dtype:
-    """The dtype a feature array of ``dtype`` is saved with: itself when NumPy reads it back
-    (float32), else the unsigned int of its width (bfloat16 -> uint16, its bit pattern)."""
+    """The dtype a feature array of ``dtype`` is saved with: itself when it is a NumPy type
+    (float32), else the unsigned int of its width (ml_dtypes' bfloat16, kind "V" -> uint16, its
+    bit pattern)."""
     dtype = np.dtype(dtype)
-    return dtype if dtype.kind == "f" and dtype.name in ("float16", "float32", "float64") else np.dtype(f"u{dtype.itemsize}")
+    return np.dtype(f"u{dtype.itemsize}") if dtype.kind == "V" else dtype
 
 
 def as_feature_dtype(array: np.ndarray, dtype, where: str) -> np.ndarray:

@@ -26,6 +26,11 @@ from dspark_jax.convert import mapping
 from dspark_jax.train.config import TrainConfig
 from dspark_jax.train.program import abstract, build_program, compute_dtype
 
+def _shape_bytes(dtype: str, dims: str) -> int:
+    """Bytes of an HLO array type ``dtype[dims]`` (0 for types not in ``_DTYPE_BYTES``)."""
+    return _DTYPE_BYTES.get(dtype, 0) * math.prod(int(d) for d in dims.split(",") if d)
+
+
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
                 "f32": 4, "s64": 8, "u64": 8, "f64": 8}
@@ -44,7 +49,6 @@ class ProgramPlan:
     collectives: dict[str, dict[str, int]]
     compile_seconds: float
     upcast_bytes: int = 0
-
 
     @property
     def peak_bytes(self) -> int:
@@ -97,10 +101,8 @@ def collectives_in(hlo_text: str) -> dict[str, dict[str, int]]:
             m = re.search(rf"=\s*(.*?)\s{op}(-start)?\(", line)
             if not m:
                 continue
-            nbytes = 0
-            for dt, dims in re.findall(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]", m.group(1)):
-                if dt in _DTYPE_BYTES:
-                    nbytes += _DTYPE_BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d)
+            nbytes = sum(_shape_bytes(dt, dims)
+                         for dt, dims in re.findall(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]", m.group(1)))
             entry = out.setdefault(op, {"count": 0, "bytes": 0})
             entry["count"] += 1
             entry["bytes"] += nbytes
@@ -108,16 +110,12 @@ def collectives_in(hlo_text: str) -> dict[str, dict[str, int]]:
     return out
 
 
-def _shape_bytes(dtype: str, dims: str) -> int:
-    return _DTYPE_BYTES.get(dtype, 0) * math.prod(int(d) for d in dims.split(",") if d)
-
-
 def upcast_bytes(hlo_text: str) -> int:
     """Bytes of the float32 copies the backend made of bfloat16 *arguments* (weights, KV caches).
 
-    XLA:CPU has no bf16 dot/scatter/collective kernels: it converts every bf16 entry parameter
-    that feeds one to f32 once, in the entry computation (hoisted out of the layer loops), and
-    those copies live in the temporaries. A GPU/TPU compile of the same program keeps them
+    XLA:CPU runs many bf16 ops in f32 (dots inside the layer loops, cache scatters,
+    collectives): it converts each bf16 entry parameter that feeds one to f32 once, in the entry
+    computation (hoisted out of the loops), and those copies live in the temporaries. A GPU/TPU compile of the same program keeps them
     bf16. This is the sum of the copies' sizes, not their peak: copies used in different phases
     of a program (the draft layers' weights, then the target's) may share one buffer, so the
     sum can exceed the temporaries. Counted: entry-computation ``convert`` ops (plain or wrapped
@@ -130,10 +128,8 @@ def upcast_bytes(hlo_text: str) -> int:
     bf16_params = {name for name, dt in re.findall(r"([\w.\-]+): (\w+)\[", header) if dt == "bf16"}
     total = 0
     for line in body.splitlines():
-        m = re.match(r"\s*%\S+ = f32\[([0-9,]*)\]\S* (?:convert|fusion)\(%([\w.\-]+)\)(.*)", line)
-        if not m or m.group(2) not in bf16_params:
-            continue
-        if "convert" in line.split("=", 1)[1].split("(", 1)[0] or "calls=%wrapped_convert" in m.group(3):
+        m = re.match(r"\s*%\S+ = f32\[([0-9,]*)\]\S* (convert|fusion)\(%([\w.\-]+)\)(.*)", line)
+        if m and m.group(3) in bf16_params and (m.group(2) == "convert" or "calls=%wrapped_convert" in m.group(4)):
             total += _shape_bytes("f32", m.group(1))
     return total
 

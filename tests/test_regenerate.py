@@ -333,3 +333,31 @@ def test_top_p_in_the_engine_changes_only_when_below_one():
                         slots=2, request_keys=keys, top_p=1e-6)  # nucleus = the argmax: greedy
     greedy = engine.serve(tc, tp, None, None, prompts, max_new_tokens=MAX_NEW, temperature=0.0, slots=2)
     assert [r.output_ids for r in tiny] == [r.output_ids for r in greedy]
+
+
+# ----------------------------------------------------------------------------- speculative
+
+
+@pytest.fixture(scope="module")
+def tiny_with_tokenizer(tmp_path_factory, tiny_dir):
+    """The tiny fixture target (vocab 512) with a byte tokenizer covering all 512 ids."""
+    d = tmp_path_factory.mktemp("tiny_target")
+    for f in (tiny_dir / "target").iterdir():
+        os.symlink(f, d / f.name)
+    extra = tuple(f"<|x{i}|>" for i in range(512 - 264))
+    ByteTokenizer(ByteTokenizer().special_tokens + extra).save(d)
+    return d, tiny_dir / "draft"
+
+
+def test_speculative_regeneration_is_lossless_and_deterministic(tmp_path, tiny_with_tokenizer):
+    target, draft = tiny_with_tokenizer
+    data = _write(tmp_path / "p.jsonl", [{"text": "ab"}, {"text": "hello"}, {"text": "xyz1"}])
+    run = dict(raw_prompt=True, max_new_tokens=MAX_NEW, seed=3, progress=False, log=lambda s: None)
+    R.regenerate(target, data, tmp_path / "ar.jsonl", temperature=0.0, slots=2, **run)
+    R.regenerate(target, data, tmp_path / "sd.jsonl", temperature=0.0, slots=2, draft=draft, **run)
+    assert _rows(tmp_path / "sd.jsonl") == _rows(tmp_path / "ar.jsonl")  # greedy: lossless
+    R.regenerate(target, data, tmp_path / "s2.jsonl", temperature=1.0, slots=2, draft=draft, **run)
+    R.regenerate(target, data, tmp_path / "s3.jsonl", temperature=1.0, slots=3, draft=draft, **run)
+    assert _rows(tmp_path / "s2.jsonl") == _rows(tmp_path / "s3.jsonl")
+    summary = json.loads((tmp_path / "s3.jsonl.summary.json").read_text())
+    assert summary["mode"] == "speculative" and summary["rows"] == 3

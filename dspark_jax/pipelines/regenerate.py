@@ -267,8 +267,9 @@ def _open_journal(files: dict, fp: dict, n_requests: int, force: bool, log) -> d
                 old = json.loads(meta.read_text()).get("fingerprint")
             except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
                 old = None
-        if old == fp and journal.is_file():
+        if old == fp:
             rows = read_journal(journal, n_requests)
+            journal.touch()
             log(f"regenerate: resuming {journal}: {len(rows)} of {n_requests} rows done")
             return rows
         if not force:

@@ -4,7 +4,6 @@ outputs, other-argument journals), top-p sampling, and `train` reading the outpu
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys

@@ -159,12 +159,15 @@ def test_rows_equal_the_engine_and_train_reads_them(work, reference_run):
     assert list(ids) == rows[0]["input_ids"] and list(mask) == rows[0]["loss_mask"]
 
 
-def test_greedy_raw_prompts_equal_autoregressive_generate(tmp_path):
+def test_greedy_raw_prompts_equal_autoregressive_generate(tmp_path, capsys):
     data = _write(tmp_path / "p.jsonl", [{"text": "import sys\n"}, {"prompt": "def main():\n"},
                                         {"question": "class Foo(object):\n"}])
     out = tmp_path / "o.jsonl"
-    R.regenerate(TARGET, data, out, raw_prompt=True, temperature=0.0, max_new_tokens=MAX_NEW,
-                 slots=2, progress=False, log=lambda s: None)
+    assert data_regenerate.main(["--target", str(TARGET), "--data", str(data), "--out", str(out),
+                                 "--raw-prompt", "--temperature", "0", "--max-new-tokens",
+                                 str(MAX_NEW), "--slots", "2", "--no-progress"]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["rows"] == 3 and printed["temperature"] == 0.0 and printed["stop_token_ids"] == [258]
     tok = ByteTokenizer.load(TARGET)
     prompts = [tok.encode(t, add_bos=True) for t in ("import sys\n", "def main():\n", "class Foo(object):\n")]
     tc, tp = load_target(TARGET)
@@ -298,6 +301,24 @@ def test_template_without_generation_prompt_is_refused(tmp_path):
                                          r"tokens with and without add_generation_prompt"):
         R.regenerate(target, data, tmp_path / "o.jsonl", **SETTINGS)
     assert not (tmp_path / "o.jsonl").exists() and not (tmp_path / "o.jsonl.partial").exists()
+
+
+def test_sampling_defaults_from_the_generation_config(tmp_path):
+    d = tmp_path / "t"
+    d.mkdir()
+    (d / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "eos_token_id": [7, 3]}))
+    assert R.resolve_sampling(d, None) == R.Sampling(0.6, 0.95, R.DEFAULT_MAX_NEW_TOKENS, [3, 7])
+    assert R.resolve_sampling(d, None, temperature=1.0, top_p=1.0, max_new_tokens=5,
+                              stop_token_ids=[]) == R.Sampling(1.0, 1.0, 5, [])
+    (d / "generation_config.json").write_text(json.dumps({"do_sample": False, "temperature": 0.6,
+                                                          "max_new_tokens": 9}))
+    assert R.resolve_sampling(d, None) == R.Sampling(0.0, 1.0, 9, [])
+    (d / "generation_config.json").unlink()
+    assert R.resolve_sampling(d, None) == R.Sampling(R.DEFAULT_TEMPERATURE, 1.0,
+                                                     R.DEFAULT_MAX_NEW_TOKENS, [])
+    with pytest.raises(InputError, match="--top-p must be in"):
+        R.resolve_sampling(d, None, top_p=0.0)
 
 
 # ----------------------------------------------------------------------------- top-p

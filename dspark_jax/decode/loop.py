@@ -106,6 +106,7 @@ class _Static:
     policy: Any
     greedy: bool
     max_new_tokens: int
+    top_p: float = 1.0       # nucleus sampling of the target (AR only); 1 = off (unchanged program)
 
 
 @dataclasses.dataclass
@@ -177,7 +178,7 @@ def _prefill(tparams, dparams, prompts, lens, valid, key, temperature, stop_ids,
     last = hidden[rows, lens - 1]
     key, k_first = jax.random.split(key)
     first = sampling.sample_logits(k_first, target_logits(tcfg, tparams, last), temperature,
-                                   static.greedy)
+                                   static.greedy, static.top_p)
     seq = jnp.zeros((b, max_len), jnp.int32).at[:, :p].set(prompts)
     seq = seq.at[rows, lens].set(first)
     active = valid & ~_is_stop(first, stop_ids)
@@ -211,7 +212,7 @@ def _round(tparams, dparams, state: DecodeState, temperature, stop_ids, conf_tem
     b, max_len = state.seq.shape
     g = dcfg.block_size
     rows = jnp.arange(b)
-    key, k_draft, k_verify = jax.random.split(state.key, 3)
+    key, k_draft, k_verify = sampling.split(state.key, 3)
     active = state.active
 
     anchor = state.seq[rows, state.pos]
@@ -288,12 +289,12 @@ def _ar_prefill(tparams, prompts, lens, valid, key, temperature, stop_ids, stati
 def _ar_step(tparams, state: ARState, temperature, stop_ids, static) -> ARState:
     b, max_len = state.seq.shape
     rows = jnp.arange(b)
-    key, k_s = jax.random.split(state.key)
+    key, k_s = sampling.split(state.key)
     tok = state.seq[rows, state.pos][:, None]
     tm = target_module(static.target)
     hidden, _, cache = tm.forward(tparams, static.target, tok, state.cache)
     nxt = sampling.sample_logits(k_s, target_logits(static.target, tparams, hidden[:, 0]), temperature,
-                                 static.greedy)
+                                 static.greedy, static.top_p)
     active = state.active
     seq = state.seq.at[rows, jnp.where(active, state.pos + 1, max_len)].set(nxt, mode="drop")
     pos = jnp.where(active, state.pos + 1, state.pos)
@@ -345,11 +346,14 @@ def _put_row(big, row, slot, batch_dim: int):
 
 
 def _insert(big, one, slot):
-    """Write the one-row state ``one`` into row ``slot`` of ``big`` (key/round/policy kept)."""
+    """Write the one-row state ``one`` into row ``slot`` of ``big`` (key/round/policy kept; with
+    per-row keys, ``big.key`` [B, 2], the row's key is written too)."""
     fields = {}
     for name in big.__dataclass_fields__:
         b, o = getattr(big, name), getattr(one, name)
-        if name in ("key", "round", "policy_state"):
+        if name == "key" and b.ndim == 2:
+            fields[name] = _put_row(b, o[None], slot, 0)
+        elif name in ("key", "round", "policy_state"):
             fields[name] = b
         elif name in ("cache", "ctx"):
             fields[name] = None if b is None else jax.tree.map(

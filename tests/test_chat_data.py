@@ -162,11 +162,12 @@ def test_sharegpt_and_messages_rows_give_the_same_tokens(tok, tmp_path):
 @pytest.mark.parametrize("row, match", [
     ({"messages": [U1]}, "no assistant turn"),
     ({"conversations": [{"from": "human", "value": "hi"}]}, "no assistant turn"),
-    ({"prompt": "hi"}, "unknown row format"),
+    ({"prompt": "hi"}, "holds a prompt but no reply"),
+    ({"oops": 1}, "unknown format"),
     ({"messages": []}, "non-empty list"),
-    ({"messages": [{"role": "robot", "content": "x"}]}, "role='robot'"),
-    ({"conversations": [{"from": "alien", "value": "x"}]}, "from='alien'"),
-    ({"messages": [U1, {"role": "assistant", "content": 5}]}, r"messages\[2\].content must be a string"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "role 'robot' is not one of"),
+    ({"conversations": [{"from": "alien", "value": "x"}]}, "'from' 'alien' is not one of"),
+    ({"messages": [U1, {"role": "assistant", "content": 5}]}, "message 1: content must be a string"),
     ("[1, 2]", "expected a JSON object"),
 ])
 def test_bad_rows_are_refused_naming_file_and_line(tok, tmp_path, row, match):
@@ -244,7 +245,7 @@ def test_data_inspect_chat_file(tok, tok_dir, tmp_path, capsys):
 
 @pytest.mark.parametrize("rows, extra, match", [
     (['{"messages": [{"role": "user", "content": "hi"}]}'], ["--tokenizer"], ":1: no assistant turn"),
-    (['{"text": "hi"}'], [], ":1: unknown row format"),
+    (['{"text": "hi"}'], [], ":1: a 'prompt' row holds a prompt but no reply"),
     (['{"messages": [}'], ["--tokenizer"], ":1: malformed JSONL line"),
     (['{"messages": [{"role": "user", "content": "hi"}]}'], [], "needs a tokenizer"),
     ([], [], "has no rows"),

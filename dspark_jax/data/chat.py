@@ -39,63 +39,32 @@ ignores ``add_generation_prompt`` or one that cannot place a turn: InputError na
 
 from __future__ import annotations
 
-import copy
 import re
 from typing import Iterator, Mapping, Sequence
 
+from dspark_jax.data import formats
 from dspark_jax.errors import InputError
 from dspark_jax.fileio import iter_jsonl
 
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "chatgpt": "assistant", "model": "assistant", "system": "system", "tool": "tool",
-                  "observation": "tool", "function_response": "tool"}
-ROLES = ("system", "user", "assistant", "tool")
 _GENERATION_BLOCK = re.compile(r"{%-?\s*generation\s*-?%}")
 _PROBE = "Zq7probeXv"  # assistant content of the probe conversation (no whitespace: templates trim)
 
 
 def to_messages(record, where: str) -> list[dict]:
-    """One JSONL record -> ``[{"role", "content", ...}, ...]`` (copies; extra keys kept).
+    """One JSONL training row -> ``[{"role", "content", ...}, ...]`` (copies; extra keys kept).
 
-    ``{"messages": [...]}`` or ShareGPT ``{"conversations": [{"from", "value"}, ...]}``.
-    InputError naming ``where`` for anything else, unknown roles or non-string contents.
+    ``{"messages": [...]}``, ShareGPT ``{"conversations": [{"from", "value"}, ...]}`` or the
+    reference's ``{"conversations": [{"role", "content"}, ...]}``, read by
+    ``dspark_jax.data.formats`` (the one reader of chat rows). InputError naming ``where`` for
+    anything else (a prompt-only row has no reply to train on), unknown roles or non-string
+    contents.
     """
-    if not isinstance(record, Mapping):
-        raise InputError(f"{where}: expected a JSON object with 'messages' or 'conversations'")
-    if "messages" in record:
-        turns, key = record["messages"], "messages"
-    elif "conversations" in record:
-        turns, key = record["conversations"], "conversations"
-    else:
-        raise InputError(f"{where}: unknown row format (keys {sorted(record)[:6]}); expected "
-                         "'messages' (role/content) or 'conversations' (ShareGPT from/value)")
-    if not isinstance(turns, list) or not turns:
-        raise InputError(f"{where}: '{key}' must be a non-empty list")
-    out = []
-    for n, turn in enumerate(turns, start=1):
-        if not isinstance(turn, Mapping):
-            raise InputError(f"{where}: {key}[{n}] is not an object")
-        if key == "conversations":
-            who = turn.get("from")
-            if who not in SHAREGPT_ROLES:
-                raise InputError(f"{where}: conversations[{n}].from={who!r} is not one of "
-                                 f"{sorted(SHAREGPT_ROLES)}")
-            msg = {k: copy.deepcopy(v) for k, v in turn.items() if k not in ("from", "value")}
-            msg.update(role=SHAREGPT_ROLES[who], content=turn.get("value"))
-        else:
-            msg = copy.deepcopy(dict(turn))
-            if msg.get("role") not in ROLES:
-                raise InputError(f"{where}: messages[{n}].role={msg.get('role')!r} is not one of {list(ROLES)}")
-        if msg.get("content") is None and msg.get("tool_calls"):
-            msg["content"] = ""
-        if not isinstance(msg.get("content"), str):
-            field = "value" if key == "conversations" else "content"
-            raise InputError(f"{where}: {key}[{n}].{field} must be a string")
-        reasoning = msg.get("reasoning_content")
-        if reasoning is not None and not isinstance(reasoning, str):
-            raise InputError(f"{where}: {key}[{n}].reasoning_content must be a string")
-        out.append(msg)
-    return out
+    fmt = formats.detect_format(record, where)
+    if fmt not in formats.CONVERSATION_FORMATS:
+        raise InputError(f"{where}: a {fmt!r} row holds a prompt but no reply to train on; chat "
+                         "training rows need 'messages' or 'conversations' (answer prompts with "
+                         "`dspark-jax data regenerate`)")
+    return formats.parse_row(record, where, 0, fmt).messages
 
 
 def split_think(content: str) -> tuple[str | None, str]:
@@ -163,6 +132,10 @@ class ChatRenderer:
 
     def _ids(self, messages, where, *, gen: bool) -> list[int]:
         return _token_ids(self._apply(messages, where, gen=gen, tokenize=True))
+
+    def prompt_ids(self, messages: Sequence[Mapping], where: str = "chat", *, gen: bool = True) -> list[int]:
+        """Token ids of ``messages`` (reasoning normalised) with / without the generation prompt."""
+        return self._ids(self.normalise(messages), where, gen=gen)
 
     def normalise(self, messages: Sequence[Mapping]) -> list[dict]:
         """Reasoning in the form the template reads: ``reasoning_content`` when the template

@@ -13,14 +13,16 @@ and refuses a later row of another format, naming its line):
 - ``prompt``: a single user prompt in ``"prompt"``, ``"text"``, ``"question"`` or
   ``"instruction"`` (first present, in that order).
 
-Roles are ``system``, ``user`` and ``assistant``; contents are strings. A row without a user
-message, with an assistant message before any user message, or with an unknown role or a
+Roles are ``system``, ``user``, ``assistant`` and ``tool``; contents are strings (an assistant
+message with ``tool_calls`` and no content gets ""); other message fields (``reasoning_content``,
+``tool_calls``, ``name``, ...) are kept for the chat template. A row without a user message, with an assistant message before any user message, or with an unknown role or a
 non-string content is an InputError naming ``file:line``. Other fields of a row (``id``, ...)
 are kept in ``Conversation.extra``.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -29,10 +31,12 @@ from dspark_jax.fileio import iter_jsonl
 
 FORMATS = ("sharegpt", "deepspec", "messages", "turns", "prompt")
 PROMPT_FIELDS = ("prompt", "text", "question", "instruction")
-ROLES = ("system", "user", "assistant")
+CONVERSATION_FORMATS = ("sharegpt", "deepspec", "messages")  # rows that carry whole chats
+ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
                   "assistant": "assistant", "chatgpt": "assistant", "bing": "assistant",
-                  "bard": "assistant", "model": "assistant"}
+                  "bard": "assistant", "model": "assistant", "tool": "tool", "observation": "tool",
+                  "function_response": "tool"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,13 +86,20 @@ def detect_format(rec, where: str) -> str:
                      f"{list(PROMPT_FIELDS)}; got the fields {sorted(rec)[:8]}")
 
 
-def _message(where: str, n: int, role, content) -> dict:
+def _message(where: str, n: int, role, content, extra: dict | None = None) -> dict:
+    """``{"role", "content", **extra}`` (extra: the message's other fields, deep-copied)."""
     if role not in ROLES:
         raise InputError(f"{where}: message {n}: role {role!r} is not one of {list(ROLES)}")
+    extra = copy.deepcopy(extra or {})
+    if content is None and extra.get("tool_calls"):
+        content = ""
     if not isinstance(content, str):
         raise InputError(f"{where}: message {n}: content must be a string, got "
                          f"{type(content).__name__}")
-    return {"role": role, "content": content}
+    reasoning = extra.get("reasoning_content")
+    if reasoning is not None and not isinstance(reasoning, str):
+        raise InputError(f"{where}: message {n}: reasoning_content must be a string")
+    return {"role": role, "content": content, **extra}
 
 
 def _messages(rec: dict, fmt: str, where: str) -> tuple[list[dict], set[str]]:
@@ -107,9 +118,11 @@ def _messages(rec: dict, fmt: str, where: str) -> tuple[list[dict], set[str]]:
                 if who not in SHAREGPT_ROLES:
                     raise InputError(f"{where}: message {n}: 'from' {who!r} is not one of "
                                      f"{sorted(SHAREGPT_ROLES)}")
-                out.append(_message(where, n, SHAREGPT_ROLES[who], m.get("value")))
+                rest = {k: v for k, v in m.items() if k not in ("from", "value")}
+                out.append(_message(where, n, SHAREGPT_ROLES[who], m.get("value"), rest))
             else:
-                out.append(_message(where, n, m.get("role"), m.get("content")))
+                rest = {k: v for k, v in m.items() if k not in ("role", "content")}
+                out.append(_message(where, n, m.get("role"), m.get("content"), rest))
         return out, {field}
     if fmt == "turns":
         turns = rec["turns"]

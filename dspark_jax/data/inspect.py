@@ -20,15 +20,17 @@ PERCENTILES = (50, 90, 99)
 
 
 def detect_format(path) -> str:
-    """"tokens" or "chat" from the first row's keys; InputError for an empty or unknown file."""
+    """"tokens" or "chat" from the first row; InputError for an empty or unknown file."""
+    from dspark_jax.data import formats
+
     for where, rec in iter_jsonl(path, "data file"):
         if isinstance(rec, dict) and "input_ids" in rec:
             return "tokens"
-        if isinstance(rec, dict) and ("messages" in rec or "conversations" in rec):
+        fmt = formats.detect_format(rec, where)
+        if fmt in formats.CONVERSATION_FORMATS:
             return "chat"
-        keys = sorted(rec)[:6] if isinstance(rec, dict) else type(rec).__name__
-        raise InputError(f"{where}: unknown row format ({keys}); expected 'input_ids' (tokens), "
-                         "'messages' or 'conversations' (chat)")
+        raise InputError(f"{where}: a {fmt!r} row holds a prompt but no reply; expected "
+                         "'input_ids' (tokens), 'messages' or 'conversations' (chat)")
     raise InputError(f"data file {str(path)!r} has no rows")
 
 

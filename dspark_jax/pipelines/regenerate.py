@@ -34,7 +34,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -95,20 +95,11 @@ def request_keys(seed: int, indices: Sequence[int]) -> np.ndarray:
 # ----------------------------------------------------------------------------- prompts
 
 
-def render_chat(tokenizer, messages: list, *, generation_prompt: bool, thinking: bool) -> list[int]:
-    """Token ids of ``messages`` through the tokenizer's chat template."""
-    ids = tokenizer.apply_chat_template(messages, tokenize=True,
-                                        add_generation_prompt=generation_prompt,
-                                        enable_thinking=thinking)
-    if isinstance(ids, Mapping) or hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
-
-
 def prompt_ids(tokenizer, history: list, where: str, *, raw: bool, thinking: bool) -> list[int]:
     """The prompt of a reply after ``history``. Chat: the template with the generation prompt
     (InputError naming ``where`` when the template renders the same tokens without it). Raw
     (base LMs): the single user message as plain text."""
+    from dspark_jax.data.chat import ChatRenderer
     from dspark_jax.tokenizer import encode_prompt
 
     if raw:
@@ -121,8 +112,9 @@ def prompt_ids(tokenizer, history: list, where: str, *, raw: bool, thinking: boo
     if not (getattr(tokenizer, "chat_template", None) or hasattr(tokenizer, "chat_prompt")):
         raise InputError(f"{where}: the target tokenizer has no chat template; give --raw-prompt "
                          "for a base LM (single prompts only)")
-    with_gen = render_chat(tokenizer, history, generation_prompt=True, thinking=thinking)
-    without = render_chat(tokenizer, history, generation_prompt=False, thinking=thinking)
+    renderer = ChatRenderer(tokenizer, thinking=thinking)
+    with_gen = renderer.prompt_ids(history, where, gen=True)
+    without = renderer.prompt_ids(history, where, gen=False)
     if with_gen == without:
         raise InputError(f"{where}: the target's chat template renders the same tokens with and "
                          "without add_generation_prompt (it drops the generation prompt), so the "

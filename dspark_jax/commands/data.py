@@ -1,18 +1,13 @@
 """`dspark-jax data SUBCOMMAND`: look at (and make) training data.
 
 ``inspect FILE``: token and loss-mask statistics and a sample with the trained spans marked.
-Further subcommands plug in through ``add_parser(subparsers)`` in their own module (e.g.
-``dspark_jax.commands.data_regenerate``), added here when that module exists.
+``regenerate``: on-policy training data (``dspark_jax.commands.data_regenerate``). Each
+subcommand module exposes ``add_parser(subparsers)``.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
-
-# Optional subcommand modules: each exposes add_parser(subparsers) and sets func.
-PLUGINS = ("dspark_jax.commands.data_regenerate",)
 
 
 def run_inspect(args) -> int:
@@ -68,13 +63,12 @@ def add_inspect(sub) -> None:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("data", help="inspect training data",
+    p = subparsers.add_parser("data", help="inspect and regenerate training data",
                               description="Training-data tools. See `dspark-jax data SUBCOMMAND -h`.")
     sub = p.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
     add_inspect(sub)
-    for name in PLUGINS:
-        if importlib.util.find_spec(name) is not None:
-            importlib.import_module(name).add_parser(sub)
+    from dspark_jax.commands import data_regenerate
+    data_regenerate.add_parser(sub)
 
     def no_subcommand(args) -> int:
         p.print_help()

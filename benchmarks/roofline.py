@@ -25,9 +25,10 @@ micro-step. tokens/s per chip = seq_len / projected step time; MFU = analytic mo
 drafter matmul params x block tokens for the drafter, attention included) / (projected time x
 peak). The projection is an upper bound (perfect overlap, peak rates, no launch overheads).
 
-Families (``FAMILIES``, keyed by name) give the target, the drafter and the train options; add
-one entry per target family (a ``gemma4-12b`` hook is there, skipped until
-``dspark_jax.target.gemma4`` and a family-aware decode loop exist).
+Families (``FAMILIES``, keyed by name) give the target, the drafter and the train options; one
+``preset_family(preset, config file)`` entry per target: the target is a ``presets.TARGETS``
+shape of any registered family (Qwen3, Gemma4), the drafter that family's drafter shaped by the
+config file's ``draft`` section, the train options its ``compute_dtype`` and ``memory`` section.
 
 Writes ``roofline.json`` to ``--out``; prints the tables.
 """
@@ -52,9 +53,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import round_cost  # noqa: E402  (the decode adapter lives there, once)
 
+from dspark_jax import families  # noqa: E402
 from dspark_jax.config import DraftConfig, TargetConfig  # noqa: E402
 from dspark_jax.draft import model as draft_model  # noqa: E402
-from dspark_jax.target import qwen3  # noqa: E402
+from dspark_jax.target import gemma4, qwen3  # noqa: E402
 from dspark_jax.compiles import COMPILES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,24 +78,26 @@ def _load_config(path: Path) -> dict:
     return module.CONFIG
 
 
-def qwen3_family(preset: str, config_file: str) -> Callable[[], dict]:
-    """A family entry: target preset + drafter/train options of a production config file."""
+def train_options(cfg: dict) -> dict:
+    """compute_dtype / remat / loss_chunk of a config dict (its ``memory`` section, or flat keys)."""
+    mem = cfg.get("memory", {})
+    return {"compute_dtype": cfg.get("compute_dtype", "bfloat16"),
+            "remat": mem.get("remat", cfg.get("remat", "none")),
+            "loss_chunk": int(mem.get("loss_chunk", cfg.get("loss_chunk", 0))),
+            "max_length": int(cfg.get("max_length", 4096))}
+
+
+def preset_family(preset: str, config_file: str) -> Callable[[], dict]:
+    """A family entry: target preset (any registered family) + the drafter / train options of a
+    production config file; the drafter is the target family's (``families.drafter_family``)."""
     def build():
         from dspark_jax.presets import TARGETS
         cfg = _load_config(ROOT / config_file)
         tcfg = TARGETS[preset]
-        dcfg = DraftConfig.for_target(tcfg, **cfg["draft"])
-        return {"target": tcfg, "draft": dcfg, "train": cfg, "config_file": config_file,
-                "init_target": lambda k: qwen3.init_params(tcfg, k, jnp.bfloat16)}
+        dcfg = families.drafter_family(tcfg).config_cls.for_target(tcfg, **cfg["draft"])
+        return {"target": tcfg, "draft": dcfg, "train": train_options(cfg), "config_file": config_file,
+                "init_target": lambda k: families.init_params(tcfg, k, jnp.bfloat16)}
     return build
-
-
-def gemma4_family() -> dict:
-    """Hook: Gemma4-12B, once dspark_jax.target.gemma4 exists and the decode loop dispatches on it."""
-    if importlib.util.find_spec("dspark_jax.target.gemma4") is None:
-        raise NotImplementedError("dspark_jax.target.gemma4 is not in this tree")
-    raise NotImplementedError("the decode loop runs qwen3.forward only; add the Gemma4 target "
-                              "(config, init_params) here once the loop dispatches on the family")
 
 
 def tiny_family() -> dict:
@@ -102,16 +106,32 @@ def tiny_family() -> dict:
                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096)
     dcfg = DraftConfig.for_target(tcfg, num_hidden_layers=1, block_size=5, target_layer_ids=(0, 2),
                                   mask_token_id=1023, num_anchors=16, markov_rank=16)
-    train = {"compute_dtype": "bfloat16", "remat": "dots", "loss_chunk": 8, "max_length": 256}
+    train = train_options({"compute_dtype": "bfloat16", "remat": "dots", "loss_chunk": 8, "max_length": 256})
     return {"target": tcfg, "draft": dcfg, "train": train, "config_file": None,
             "init_target": lambda k: qwen3.init_params(tcfg, k, jnp.bfloat16)}
 
 
+def tiny_gemma4_family() -> dict:
+    """Smoke-test family for the Gemma4 path: 6 layers (5 sliding, window 32 : 1 full, k = v)."""
+    from dspark_jax.draft.gemma4 import Gemma4DraftConfig
+    tcfg = gemma4.Gemma4TargetConfig(
+        vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, global_head_dim=64, num_global_key_value_heads=1,
+        attention_k_eq_v=True, layer_types=(gemma4.SLIDING,) * 5 + (gemma4.FULL,), sliding_window=32,
+        final_logit_softcapping=30.0, max_position_embeddings=4096)
+    dcfg = Gemma4DraftConfig.for_target(tcfg, 1, block_size=5, target_layer_ids=(0, 2), mask_token_id=4,
+                                        num_anchors=16, markov_rank=16)
+    train = train_options({"compute_dtype": "bfloat16", "remat": "dots", "loss_chunk": 8, "max_length": 256})
+    return {"target": tcfg, "draft": dcfg, "train": train, "config_file": None,
+            "init_target": lambda k: families.init_params(tcfg, k, jnp.bfloat16)}
+
+
 FAMILIES: dict[str, Callable[[], dict]] = {
-    "qwen3-8b": qwen3_family("Qwen/Qwen3-8B", "configs/dspark_qwen3_8b_production.py"),
-    "qwen3-4b": qwen3_family("Qwen/Qwen3-4B", "configs/dspark_qwen3_4b.py"),
-    "gemma4-12b": gemma4_family,
+    "qwen3-8b": preset_family("Qwen/Qwen3-8B", "configs/dspark_qwen3_8b_production.py"),
+    "qwen3-4b": preset_family("Qwen/Qwen3-4B", "configs/dspark_qwen3_4b.py"),
+    "gemma4-12b": preset_family("google/gemma-4-12B-it", "configs/dspark_gemma4_12b.py"),
     "tiny": tiny_family,
+    "tiny-gemma4": tiny_gemma4_family,
 }
 
 
@@ -200,7 +220,7 @@ def decode_costs(fam: dict, batch: int, prompt_len: int, max_new: int) -> dict:
     tcfg, dcfg = fam["target"], fam["draft"]
     key = jax.random.PRNGKey(0)
     tp = abstract(jax.eval_shape(fam["init_target"], key), jnp.bfloat16)
-    dp = abstract(jax.eval_shape(lambda k: draft_model.init_params(dcfg, k), key), jnp.bfloat16)
+    dp = abstract(jax.eval_shape(lambda k: families.init_params(dcfg, k), key), jnp.bfloat16)
     a = round_cost.decode_programs(tcfg, tp, dcfg, dp, batch, prompt_len, max_new, abstract=True)
     # Compulsory traffic: params + state read once; the donated state is updated in place.
     dp_own = {k: v for k, v in dp.items() if k not in draft_model.FROZEN_KEYS}  # embed / LM head: the target's
@@ -220,28 +240,54 @@ def decode_costs(fam: dict, batch: int, prompt_len: int, max_new: int) -> dict:
 
 
 def _matmul_params(layers: dict) -> int:
+    """Weights of the stacked layer matmuls: every 3-D leaf ([layers, in, out]) of ``layers``."""
     return int(sum(np.prod(v.shape) for v in jax.tree.leaves(layers) if len(v.shape) == 3))
 
 
-def model_flops(tcfg: TargetConfig, dcfg: DraftConfig, seq: int, online: bool = True) -> float:
-    """Analytic FLOPs of one train step on one sequence (no remat recompute counted); the
-    target forward only when ``online`` (cache mode reads precomputed features).
+def _visible_keys(seq: int, window: int | None) -> int:
+    """Keys summed over the S queries of causal attention (within ``window`` when sliding)."""
+    if window is None or window >= seq:
+        return seq * (seq + 1) // 2
+    return window * (window + 1) // 2 + (seq - window) * window
 
-    Target forward: 2 x layer matmul params x S + causal attention 2 x S^2 x Hq x D per layer.
+
+def target_attention_flops(tcfg, seq: int) -> float:
+    """QK^T + PV FLOPs of a causal forward over ``seq`` tokens, all layers: 4 x Hq x D x visible
+    keys per layer. Gemma4: sliding layers (``head_dim``) see <= ``sliding_window`` keys, full
+    layers ``global_head_dim``; Qwen3: every layer full with ``head_dim``."""
+    hq = tcfg.num_attention_heads
+    layer_types = getattr(tcfg, "layer_types", None)
+    if layer_types is None:
+        return float(tcfg.num_hidden_layers * 4 * hq * tcfg.head_dim * _visible_keys(seq, None))
+    total = 0
+    for t in layer_types:
+        full = t == gemma4.FULL
+        total += 4 * hq * (tcfg.global_head_dim if full else tcfg.head_dim) * _visible_keys(
+            seq, None if full else tcfg.sliding_window)
+    return float(total)
+
+
+def model_flops(tcfg, dcfg, seq: int, online: bool = True) -> float:
+    """Analytic FLOPs of one train step on one sequence (no remat recompute counted); the
+    target forward only when ``online`` (cache mode reads precomputed features). Any target /
+    drafter family (params from ``families.init_params`` shapes).
+
+    Target forward: 2 x layer matmul params x S + causal attention (``target_attention_flops``).
     Drafter (forward + backward = 3 forwards) over N x G block tokens: layer matmuls, the
     [H, V] LM head and Markov [r, V] projection per block token, attention over <= S context
     + G block keys; context fc + k/v projections over the S context tokens.
     """
     key = jax.random.PRNGKey(0)
-    tl = jax.eval_shape(lambda k: qwen3.init_params(tcfg, k), key)["layers"]
-    dpar = jax.eval_shape(lambda k: draft_model.init_params(dcfg, k), key)
-    t_fwd = 2 * _matmul_params(tl) * seq + tcfg.num_hidden_layers * 2 * seq * seq * tcfg.num_attention_heads * tcfg.head_dim
+    tpar = jax.eval_shape(lambda k: families.init_params(tcfg, k), key)
+    dpar = jax.eval_shape(lambda k: families.init_params(dcfg, k), key)
+    t_fwd = 2 * _matmul_params(tpar) * seq + target_attention_flops(tcfg, seq)
     ng = dcfg.num_anchors * dcfg.block_size
     h, v = dcfg.hidden_size, dcfg.vocab_size
-    d_layers = _matmul_params(dpar["layers"])
+    layers = dpar["layers"]
+    d_layers = _matmul_params(layers)
     d_tok = 2 * (d_layers + h * v + (dcfg.markov_rank * v if dcfg.has_markov else 0))
     d_attn = dcfg.num_hidden_layers * 4 * (seq / 2 + dcfg.block_size) * dcfg.num_attention_heads * dcfg.head_dim
-    kv = 2 * dcfg.num_key_value_heads * dcfg.head_dim * h * dcfg.num_hidden_layers
+    kv = sum(int(np.prod(layers[k].shape)) for k in ("k_proj", "v_proj") if k in layers)  # all layers
     d_ctx = 2 * (dcfg.num_context_features * h * h + kv) * seq
     return float((t_fwd if online else 0) + 3 * (ng * (d_tok + d_attn) + d_ctx))
 
@@ -256,10 +302,10 @@ def train_costs(fam: dict, seq: int) -> dict:
     opt, sched = optim.make_optimizer(cfg.optimizer, cfg.steps)
     compute = jnp.bfloat16 if tr.get("compute_dtype", "bfloat16") == "bfloat16" else jnp.float32
     fn = step_lib.build_train_step(dcfg, cfg.loss, opt, sched, target_cfg=tcfg, compute_dtype=compute,
-                                   remat=tr.get("remat", "none"), loss_chunk=int(tr.get("loss_chunk", 0)))
+                                   remat=tr["remat"], loss_chunk=tr["loss_chunk"])
     key = jax.random.PRNGKey(0)
-    dshape = jax.eval_shape(lambda k: draft_model.init_params(dcfg, k), key)
-    trainable, frozen = optim.split_params(dshape)
+    dshape = jax.eval_shape(lambda k: families.init_params(dcfg, k), key)
+    trainable, frozen = optim.split_params(dshape, dcfg)
     state = jax.eval_shape(lambda p: step_lib.init_state(p, opt, 0), abstract(trainable, jnp.float32))
     frozen = abstract(frozen, jnp.bfloat16)
     tp = abstract(jax.eval_shape(fam["init_target"], key), jnp.bfloat16)
@@ -307,6 +353,13 @@ def print_tables(report: dict) -> None:
                       f"{p['tokens_per_s']:9.0f} tokens/s/chip  MFU <= {p['mfu'] * 100:5.1f}%")
 
 
+def config_json(cfg) -> dict:
+    """A target / drafter config as JSON: its Hugging Face config.json (``to_hf``) when it has one."""
+    if hasattr(cfg, "to_hf"):
+        return cfg.to_hf()
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(cfg).items()}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--families", default="qwen3-8b,gemma4-12b", help=f"comma list of {','.join(FAMILIES)}")
@@ -317,10 +370,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-train", action="store_true")
     ap.add_argument("--compile-cost", action="store_true", help="also record this host's compiled cost analysis")
     ap.add_argument("--out", default=None, help="folder for roofline.json")
-    ap.add_argument("--smoke", action="store_true", help="a tiny family, B=1,2 (seconds)")
+    ap.add_argument("--smoke", action="store_true", help="tiny Qwen3 and Gemma4 families, B=1,2 (seconds)")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.families, args.batch_sizes, args.prompt_len, args.max_new_tokens = "tiny", [1, 2], 64, 64
+        args.families, args.batch_sizes, args.prompt_len, args.max_new_tokens = "tiny,tiny-gemma4", [1, 2], 64, 64
         args.train_seq = 128
     COMPILE_COST[0] = args.compile_cost
     compiles_before = COMPILES[0]
@@ -339,8 +392,7 @@ def main(argv=None) -> int:
         except NotImplementedError as e:
             report["families"][name] = {"skipped": str(e)}
             continue
-        entry = {"target": dict(vars(fam["target"])), "draft": {k: (list(v) if isinstance(v, tuple) else v)
-                                                                for k, v in vars(fam["draft"]).items()},
+        entry = {"target": config_json(fam["target"]), "draft": config_json(fam["draft"]),
                  "config_file": fam["config_file"], "decode": []}
         for b in args.batch_sizes:
             entry["decode"].append(decode_costs(fam, b, args.prompt_len, args.max_new_tokens))

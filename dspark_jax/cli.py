@@ -15,7 +15,7 @@ from dspark_jax.errors import DSparkError
 # Subcommand modules, in the order --help lists them.
 COMMANDS = (
     "demo", "convert", "generate", "train", "cache", "eval", "calibrate", "profile_sps", "plan",
-    "export", "inspect",
+    "export", "inspect", "data",
 )
 
 

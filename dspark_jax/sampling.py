@@ -1,4 +1,10 @@
-"""Token sampling helpers. ``greedy`` is a static Python bool (T < 1e-5 in the reference)."""
+"""Token sampling helpers. ``greedy`` is a static Python bool (T < 1e-5 in the reference).
+
+Keys: a single PRNG key ``uint32 [2]`` draws the noise of a whole batch at once; per-row keys
+``uint32 [B, 2]`` (the continuous engine's ``request_keys``) draw row b's noise from its own key
+only, so a request's samples do not depend on the other rows of its batch. ``split`` /
+``categorical`` / ``uniform`` accept both (the single-key path is the plain ``jax.random`` call).
+"""
 
 from __future__ import annotations
 
@@ -32,16 +38,54 @@ def probs_from_logits(logits: jax.Array, temperature, greedy: bool) -> jax.Array
     return jax.nn.softmax(logits / temperature, axis=-1)
 
 
-def sample_logits(key: jax.Array, logits: jax.Array, temperature, greedy: bool) -> jax.Array:
-    """Sample [...] int32 tokens from [..., V] logits at ``temperature`` (argmax when greedy)."""
+def split(key: jax.Array, num: int = 2) -> jax.Array:
+    """``num`` new keys: a key [2] -> [num, 2]; per-row keys [B, 2] -> [num, B, 2] (each row
+    splits its own key)."""
+    if key.ndim == 2:
+        return jnp.moveaxis(jax.vmap(lambda k: jax.random.split(k, num))(key), 0, 1)
+    return jax.random.split(key, num)
+
+
+def _noise(draw, key: jax.Array, shape, dtype) -> jax.Array:
+    """``draw(key, shape, dtype)``; with per-row keys [B, 2], row b of the [B, ...] result comes
+    from key b alone."""
+    if key.ndim == 2:
+        return jax.vmap(lambda k: draw(k, tuple(shape[1:]), dtype))(key)
+    return draw(key, shape, dtype)
+
+
+def uniform(key: jax.Array, shape, dtype=jnp.float32) -> jax.Array:
+    """U[0, 1) of ``shape`` (per-row keys: see ``_noise``)."""
+    return _noise(jax.random.uniform, key, shape, dtype)
+
+
+def top_p_filter(logits: jax.Array, top_p: float) -> jax.Array:
+    """Nucleus filtering of [..., V] (temperature-scaled) logits: tokens outside the smallest
+    set of the most probable ones whose probability reaches ``top_p`` get -inf (the most
+    probable token always stays; tokens tied with the last one kept stay too). ``top_p`` is a
+    static float in (0, 1]; 1 returns ``logits`` unchanged."""
+    if top_p >= 1.0:
+        return logits
+    desc = -jnp.sort(-logits, axis=-1)                                  # [..., V] descending
+    probs = jax.nn.softmax(desc, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs                         # mass above each token
+    keep = jnp.sum((before < top_p).astype(jnp.int32), axis=-1, keepdims=True)  # >= 1
+    cutoff = jnp.take_along_axis(desc, keep - 1, axis=-1)               # smallest kept logit
+    return jnp.where(logits >= cutoff, logits, -jnp.inf)
+
+
+def sample_logits(key: jax.Array, logits: jax.Array, temperature, greedy: bool,
+                  top_p: float = 1.0) -> jax.Array:
+    """Sample [...] int32 tokens from [..., V] logits at ``temperature`` (argmax when greedy),
+    restricted to the nucleus ``top_p`` (static; 1 = no filtering, the unchanged program)."""
     if greedy:
         return argmax(logits)
-    return categorical(key, logits.astype(jnp.float32) / temperature)
+    return categorical(key, top_p_filter(logits.astype(jnp.float32) / temperature, top_p))
 
 
 def categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
     """``jax.random.categorical`` over the last axis (same Gumbel-max draw) with the fast ``argmax``."""
-    return argmax(logits + jax.random.gumbel(key, logits.shape, logits.dtype))
+    return argmax(logits + _noise(jax.random.gumbel, key, logits.shape, logits.dtype))
 
 
 def sample_probs(key: jax.Array, probs: jax.Array) -> jax.Array:

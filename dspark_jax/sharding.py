@@ -137,6 +137,40 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
+def to_global(tree, shardings):
+    """Host values (numpy, jax or python scalars; the same on every process) -> global jax.Arrays.
+
+    ``shardings``: one Sharding for every leaf, or a tree (a prefix of ``tree``: a Sharding stands
+    for its whole subtree). A fully addressable sharding (one process) is a plain
+    ``jax.device_put``; otherwise each process builds its own shards with
+    ``jax.make_array_from_callback`` (``device_put`` cannot place onto other processes' devices).
+    """
+    def one(x, sh):
+        if sh.is_fully_addressable:
+            return jax.device_put(x, sh)
+        x = np.asarray(jax.device_get(x))
+        return jax.make_array_from_callback(x.shape, sh, lambda idx: x[idx])
+
+    if isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda x: one(x, shardings), tree)
+    return jax.tree.map(lambda sh, sub: jax.tree.map(lambda x: one(x, sh), sub), shardings, tree)
+
+
+def to_host(tree):
+    """Host numpy copy of a tree of (possibly multi-process) arrays, every leaf in full.
+
+    ``jax.device_get`` when this process holds every leaf (one process, or replicated leaves);
+    otherwise ``multihost_utils.process_allgather``, a collective: every process must call it at
+    the same point with the same tree (the decode host loops do: they decide from gathered values).
+    """
+    leaves = jax.tree.leaves(tree)
+    if all(not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated
+           for x in leaves):
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+    return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
+
+
 def shard_params(params, axes_tree, mesh: Mesh, rules: Mapping[str, object] = DEFAULT_RULES):
     """Place a params tree on ``mesh`` according to its logical axes."""
     shardings = param_shardings(axes_tree, mesh, params, rules)

@@ -4,7 +4,7 @@
         dspark-jax train --config configs/tiny.py mesh=data=4
 
 Each child gets DSPARK_COORDINATOR_ADDRESS / DSPARK_NUM_PROCESSES / DSPARK_PROCESS_ID (read by
-`dspark-jax train`, which calls jax.distributed.initialize and selects gloo CPU collectives),
+`dspark-jax train`, `generate` and `eval`, which call jax.distributed.initialize and selects gloo CPU collectives),
 JAX_PLATFORMS=cpu and XLA_FLAGS=--xla_force_host_platform_device_count=M. Output of process i
 goes to <log-dir>/process_<i>.log, and process 0's also to this terminal. Exit code: the first
 non-zero child exit code, else 0; if one child fails the others are terminated and the failing

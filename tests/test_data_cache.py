@@ -12,7 +12,7 @@ from dspark_jax.config import DraftConfig
 from dspark_jax.convert.checkpoint import load_target
 from dspark_jax.convert.identity import target_identity
 from dspark_jax.data import cache as cache_lib
-from dspark_jax.data import pipeline, sources
+from dspark_jax.data import chat, pipeline, sources
 from dspark_jax.data.sample import sample_sequences, write_jsonl
 from dspark_jax.errors import ConfigError, InputError
 from dspark_jax.target.features import target_features
@@ -180,10 +180,43 @@ def test_chat_source_masks_only_assistant_tokens(tmp_path):
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo!"},
             {"role": "user", "content": "q"}, {"role": "assistant", "content": "ab"}]
     path.write_text(json.dumps({"messages": msgs}) + "\n")
-    src = sources.read_chat_jsonl(path, _CharTokenizer(), 32)
+    src = chat.read_chat_jsonl(path, _CharTokenizer(), 32)
     ids, mask = src.raw(0)
     # user "hi" = [1, h, i, 3]; assistant = [2] (prompt) + "yo!" + [3]
     assert ids[:4] == [1, 10 + ord("h"), 10 + ord("i"), 3]
     assert mask == [0] * 4 + [0] + [1] * 4 + [0] * 3 + [0] + [1] * 3
     with pytest.raises(InputError, match="longer than max_length=8"):
-        sources.read_chat_jsonl(path, _CharTokenizer(), 8, overlong="refuse")
+        chat.read_chat_jsonl(path, _CharTokenizer(), 8, overlong="refuse")
+
+
+def test_bfloat16_cache_round_trip_and_older_bfloat16_caches(cache_dir, data_file, tmp_path):
+    """A bfloat16 cache reads back as the float32 cache rounded to bfloat16 (stored as uint16 bit
+    patterns); a cache written before that (bfloat16 saved raw, numpy's '|V2') still reads."""
+    import ml_dtypes
+
+    out = tmp_path / "bf16"
+    assert cli_main(["cache", "--target", str(TARGET), "--data", str(data_file), "--out", str(out),
+                     "--layer-ids", "0,2,4", "--max-length", "32", "--batch-size", "4", "--dtype", "bfloat16",
+                     "--quiet"]) == 0
+    f32, bf16 = cache_lib.FeatureCache(cache_dir), cache_lib.FeatureCache(out)
+    assert bf16.manifest["feature_dtype"] == "bfloat16"
+    assert np.load(out / "shard_00000" / "features.npy", mmap_mode="r").dtype == np.uint16  # plain numpy reads it
+
+    def check(cache):
+        for i in (0, 7):
+            a, b = f32[i], cache[i]
+            for k in ("features", "last_hidden"):
+                assert b[k].dtype == np.float32
+                want = a[k].astype(ml_dtypes.bfloat16).astype(np.float32)
+                np.testing.assert_array_equal(b[k], want)
+            np.testing.assert_array_equal(b["input_ids"], a["input_ids"])
+    check(bf16)
+
+    older = tmp_path / "bf16_older"  # the same cache as the previous writer stored it
+    shutil.copytree(out, older)
+    for shard in older.glob("shard_*"):
+        for k in cache_lib.FEATURE_ARRAYS:
+            bits = np.load(shard / f"{k}.npy")
+            np.save(shard / f"{k}.npy", bits.view(ml_dtypes.bfloat16))
+    assert np.load(older / "shard_00000" / "features.npy", mmap_mode="r").dtype.kind == "V"
+    check(cache_lib.FeatureCache(older))

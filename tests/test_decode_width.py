@@ -35,7 +35,7 @@ def test_default_and_round_widths(fixture):
     assert L.verify_widths(7, [4, 2]) == (2, 4, 8)
     with pytest.raises(ConfigError, match="widths"):
         L.verify_widths(7, [9])
-    st = lambda policy, widths=None: L.DecodeStatic(tc, dc, policy, True, 8, widths)
+    st = lambda policy, widths=None: L.DecodeStatic(tc, dc, policy, True, 8, widths=widths)
     assert L.round_widths(st(FullPolicy())) == (8,)            # full: one branch, as before
     assert L.round_widths(st(FixedPolicy(1))) == (2,)
     assert L.round_widths(st(FixedPolicy(3))) == (4,)

@@ -60,6 +60,47 @@ def mid_size() -> tuple[TargetConfig, DraftConfig]:
     return target, draft
 
 
+def test_upcast_bytes_parser():
+    """Entry-computation converts of bf16 parameters to f32 (plain or wrapped) are counted once;
+    converts of f32 or of computed values, and other fusions, are not."""
+    hlo = """
+%wrapped_convert_computation (p: bf16[4,8]) -> f32[4,8] {
+  %p = bf16[4,8]{1,0} parameter(0)
+  ROOT %c = f32[4,8]{1,0} convert(%p)
+}
+
+ENTRY %main (param.1: bf16[4,8], param.2: f32[16], param.3: bf16[2,3,5]) -> f32[4,8] {
+  %param.1 = bf16[4,8]{1,0} parameter(0)
+  %param.2 = f32[16]{0} parameter(1)
+  %param.3 = bf16[2,3,5]{2,1,0} parameter(2)
+  %wrapped_convert = f32[4,8]{1,0} fusion(%param.1), kind=kLoop, calls=%wrapped_convert_computation
+  %convert.1 = f32[2,3,5]{2,1,0} convert(%param.3)
+  %other = f32[4,8]{1,0} fusion(%param.1), kind=kLoop, calls=%fused_computation.3
+  %convert.2 = f32[16]{0} convert(%param.2)
+  ROOT %r = f32[4,8]{1,0} add(%wrapped_convert, %other)
+}
+"""
+    assert plan.upcast_bytes(hlo) == 4 * 8 * 4 + 2 * 3 * 5 * 4
+    assert plan.upcast_bytes("no entry computation") == 0
+
+
+def test_plan_reports_cpu_upcasts_of_bf16_weights():
+    """A bf16 layer scan: whatever XLA:CPU upcasts is counted inside the temporaries; in f32
+    there is nothing to upcast."""
+    def layers(ws, x):
+        body = lambda h, w: (jnp.einsum("bh,hv->bv", h, w, preferred_element_type=jnp.float32).astype(h.dtype), None)
+        return jax.lax.scan(body, x, ws)[0]
+
+    for dtype in (jnp.bfloat16, jnp.float32):
+        p = plan.compile_plan("scan", layers, jax.ShapeDtypeStruct((4, 64, 64), dtype),
+                              jax.ShapeDtypeStruct((2, 64), dtype))
+        if dtype == jnp.float32:
+            assert p.upcast_bytes == 0
+        else:
+            assert p.upcast_bytes in (0, 4 * 64 * 64 * 4) and p.upcast_bytes <= p.temp_bytes
+        assert p.to_json()["upcast_bytes"] == p.upcast_bytes
+
+
 def test_plan_train_step_mid_size():
     target, draft = mid_size()
     mesh = sharding.make_mesh("data=2,fsdp=2,tensor=2", jax.devices()[:8])

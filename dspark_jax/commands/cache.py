@@ -8,7 +8,7 @@ import json
 def run(args) -> int:
     from dspark_jax.convert.checkpoint import load_target
     from dspark_jax.data import cache as cache_lib
-    from dspark_jax.data import sources
+    from dspark_jax.data import chat, sources
     from dspark_jax.errors import InputError
     from dspark_jax.fileio import check_output
     from dspark_jax.tokenizer import load_tokenizer
@@ -17,11 +17,11 @@ def run(args) -> int:
     if args.config:
         cfg = load_config(args.config, args.overrides)
         target, data, max_length, overlong = cfg.target, cfg.data, cfg.max_length, cfg.overlong
-        fmt, tokenizer = cfg.data_format, cfg.tokenizer
+        fmt, tokenizer, thinking = cfg.data_format, cfg.tokenizer or cfg.target, cfg.chat_thinking
         out = args.out or cfg.cache_dir
     else:
         target, data, max_length, overlong = args.target, args.data, args.max_length, args.overlong
-        fmt, tokenizer, out = args.data_format, args.tokenizer, args.out
+        fmt, tokenizer, out, thinking = args.data_format, args.tokenizer or target, args.out, None
     if not (target and data and out):
         raise InputError("cache needs a target, data and an output directory (--config or "
                          "--target/--data/--out)")
@@ -35,7 +35,8 @@ def run(args) -> int:
             raise InputError("--layer-ids is required without --config")
         layer_ids = cfg.draft_config(tcfg).target_layer_ids
     if fmt == "chat":
-        seqs = sources.read_chat_jsonl(data, load_tokenizer(tokenizer, required=True), max_length, overlong)
+        seqs = chat.read_chat_jsonl(data, load_tokenizer(tokenizer, required=True), max_length, overlong,
+                                    thinking=thinking, vocab_size=tcfg.vocab_size)
     else:
         seqs = sources.read_token_jsonl(data, max_length, tcfg.vocab_size, overlong)
     manifest = cache_lib.write_cache(out, tcfg, tparams, layer_ids, seqs, batch_size=args.batch_size,
@@ -66,7 +67,7 @@ def register(subparsers) -> None:
     p.add_argument("--target", help="target checkpoint directory")
     p.add_argument("--data", help="JSONL data ({'input_ids','loss_mask'} or {'messages'})")
     p.add_argument("--data-format", default="tokens", choices=["tokens", "chat"])
-    p.add_argument("--tokenizer", default="", help="tokenizer directory for chat data")
+    p.add_argument("--tokenizer", default="", help="tokenizer directory for chat data (default: the target's)")
     p.add_argument("--out", help="output cache directory")
     p.add_argument("--layer-ids", type=_layer_ids, default=None,
                    help="comma-separated target layer ids (default: the config's drafter)")

@@ -53,8 +53,11 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    from dspark_jax.commands.train import maybe_initialize_distributed
     from dspark_jax.fileio import check_output
     from dspark_jax.pipelines.evaluate import evaluate
+
+    maybe_initialize_distributed()  # under launch/ (multi-process --mesh); no-op otherwise
 
     if args.out:  # an existing directory is allowed (the pipeline refuses one holding an eval)
         check_output(args.out, force=True, kind="dir")

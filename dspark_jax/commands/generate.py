@@ -22,6 +22,7 @@ round, accepted_drafts, confidence_logits per round (raw, for `calibrate`), and 
 tokenizer is present. A summary (tau, verify_rate, accept_rate@k, conditional acceptance,
 tokens/s) is printed at the end as JSON. Without --draft, the target decodes alone
 (autoregressive baseline). --target/--draft accept PyTorch (HF) and dspark-jax directories.
+Under launch/ (several processes), --mesh spans every process's devices; process 0 writes --out.
 """
 
 
@@ -42,7 +43,10 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    from dspark_jax.commands.train import maybe_initialize_distributed
     from dspark_jax.pipelines.generate import generate
+
+    maybe_initialize_distributed()  # under launch/ (multi-process --mesh); no-op otherwise
 
     summary = generate(args.target, args.prompts, args.out, draft=args.draft,
                        options=decode_options(args), dtype=args.dtype,

@@ -133,6 +133,9 @@ def _print_program(plan, sizes: dict) -> None:
         print(f"  {key:<22}{_mib(value)}")
     print(f"  {'arguments':<22}{_mib(plan.argument_bytes)}\n  {'outputs':<22}{_mib(plan.output_bytes)}")
     print(f"  {'temporaries':<22}{_mib(plan.temp_bytes)}  (activations, workspace)")
+    if plan.upcast_bytes:
+        print(f"  {'  bf16->f32 copies':<22}{_mib(plan.upcast_bytes)}  (XLA:CPU upcasts of bf16 weights/caches "
+              "inside the temporaries, summed, not all live at once; not made on GPU/TPU)")
     print(f"  {'donated (aliased)':<22}{_mib(plan.alias_bytes)}\n  {'peak estimate':<22}{_mib(plan.peak_bytes)}")
     coll = ", ".join(f"{op} x{c['count']} ({_mib(c['bytes']).strip()})" for op, c in plan.collectives.items())
     print(f"  collectives: {coll or 'none'}")

@@ -11,6 +11,10 @@ Layout of a cache directory (flat token-major arrays, one folder per shard)::
       features.npy     dtype [T_shard, n*H]  raw outputs of target layers ``layer_ids``, concatenated
       last_hidden.npy  dtype [T_shard, H]    final hidden state after the final norm
 
+``dtype`` is the manifest's ``feature_dtype`` (float32 or bfloat16). NumPy has no bfloat16 of its
+own: bfloat16 arrays are stored as their uint16 bit pattern (``storage_dtype``) and viewed back
+as bfloat16 when read; caches written before that (bfloat16 saved as raw ``|V2``) read the same.
+
 Writing goes to a temporary sibling directory renamed into place at the end
 (atomic); an existing cache is only replaced with ``force``.
 """
@@ -37,6 +41,27 @@ from dspark_jax.target.features import target_features
 FORMAT = "dspark-feature-cache"
 VERSION = 1
 ARRAYS = ("tokens", "loss_mask", "features", "last_hidden")
+FEATURE_ARRAYS = ("features", "last_hidden")
+
+
+def storage_dtype(dtype) -> np.dtype:
+    """The dtype a feature array of ``dtype`` is saved with: itself when it is a NumPy type
+    (float32), else the unsigned int of its width (ml_dtypes' bfloat16, kind "V" -> uint16, its
+    bit pattern)."""
+    dtype = np.dtype(dtype)
+    return np.dtype(f"u{dtype.itemsize}") if dtype.kind == "V" else dtype
+
+
+def as_feature_dtype(array: np.ndarray, dtype, where: str) -> np.ndarray:
+    """View a loaded feature array (stored as ``storage_dtype`` or, in older caches, raw
+    ``|V<n>`` void) as the manifest's ``feature_dtype``; no copy (works on memmaps)."""
+    dtype = np.dtype(dtype)
+    if array.dtype == dtype:
+        return array
+    if array.dtype.itemsize != dtype.itemsize or array.dtype.kind not in "uV":
+        raise CheckpointError(f"{where}: stored dtype {array.dtype} does not hold the manifest's "
+                              f"feature_dtype {dtype.name}")
+    return array.view(dtype)
 
 
 def _feature_fn(config: TargetConfig, layer_ids, compute_dtype):
@@ -82,7 +107,8 @@ def _write_cache_into(tmp: Path, target_config: TargetConfig, target_params, lay
         d = tmp / f"shard_{len(shards):05d}"
         d.mkdir()
         for k in ARRAYS:
-            np.save(d / f"{k}.npy", np.concatenate(buf[k], axis=0))
+            a = np.concatenate(buf[k], axis=0)
+            np.save(d / f"{k}.npy", a.view(storage_dtype(a.dtype)) if k in FEATURE_ARRAYS else a)
         shards.append({"name": d.name, "tokens": buf_tokens})
         buf = {k: [] for k in ARRAYS}
         buf_tokens = 0
@@ -149,6 +175,10 @@ class FeatureCache:
             bad = int(np.argmax(self.index[:, 2]))
             raise InputError(f"feature cache record {bad}: sequence of {longest} tokens is longer than "
                              f"max_length={self.max_length} (set overlong='truncate' to cut it)")
+        try:
+            feature_dtype = np.dtype(jnp.dtype(self.manifest.get("feature_dtype", "float32")))
+        except TypeError:
+            raise CheckpointError(f"{mf}: unknown feature_dtype {self.manifest.get('feature_dtype')!r}") from None
         self._shards = []
         for sh in self.manifest["shards"]:
             arrays = {}
@@ -157,6 +187,8 @@ class FeatureCache:
                 if not f.is_file():
                     raise CheckpointError(f"feature cache shard file {f} is missing")
                 arrays[k] = np.load(f, mmap_mode="r")
+                if k in FEATURE_ARRAYS:
+                    arrays[k] = as_feature_dtype(arrays[k], feature_dtype, str(f))
             self._shards.append(arrays)
 
     @property

@@ -5,6 +5,7 @@ Every source yields records ``{"input_ids": int32 [S], "loss_mask": float32 [S],
 Sequences longer than ``max_length`` are cut to the first ``max_length`` tokens
 (``overlong="truncate"``) or rejected with the offending line (``"refuse"``).
 All lines are parsed and validated once on construction, before any compilation.
+Chat conversations (rendered with a tokenizer's chat template) are read by ``data/chat.py``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def pad_record(ids: Sequence[int], mask: Sequence[float], max_length: int, index
     return {"input_ids": out_ids, "loss_mask": out_mask, "index": np.int64(index)}
 
 
-def _fit(ids, mask, max_length, overlong, where):
+def fit_sequence(ids, mask, max_length: int, overlong: str, where: str):
+    """(ids, mask) cut to ``max_length`` (``overlong="truncate"``) or InputError naming ``where``."""
     if len(ids) > max_length:
         if overlong == "refuse":
             raise InputError(f"{where}: sequence of {len(ids)} tokens is longer than max_length="
@@ -53,7 +55,7 @@ class TokenSequences:
                 raise InputError(f"{where}: empty input_ids")
             if vocab_size is not None and (min(ids) < 0 or max(ids) >= vocab_size):
                 raise InputError(f"{where}: token id outside the vocabulary [0, {vocab_size})")
-            self._seqs.append(_fit(ids, mask, max_length, overlong, where))
+            self._seqs.append(fit_sequence(ids, mask, max_length, overlong, where))
         if not self._seqs:
             raise InputError(f"{name} is empty: no training sequences")
         if not any(any(m) for _, m in self._seqs):
@@ -71,69 +73,30 @@ class TokenSequences:
         return self._seqs[index]
 
 
+def parse_token_record(rec, where: str) -> tuple[list[int], list[float]]:
+    """``{"input_ids": [...], "loss_mask": [...]}`` (loss_mask optional: all 1) -> (ids, mask);
+    InputError naming ``where`` for a wrong shape or type."""
+    if not isinstance(rec, dict) or "input_ids" not in rec:
+        raise InputError(f"{where}: expected an object with 'input_ids'")
+    ids = rec["input_ids"]
+    mask = rec.get("loss_mask", [1] * len(ids) if isinstance(ids, list) else [])
+    for field, values in (("input_ids", ids), ("loss_mask", mask)):
+        if not isinstance(values, list) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            raise InputError(f"{where}: '{field}' must be a list of numbers")
+    if not all(isinstance(t, int) for t in ids):
+        raise InputError(f"{where}: 'input_ids' must be a list of ints")
+    return ids, mask
+
+
 def read_token_jsonl(path, max_length: int, vocab_size: int | None = None,
                      overlong: str = "truncate") -> TokenSequences:
     """JSONL lines ``{"input_ids": [...], "loss_mask": [...]}`` (loss_mask optional: all 1)."""
     seqs, wheres = [], []
     for where, rec in iter_jsonl(path, "data file"):
-        if not isinstance(rec, dict) or "input_ids" not in rec:
-            raise InputError(f"{where}: expected an object with 'input_ids'")
-        ids = rec["input_ids"]
-        mask = rec.get("loss_mask", [1] * len(ids) if isinstance(ids, list) else [])
-        for field, values in (("input_ids", ids), ("loss_mask", mask)):
-            if not isinstance(values, list) or not all(
-                    isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-                raise InputError(f"{where}: '{field}' must be a list of numbers")
-        if not all(isinstance(t, int) for t in ids):
-            raise InputError(f"{where}: 'input_ids' must be a list of ints")
+        ids, mask = parse_token_record(rec, where)
         if len(ids) > max_length and overlong == "refuse":
-            _fit(ids, mask, max_length, overlong, where)
+            fit_sequence(ids, mask, max_length, overlong, where)
         seqs.append((ids, mask))
         wheres.append(where)
     return TokenSequences(seqs, max_length, vocab_size, overlong, name=str(path), wheres=wheres)
-
-
-def chat_to_tokens(tokenizer, messages: list[dict]) -> tuple[list[int], list[float]]:
-    """Tokenize a conversation with the tokenizer's chat template; loss_mask 1 on assistant tokens.
-
-    The assistant span of turn i is the token difference between the template of
-    messages[:i] with a generation prompt and the template of messages[:i+1].
-    """
-    def render(msgs, gen):
-        out = tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=gen)
-        if isinstance(out, dict) or hasattr(out, "keys"):
-            out = out["input_ids"]
-        return list(out)
-
-    ids: list[int] = []
-    mask: list[float] = []
-    for i, msg in enumerate(messages):
-        full = render(messages[: i + 1], False)
-        if msg.get("role") == "assistant":
-            prompt = render(messages[:i], True)
-            if full[: len(prompt)] != prompt:
-                raise InputError("chat template is not prefix-stable; cannot locate assistant tokens")
-            prefix_len = len(prompt)
-        else:
-            prefix_len = len(ids)
-        if full[: len(ids)] != ids:
-            raise InputError("chat template is not prefix-stable; cannot locate assistant tokens")
-        new_mask = [0.0] * (prefix_len - len(ids)) + [1.0 if msg.get("role") == "assistant" else 0.0] * (len(full) - prefix_len)
-        mask.extend(new_mask)
-        ids = full
-    return ids, mask
-
-
-def read_chat_jsonl(path, tokenizer, max_length: int, overlong: str = "truncate") -> TokenSequences:
-    """JSONL lines ``{"messages": [{"role", "content"}, ...]}`` via ``tokenizer``'s chat template."""
-    seqs, wheres = [], []
-    for where, rec in iter_jsonl(path, "data file"):
-        msgs = rec.get("messages") if isinstance(rec, dict) else None
-        if not isinstance(msgs, list) or not msgs:
-            raise InputError(f"{where}: expected an object with a non-empty 'messages' list")
-        ids, mask = chat_to_tokens(tokenizer, msgs)
-        _fit(ids, mask, max_length, overlong, where)
-        seqs.append((ids, mask))
-        wheres.append(where)
-    return TokenSequences(seqs, max_length, None, overlong, name=str(path), wheres=wheres)
-

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax import sampling
+from dspark_jax import sharding as sharding_lib
 from dspark_jax import families
 from dspark_jax.decode import loop as L
 from dspark_jax.decode import sharded
@@ -96,13 +97,20 @@ def serve(
     max_rounds_per_chunk: int = 1 << 20,
     progress: Callable[[int], None] | None = None,
     stats: dict | None = None,
+    request_keys=None,
+    on_result: Callable[[int, StreamResult], None] | None = None,
+    top_p: float = 1.0,
 ) -> list[StreamResult]:
     """Serve ``prompts`` through ``slots`` rows with continuous batching; results in input order.
 
     ``draft_cfg`` None: the autoregressive baseline. ``max_new_tokens``: one budget or one per
     prompt. ``order``: arrival order (default input order). ``stats`` (a dict) receives
     ``seconds``, ``output_tokens``, ``tokens_per_second``, ``chunks``, ``prefills``, ``buckets``.
-    Raises ConfigError / InputError before compiling anything.
+    ``request_keys`` (optional, ``uint32 [N, 2]``, one PRNG key per prompt): request i samples
+    from its own key only (per-row keys in the state), so its output does not depend on
+    ``slots``, ``order`` or the other requests; default: one shared key per step (as before).
+    ``on_result(i, result)`` is called as request i finishes. ``top_p`` < 1: nucleus sampling
+    (autoregressive only). Raises ConfigError / InputError before compiling anything.
     """
     spec = draft_cfg is not None
     if spec:
@@ -116,6 +124,20 @@ def serve(
     order = list(range(len(prompts))) if order is None else [int(i) for i in order]
     if sorted(order) != list(range(len(prompts))):
         raise InputError("order must be a permutation of the prompt indices")
+    row_keys = request_keys is not None
+    if row_keys:
+        request_keys = np.asarray(request_keys)
+        if request_keys.shape != (len(prompts), 2) or not np.issubdtype(request_keys.dtype, np.integer):
+            raise InputError(f"request_keys must be {len(prompts)} PRNG keys (uint32 [N, 2]), got "
+                             f"shape {request_keys.shape}")
+        request_keys = request_keys.astype(np.uint32)
+    top_p = float(top_p)
+    if not 0.0 < top_p <= 1.0:
+        raise InputError(f"top_p must be in (0, 1], got {top_p}")
+    if spec and top_p < 1.0:
+        raise InputError("top_p < 1 is supported for autoregressive decoding only (speculative "
+                         "verification against a nucleus-filtered target is not implemented); "
+                         "decode without a drafter or use top_p = 1")
     g = draft_cfg.block_size if spec else 1
     max_pos = target_cfg.max_position_embeddings
     if spec:
@@ -124,7 +146,7 @@ def serve(
     conf_temps = L._confidence_temperatures(confidence_temperatures, g) if spec else None
     policy = (policy if policy is not None else FullPolicy()) if spec else None
     greedy = sampling.is_greedy(temperature)
-    static = L._Static(target_cfg, draft_cfg, policy, greedy, r_cap)
+    static = L._Static(target_cfg, draft_cfg, policy, greedy, r_cap, top_p=top_p)
     pre_static = dataclasses.replace(static, policy=None)
     temp = jnp.float32(max(float(temperature), sampling.GREEDY_EPS))
 
@@ -132,7 +154,7 @@ def serve(
     tp = prog.place_params(target_params, target_cfg)
     dp = prog.place_params(draft_params, draft_cfg) if spec else None
     place_rep = (lambda x: x) if mesh is None else (
-        lambda x: jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())))
+        lambda x: sharding_lib.to_global(x, sharding_lib.replicated(mesh)))
     temp, stop_arr = place_rep(temp), place_rep(stop_arr)
     conf_temps = place_rep(conf_temps) if spec else None
 
@@ -140,21 +162,22 @@ def serve(
     dummy = (jax.ShapeDtypeStruct((slots, L.MIN_PROMPT_BUCKET), jnp.int32),
              jax.ShapeDtypeStruct((slots,), jnp.int32), jax.ShapeDtypeStruct((slots,), bool))
     key0 = jax.random.PRNGKey(seed)
+    state_key = np.zeros((slots, 2), np.uint32) if row_keys else key0
     if spec:
         abstract = jax.eval_shape(
             lambda a, b, c, k: L._spec_prefill(target_params, draft_params, a, b, c, k, temp,
                                                stop_arr, pre_static, max_len), *dummy, key0)
         state = _empty_state(abstract, None)
-        state = state.replace(policy_state=policy.init_state(slots, g), key=key0)
+        state = state.replace(policy_state=policy.init_state(slots, g), key=state_key)
         if mesh is not None:
-            state = jax.device_put(state, prog.state_sharding(like=state))
+            state = sharding_lib.to_global(state, prog.state_sharding(like=state))
     else:
         abstract = jax.eval_shape(
             lambda a, b, c, k: L._ar_prefill(target_params, a, b, c, k, temp, stop_arr, static,
                                              max_len), *dummy, key0)
-        state = _empty_state(abstract, None).replace(key=key0)
+        state = _empty_state(abstract, None).replace(key=state_key)
         if mesh is not None:
-            state = jax.device_put(state, prog.state_sharding(like=state))
+            state = sharding_lib.to_global(state, prog.state_sharding(like=state))
 
     host_rng = np.random.default_rng(seed)
     pending = collections.deque(order)
@@ -173,7 +196,8 @@ def serve(
         used_buckets.add(pb)
         arr = np.zeros((1, pb), np.int32)
         arr[0, :len(p)] = p
-        k = np.asarray(host_rng.integers(0, 2**32, size=2, dtype=np.uint32))
+        k = (request_keys[i] if row_keys
+             else np.asarray(host_rng.integers(0, 2**32, size=2, dtype=np.uint32)))
         args = [np.int32(slot), arr, np.asarray([len(p)], np.int32),
                 np.asarray([budgets[i]], np.int32), k]
         args = [place_rep(a) for a in args]
@@ -207,6 +231,8 @@ def serve(
         res.latency_s = now - t0
         res.tokens_per_second = len(out) / max(now - t_start[i], 1e-9)
         results[i] = res
+        if on_result is not None:
+            on_result(i, res)
 
     while pending or any(r is not None for r in slot_req):
         fresh = []
@@ -230,17 +256,17 @@ def serve(
             state = prog.ar_chunk(tp, state, temp, stop_arr, place_rep(steps), place_rep(until),
                                   static=static)
         n_chunks += 1
-        active = np.asarray(jax.device_get(state.active))
+        active = np.asarray(sharding_lib.to_host(state.active))
         now = time.perf_counter()
         done = [s for s in range(slots) if slot_req[s] is not None and not active[s]]
         if not done:
             continue
         if spec:
-            host = jax.device_get({"seq": state.seq, "rounds": state.rounds, "acc": state.acc_rec,
+            host = sharding_lib.to_host({"seq": state.seq, "rounds": state.rounds, "acc": state.acc_rec,
                                    "prop": state.prop_rec, "drafts": state.drafts_rec,
                                    "conf": state.conf_rec})
         else:
-            host = jax.device_get({"seq": state.seq, "pos": state.pos})
+            host = sharding_lib.to_host({"seq": state.seq, "pos": state.pos})
         for s in done:
             harvest(host, s, slot_req[s], now)
             slot_req[s] = None

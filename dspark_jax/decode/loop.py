@@ -114,6 +114,7 @@ class _Static:
     policy: Any
     greedy: bool
     max_new_tokens: int
+    top_p: float = 1.0       # nucleus sampling of the target (AR only); 1 = off (unchanged program)
     widths: tuple[int, ...] | None = None  # compiled verification widths (``round_widths``)
 
 
@@ -186,7 +187,7 @@ def _prefill(tparams, dparams, prompts, lens, valid, key, temperature, stop_ids,
     last = hidden[rows, lens - 1]
     key, k_first = jax.random.split(key)
     first = sampling.sample_logits(k_first, target_logits(tcfg, tparams, last), temperature,
-                                   static.greedy)
+                                   static.greedy, static.top_p)
     seq = jnp.zeros((b, max_len), jnp.int32).at[:, :p].set(prompts)
     seq = seq.at[rows, lens].set(first)
     active = valid & ~_is_stop(first, stop_ids)
@@ -304,7 +305,7 @@ def _round(tparams, dparams, state: DecodeState, temperature, stop_ids, conf_tem
     b, max_len = state.seq.shape
     g = dcfg.block_size
     rows = jnp.arange(b)
-    key, k_draft, k_verify = jax.random.split(state.key, 3)
+    key, k_draft, k_verify = sampling.split(state.key, 3)
     active = state.active
 
     anchor = state.seq[rows, state.pos]
@@ -392,12 +393,12 @@ def _ar_prefill(tparams, prompts, lens, valid, key, temperature, stop_ids, stati
 def _ar_step(tparams, state: ARState, temperature, stop_ids, static) -> ARState:
     b, max_len = state.seq.shape
     rows = jnp.arange(b)
-    key, k_s = jax.random.split(state.key)
+    key, k_s = sampling.split(state.key)
     tok = state.seq[rows, state.pos][:, None]
     tm = target_module(static.target)
     hidden, _, cache = tm.forward(tparams, static.target, tok, state.cache)
     nxt = sampling.sample_logits(k_s, target_logits(static.target, tparams, hidden[:, 0]), temperature,
-                                 static.greedy)
+                                 static.greedy, static.top_p)
     active = state.active
     seq = state.seq.at[rows, jnp.where(active, state.pos + 1, max_len)].set(nxt, mode="drop")
     pos = jnp.where(active, state.pos + 1, state.pos)
@@ -449,11 +450,14 @@ def _put_row(big, row, slot, batch_dim: int):
 
 
 def _insert(big, one, slot):
-    """Write the one-row state ``one`` into row ``slot`` of ``big`` (key/round/policy kept)."""
+    """Write the one-row state ``one`` into row ``slot`` of ``big`` (key/round/policy kept; with
+    per-row keys, ``big.key`` [B, 2], the row's key is written too)."""
     fields = {}
     for name in big.__dataclass_fields__:
         b, o = getattr(big, name), getattr(one, name)
-        if name in ("key", "round", "policy_state"):
+        if name == "key" and b.ndim == 2:
+            fields[name] = _put_row(b, o[None], slot, 0)
+        elif name in ("key", "round", "policy_state"):
             fields[name] = b
         elif name in ("cache", "ctx"):
             fields[name] = None if b is None else jax.tree.map(
@@ -533,8 +537,8 @@ class DecodeProgram:
             return x
         x = jnp.asarray(x)
         if x.ndim and x.shape[0] % sharded.batch_multiple(self.mesh, self.rules) == 0:
-            return jax.device_put(x, sharding_lib.batch_sharding(self.mesh, x.ndim, self.rules))
-        return jax.device_put(x, sharding_lib.replicated(self.mesh))
+            return sharding_lib.to_global(x, sharding_lib.batch_sharding(self.mesh, x.ndim, self.rules))
+        return sharding_lib.to_global(x, sharding_lib.replicated(self.mesh))
 
     def jitted(self):
         return (self.prefill, self.run, self.round, self.chunk, self.prefill_into, self.ar_prefill,
@@ -824,7 +828,7 @@ def speculative_generate(
                     break
                 state = prog.round(target_params, draft_params, state, temp, stop_arr,
                                    conf_temps, static=static)
-        return jax.device_get({"seq": state.seq, "rounds": state.rounds, "acc": state.acc_rec,
+        return sharding_lib.to_host({"seq": state.seq, "rounds": state.rounds, "acc": state.acc_rec,
                                "prop": state.prop_rec, "drafts": state.drafts_rec,
                                "conf": state.conf_rec})
 
@@ -886,7 +890,7 @@ def autoregressive_generate(
         state = prog.ar_prefill(target_params, arr, lens, valid, k_batch, temp, stop_arr,
                                 static=static, max_len=max_len, max_new=mx)
         state = prog.ar_run(target_params, state, temp, stop_arr, static=static)
-        return jax.device_get((state.seq, state.pos))
+        return sharding_lib.to_host((state.seq, state.pos))
 
     def row_result(host, r, start, bi, seconds, budget):
         seq, pos = host

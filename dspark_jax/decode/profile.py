@@ -281,7 +281,7 @@ def measure_rounds(
     tp = prog.place_params(target_params, target_cfg)
     dp = prog.place_params(draft_params, draft_cfg)
     policy = ForcedLength()
-    static = L.DecodeStatic(target_cfg, draft_cfg, policy, True, rounds, ws)
+    static = L.DecodeStatic(target_cfg, draft_cfg, policy, True, rounds, widths=ws)
     pre = dataclasses.replace(static, policy=None)
     rep = (lambda x: x) if mesh is None else (
         lambda x: jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())))

@@ -21,6 +21,11 @@ KV heads over ``tensor``, sequence and head_dim unsharded. Params use their decl
 ``check_mesh`` refuses a mesh that does not divide heads / MLP / the batch, before compiling
 (Gemma4's KV heads excepted: an indivisible KV-head dim stays replicated). ``state_sharding_tree``
 derives the full tree from the actual state pytree, so Qwen3 and Gemma4 caches both fit.
+
+Multi-process (``jax.distributed``, a mesh over several processes' devices): every host->device
+and device->host transfer of the decode loop and engine goes through ``sharding.to_global`` /
+``sharding.to_host`` (one device_put / device_get on a single process), and every process runs
+the same host control flow from the same gathered values, so the collectives stay in lockstep.
 """
 
 from __future__ import annotations
@@ -145,7 +150,7 @@ def place_params(params, config, mesh: Mesh | None, rules: Mapping[str, object] 
     flat = traverse_util.flatten_dict(params)
     rep = NamedSharding(mesh, P())
     return traverse_util.unflatten_dict(
-        {path: jax.device_put(x, shards.get(path, rep)) for path, x in flat.items()})
+        {path: sharding.to_global(x, shards.get(path, rep)) for path, x in flat.items()})
 
 
 def make_decode_mesh(spec: str | None) -> Mesh | None:

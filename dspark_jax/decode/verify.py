@@ -63,12 +63,12 @@ def rejection_sample(
         target_argmax = sampling.argmax(target_logits)  # [B, G+1]
         accept = draft_tokens == target_argmax[:, :g]
     else:
-        key_u, key_s = jax.random.split(key)
+        key_u, key_s = sampling.split(key)
         p_t = jax.nn.softmax(target_logits.astype(jnp.float32) / temperature, axis=-1)
         p_d = jax.nn.softmax(draft_logits.astype(jnp.float32) / temperature, axis=-1)
         pt_x = jnp.take_along_axis(p_t[:, :g], draft_tokens[..., None], axis=-1)[..., 0]
         pd_x = jnp.take_along_axis(p_d, draft_tokens[..., None], axis=-1)[..., 0]
-        u = jax.random.uniform(key_u, (b, max(g, draw_width or g)), jnp.float32)[:, :g]
+        u = sampling.uniform(key_u, (b, max(g, draw_width or g)), jnp.float32)[:, :g]
         accept = u * jnp.maximum(pd_x, 1e-8) < pt_x  # u < min(1, p_t / p_d)
     accept = accept & in_len
     accepted = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)

@@ -127,7 +127,7 @@ def sample_block(dparams: dict, dcfg: DraftConfig, hidden: jax.Array, anchor: ja
     mstate0 = markov.init_state(dcfg, (b,), jnp.float32)
     _, ys = jax.lax.scan(
         step, (anchor, mstate0),
-        (jnp.moveaxis(base, 1, 0), jnp.moveaxis(hidden, 1, 0), jax.random.split(key, g)))
+        (jnp.moveaxis(base, 1, 0), jnp.moveaxis(hidden, 1, 0), sampling.split(key, g)))
     if not greedy:
         drafts, logits = ys
         return jnp.moveaxis(drafts, 0, 1), jnp.moveaxis(logits, 0, 1)

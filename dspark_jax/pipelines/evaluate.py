@@ -428,7 +428,8 @@ def evaluate(target, draft, datasets=None, *, data_dir=None, max_samples: int | 
     report["degenerate_outputs"] = degeneracy_totals(report["datasets"])
     report["warnings"] = degeneracy_warnings(report["datasets"])
     _print_report(report["datasets"], printer)
-    if out is not None:
+    import jax
+    if out is not None and jax.process_index() == 0:  # multi-process: process 0 writes
         report["files"] = _write_outputs(out, report, all_results, prompts_by_ds)
         write_json_atomic(out / RESULT_FILE, report)
     return _finite(report)

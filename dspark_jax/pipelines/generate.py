@@ -63,18 +63,22 @@ def generate(target, prompts_file, out, *, draft=None, options: DecodeOptions = 
                                           **settings.decode_kwargs(options, speculative=False), **common)
     bar.close()
 
-    with atomic_open(out) as f:
-        for (rec, _), res in zip(records, results):
-            line = dict(rec)
-            line.update(output_ids=res.output_ids, acceptance_lengths=res.acceptance_lengths,
-                        proposal_lengths=res.proposal_lengths, accepted_drafts=res.accepted_drafts,
-                        confidence_logits=res.confidence_logits)
-            if tokenizer is not None:
-                line["output_text"] = tokenizer.decode(res.output_ids)
-            for k in ("ttft_s", "latency_s", "tokens_per_second"):
-                if hasattr(res, k):
-                    line[k] = getattr(res, k)
-            f.write(json.dumps(line) + "\n")
+    lines = []
+    for (rec, _), res in zip(records, results):
+        line = dict(rec)
+        line.update(output_ids=res.output_ids, acceptance_lengths=res.acceptance_lengths,
+                    proposal_lengths=res.proposal_lengths, accepted_drafts=res.accepted_drafts,
+                    confidence_logits=res.confidence_logits)
+        if tokenizer is not None:
+            line["output_text"] = tokenizer.decode(res.output_ids)
+        for k in ("ttft_s", "latency_s", "tokens_per_second"):
+            if hasattr(res, k):
+                line[k] = getattr(res, k)
+        lines.append(json.dumps(line) + "\n")
+    import jax
+    if jax.process_index() == 0:  # multi-process (launch/): every process decodes, process 0 writes
+        with atomic_open(out) as f:
+            f.writelines(lines)
     summary = summarize(results, block)
     summary["mode"] = "speculative" if draft else "autoregressive"
     summary["verify"] = options.verify if draft else None

@@ -26,6 +26,11 @@ from dspark_jax.convert import mapping
 from dspark_jax.train.config import TrainConfig
 from dspark_jax.train.program import abstract, build_program, compute_dtype
 
+def _shape_bytes(dtype: str, dims: str) -> int:
+    """Bytes of an HLO array type ``dtype[dims]`` (0 for types not in ``_DTYPE_BYTES``)."""
+    return _DTYPE_BYTES.get(dtype, 0) * math.prod(int(d) for d in dims.split(",") if d)
+
+
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
                 "f32": 4, "s64": 8, "u64": 8, "f64": 8}
@@ -43,6 +48,7 @@ class ProgramPlan:
     code_bytes: int
     collectives: dict[str, dict[str, int]]
     compile_seconds: float
+    upcast_bytes: int = 0
 
     @property
     def peak_bytes(self) -> int:
@@ -95,15 +101,37 @@ def collectives_in(hlo_text: str) -> dict[str, dict[str, int]]:
             m = re.search(rf"=\s*(.*?)\s{op}(-start)?\(", line)
             if not m:
                 continue
-            nbytes = 0
-            for dt, dims in re.findall(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]", m.group(1)):
-                if dt in _DTYPE_BYTES:
-                    nbytes += _DTYPE_BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d)
+            nbytes = sum(_shape_bytes(dt, dims)
+                         for dt, dims in re.findall(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]", m.group(1)))
             entry = out.setdefault(op, {"count": 0, "bytes": 0})
             entry["count"] += 1
             entry["bytes"] += nbytes
             break
     return out
+
+
+def upcast_bytes(hlo_text: str) -> int:
+    """Bytes of the float32 copies the backend made of bfloat16 *arguments* (weights, KV caches).
+
+    XLA:CPU runs many bf16 ops in f32 (dots inside the layer loops, cache scatters,
+    collectives): it converts each bf16 entry parameter that feeds one to f32 once, in the entry
+    computation (hoisted out of the loops), and those copies live in the temporaries. A GPU/TPU compile of the same program keeps them
+    bf16. This is the sum of the copies' sizes, not their peak: copies used in different phases
+    of a program (the draft layers' weights, then the target's) may share one buffer, so the
+    sum can exceed the temporaries. Counted: entry-computation ``convert`` ops (plain or wrapped
+    in a loop fusion) from a bf16 parameter to an f32 result.
+    """
+    entry = hlo_text[hlo_text.find("\nENTRY"):] if "\nENTRY" in hlo_text else ""
+    if not entry:
+        return 0
+    header, _, body = entry.partition("{\n")
+    bf16_params = {name for name, dt in re.findall(r"([\w.\-]+): (\w+)\[", header) if dt == "bf16"}
+    total = 0
+    for line in body.splitlines():
+        m = re.match(r"\s*%\S+ = f32\[([0-9,]*)\]\S* (convert|fusion)\(%([\w.\-]+)\)(.*)", line)
+        if m and m.group(3) in bf16_params and (m.group(2) == "convert" or "calls=%wrapped_convert" in m.group(4)):
+            total += _shape_bytes("f32", m.group(1))
+    return total
 
 
 def compile_plan(name: str, fn: Callable, *abstract_args, **jit_kwargs) -> ProgramPlan:
@@ -116,9 +144,11 @@ def compile_plan(name: str, fn: Callable, *abstract_args, **jit_kwargs) -> Progr
     seconds = time.perf_counter() - start
     mem = compiled.memory_analysis()
     get = lambda attr: int(getattr(mem, attr, 0) or 0) if mem is not None else 0
+    text = compiled.as_text()
     return ProgramPlan(name, get("argument_size_in_bytes"), get("output_size_in_bytes"),
                        get("temp_size_in_bytes"), get("alias_size_in_bytes"),
-                       get("generated_code_size_in_bytes"), collectives_in(compiled.as_text()), seconds)
+                       get("generated_code_size_in_bytes"), collectives_in(text), seconds,
+                       upcast_bytes(text) if jax.default_backend() == "cpu" else 0)
 
 
 def plan_train_step(draft_cfg: DraftConfig, target_cfg: TargetConfig, train_cfg: TrainConfig,

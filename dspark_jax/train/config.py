@@ -103,7 +103,9 @@ class TrainConfig:
     ``DraftConfig.for_target`` unless ``draft_init`` (a drafter dir to start from) is given.
     features: "online" runs the frozen target inside the step; "cache" reads ``cache_dir``
     (written by ``dspark-jax cache``). data/data_format: JSONL of {"input_ids","loss_mask"}
-    ("tokens") or {"messages"} ("chat", needs ``tokenizer``). Sequences are padded to
+    ("tokens") or chat rows {"messages"} / ShareGPT {"conversations"} ("chat", rendered with
+    the chat template of ``tokenizer``, default the target's; ``chat_thinking`` is the
+    template's enable_thinking, None its default; loss on assistant tokens, see data/chat.py). Sequences are padded to
     ``max_length``; longer ones are cut to max_length ("truncate") or rejected with the
     offending line ("refuse"). batch_size is the GLOBAL number of sequences per optimizer
     step, split into ``grad_accum`` micro-batches (the loss is identical for any split).
@@ -119,6 +121,7 @@ class TrainConfig:
     data: str = ""
     data_format: str = "tokens"
     tokenizer: str = ""
+    chat_thinking: bool | None = None
     max_length: int = 4096
     overlong: str = "truncate"
     batch_size: int = 512
@@ -173,8 +176,8 @@ class TrainConfig:
             req(self.cache_dir != "", "cache_dir is required when features='cache'")
         else:
             req(self.data != "", "data (a JSONL file) is required when features='online'")
-        if self.data_format == "chat" and self.features == "online":
-            req(self.tokenizer != "", "tokenizer is required for data_format='chat'")
+        req(self.chat_thinking is None or isinstance(self.chat_thinking, bool),
+            f"chat_thinking must be None, True or False, got {self.chat_thinking!r}")
 
     @property
     def micro_batch_size(self) -> int:

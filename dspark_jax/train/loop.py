@@ -38,7 +38,7 @@ from dspark_jax.config import DraftConfig, TargetConfig
 from dspark_jax.convert import checkpoint as ckpt_io
 from dspark_jax.convert import engines
 from dspark_jax.convert.identity import target_identity
-from dspark_jax.data import pipeline, reference_cache, sources
+from dspark_jax.data import chat, pipeline, reference_cache, sources
 from dspark_jax import families
 from dspark_jax.errors import CheckpointError, ConfigError, DSparkError, InputError
 from dspark_jax.fileio import atomic_open, write_json
@@ -102,8 +102,9 @@ def load_source(cfg: TrainConfig, target_cfg, draft_cfg, target_params):
         src.validate(draft_cfg, target_cfg, target_identity(target_cfg, target_params))
         return src
     if cfg.data_format == "chat":
-        tok = load_tokenizer(cfg.tokenizer, required=True)
-        return sources.read_chat_jsonl(cfg.data, tok, cfg.max_length, cfg.overlong)
+        tok = load_tokenizer(cfg.tokenizer or cfg.target, required=True)
+        return chat.read_chat_jsonl(cfg.data, tok, cfg.max_length, cfg.overlong,
+                                    thinking=cfg.chat_thinking, vocab_size=target_cfg.vocab_size)
     return sources.read_token_jsonl(cfg.data, cfg.max_length, target_cfg.vocab_size, cfg.overlong)
 
 
@@ -159,7 +160,9 @@ def run_identity(cfg: TrainConfig, draft_cfg: DraftConfig, target_id: str, total
     else:
         ident.update({f"data.{k}": v for k, v in file_identity(cfg.data).items()})
         if cfg.data_format == "chat":
-            ident["tokenizer"] = str(Path(cfg.tokenizer).absolute())
+            ident["tokenizer"] = str(Path(cfg.tokenizer or cfg.target).absolute())
+            if cfg.chat_thinking is not None:
+                ident["chat_thinking"] = cfg.chat_thinking
     for name in IDENTITY_FIELDS:
         value = d[name]
         if isinstance(value, dict):

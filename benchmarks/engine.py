@@ -9,7 +9,8 @@ a finished row takes the next request at once), at arrival concurrencies C (defa
 1,2,4,8,16,32,64; the stream holds ``--requests-per-slot`` x C requests, at least 16).
 Default pair: the tiny reference fixture (tests/fixtures/dspark_qwen3_tiny); pass a trained
 pair with --target/--draft (e.g. the embedded target and a drafter from ``dspark-jax demo``).
-The scheduler's SPS table is measured first on the same target (``decode.profile``).
+The scheduler's round table (whole rounds/s of the decode program at each slot count and
+verification width, ``decode.profile.measure_rounds``) is measured first on the same pair.
 
 Every configuration is warmed up on prompts that cover its compiled shapes (static: one batch
 with the longest prompt; continuous: one prompt per prompt bucket), then timed once; the
@@ -138,10 +139,13 @@ def main(argv=None) -> int:
     stops = [int(json.loads(Path(args.prompts).read_text()).get("output_ids", [[2] * 21])[0][20])]
 
     t0 = time.perf_counter()
-    top = max(concs) * (g + 1)
-    sizes = sorted({min(1 << k, top) for k in range(top.bit_length() + 1)} | {top})
-    sps = profile.measure_sps(tc, tp, sizes, 64, warmup=1, iters=3, min_seconds=0.02, repeats=1)
-    print(f"SPS table: {len(sizes)} sizes in {time.perf_counter() - t0:.0f}s", file=sys.stderr)
+    # The scheduler's cost: whole rounds of the decode program at every slot count run here
+    # and every compiled verification width (a round table; decode.profile.measure_rounds).
+    sps = profile.measure_rounds(tc, tp, dc, dp, concs, 64, rounds=8, warmup=1,
+                                 min_seconds=0.2 if not args.smoke else 0.0,
+                                 repeats=20 if not args.smoke else 2)
+    print(f"round table: slots {list(sps.batch_sizes)} x widths {list(sps.widths)} in "
+          f"{time.perf_counter() - t0:.0f}s", file=sys.stderr)
     policies = {"ar": None, "fixed:1": FixedPolicy(1), "fixed:G": FixedPolicy(g),
                 "threshold": ThresholdPolicy(args.threshold), "scheduler": S.make_policy("scheduler", sps)}
     methods = args.methods.split(",")
@@ -189,7 +193,7 @@ def main(argv=None) -> int:
         summary[c] = entry
     print(json.dumps(summary, indent=1))
     report = {"config": {k: v for k, v in vars(args).items()}, "block_size": g,
-              "stop_token_ids": stops, "sps": {"batch_sizes": list(sps.batch_sizes), "sps": list(sps.sps)},
+              "stop_token_ids": stops, "round_table": sps.to_json(),
               "rows": rows, "summary": {str(k): v for k, v in summary.items()},
               "total_compiles": COMPILES[0], "devices": str(jax.devices()[0])}
     if args.out:

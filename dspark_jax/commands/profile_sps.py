@@ -14,9 +14,21 @@ def register(subparsers) -> None:
             "Time the jitted target verification forward (KV-cache extend at --cache-length plus "
             "the LM head) for B = 1..--max-batch verification tokens and write the SPS(B) table "
             "(JSON: batch_sizes, sps, device, model, cache length, date) that `generate --verify "
-            "scheduler --sps FILE` reads. Between measured sizes the table is interpolated."),
+            "scheduler --sps FILE` reads. Between measured sizes the table is interpolated. With "
+            "--draft, time whole speculative rounds of the decode program instead (slot counts "
+            "--batch-sizes, default powers of two up to --max-batch, at every verification width): "
+            "the round table the scheduler plans with."),
     )
     p.add_argument("--target", required=True, help="target model directory (HF or dspark-jax format)")
+    p.add_argument("--draft", default=None,
+                   help="drafter directory: measure whole decode rounds (a round table: rounds/s at "
+                        "each slot count in --batch-sizes and each verification width), the cost "
+                        "the scheduler's width-aware objective reads; without it, the target's "
+                        "verify forward alone (a token table)")
+    p.add_argument("--widths", default=None,
+                   help="with --draft: comma-separated verification widths (default: 1, 2, 4, .., "
+                        "block+1, the decode program's default)")
+    p.add_argument("--rounds", type=int, default=16, help="with --draft: rounds per timed chunk")
     p.add_argument("--out", required=True, help="output JSON file (refused if it exists)")
     p.add_argument("--max-batch", type=int, default=64,
                    help="largest verification batch in tokens (default 64; use concurrency*(block+1))")
@@ -76,6 +88,8 @@ def run(args) -> int:
         sizes = profile.default_batch_sizes(args.max_batch)
     from dspark_jax.decode.sharded import make_decode_mesh
     mesh = make_decode_mesh(args.mesh)
+    if args.draft is not None:
+        return _run_rounds(args, out, mesh)
     cfg, params = checkpoint.load_target(args.target)
     if args.dtype:
         dt = jnp.dtype(args.dtype)
@@ -96,4 +110,52 @@ def run(args) -> int:
     print(json.dumps({"out": str(out), "device": table.meta["device"],
                       "batch_sizes": list(table.batch_sizes),
                       "sps": [round(s, 3) for s in table.sps]}))
+    return 0
+
+
+def _parse_ints(text: str, flag: str) -> list[int]:
+    from dspark_jax.errors import InputError
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InputError(f"{flag} must be comma-separated ints, got {text!r}") from None
+    if not vals or min(vals) < 1:
+        raise InputError(f"{flag} must be ints >= 1, got {text!r}")
+    return vals
+
+
+def _run_rounds(args, out, mesh) -> int:
+    """``--draft``: the round table of the decode program (``profile.measure_rounds``)."""
+    import jax
+    import jax.numpy as jnp
+    from tqdm import tqdm
+
+    from dspark_jax.convert import checkpoint
+    from dspark_jax.decode import profile
+
+    sizes = (_parse_ints(args.batch_sizes, "--batch-sizes") if args.batch_sizes
+             else profile.default_round_batches(args.max_batch))
+    widths = _parse_ints(args.widths, "--widths") if args.widths else None
+    tcfg, tparams = checkpoint.load_target(args.target)
+    dcfg, dparams = checkpoint.load_draft(args.draft)
+    if args.dtype:
+        dt = jnp.dtype(args.dtype)
+        tparams = jax.tree.map(lambda a: a.astype(dt), tparams)
+        dparams = jax.tree.map(lambda a: a.astype(dt), dparams)
+    bar = tqdm(desc="profile-sps rounds", unit="shape", file=sys.stderr)
+
+    def progress(b, w, rps):
+        bar.set_postfix(B=b, w=w, rps=f"{rps:.1f}")
+        bar.update(1)
+
+    table = profile.measure_rounds(tcfg, tparams, dcfg, dparams, sizes, args.cache_length,
+                                   widths=widths, rounds=args.rounds, warmup=args.warmup,
+                                   min_seconds=args.min_seconds, repeats=args.repeats, mesh=mesh,
+                                   meta={"target": str(args.target), "draft": str(args.draft),
+                                         "mesh": args.mesh}, progress=progress)
+    bar.close()
+    table.save(out, force=args.force)
+    print(json.dumps({"out": str(out), "device": table.meta["device"],
+                      "batch_sizes": list(table.batch_sizes), "widths": list(table.widths),
+                      "rps": [[round(v, 2) for v in row] for row in table.rps]}))
     return 0

@@ -14,9 +14,16 @@ Ld draft layers. All shapes are static; per-row progress lives in arrays:
 One round (``_round``): ``draft.decode.propose`` drafts a block at positions
 p..p+G-1 (queries see context rows < p and the whole block; Markov sampling
 with ``lax.scan``) -> confidences -> policy lengths -> one target extend over
-[x0, x_1..x_G] at p..p+G -> rejection sampling of each row's own l_b tokens
+[x0, x_1..x_{w-1}] at p..p+w-1 -> rejection sampling of each row's own l_b tokens
 -> commit, roll back, scatter the committed positions' features into the
 draft context cache. Finished rows stay in the batch as masked no-ops.
+
+The verification width w follows the lengths: the round compiles a small set of widths
+(``round_widths``: ``_Static.widths``, else the policy's ``verify_widths``, else
+``default_widths(G)`` = 1, 2, 4, .., G+1; one width only for a constant-length policy such as
+``full`` or ``fixed:K``), one ``lax.switch`` branch each, and runs the smallest width >= the
+longest active row's length + 1 (``width_index``). Every shape stays static (the cache and the
+state are the same in every branch), so nothing recompiles as widths change from round to round.
 
 The loop over rounds is a ``lax.while_loop`` on device (``loop="device"``,
 default, measured faster than a host loop over one compiled round, see
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import time
 from typing import Any, Callable, Sequence
@@ -41,10 +49,10 @@ from dspark_jax import families, sampling
 from dspark_jax import sharding as sharding_lib
 from dspark_jax.config import DraftConfig, TargetConfig
 from dspark_jax.decode import sharded
-from dspark_jax.decode.policies import FullPolicy, VerifyPolicy
+from dspark_jax.decode.policies import FullPolicy, VerifyPolicy, constant_length
 from dspark_jax.decode.verify import rejection_sample
 from dspark_jax.draft import decode as draft_decode
-from dspark_jax.errors import InputError, require_positive_int
+from dspark_jax.errors import ConfigError, InputError, require_positive_int
 from dspark_jax.target import qwen3  # KVCache type only; the forward comes from families
 
 MAX_STOP_IDS = 8     # stop-id slots (padded with -1) so the count never changes shapes
@@ -107,6 +115,7 @@ class _Static:
     greedy: bool
     max_new_tokens: int
     top_p: float = 1.0       # nucleus sampling of the target (AR only); 1 = off (unchanged program)
+    widths: tuple[int, ...] | None = None  # compiled verification widths (``round_widths``)
 
 
 @dataclasses.dataclass
@@ -205,9 +214,93 @@ def _spec_prefill(tparams, dparams, prompts, lens, valid, key, temperature, stop
         policy_state=())  # set by the caller: the prefill's compilation does not depend on the policy
 
 
+def default_widths(block_size: int) -> tuple[int, ...]:
+    """The default compiled verification widths for block size G: the powers of two below G+1,
+    then G+1 (G=7: (1, 2, 4, 8)). A width w verifies the anchor and w-1 drafts per row; a
+    round runs the smallest width >= its longest active proposal + 1, so doubling widths
+    keep the padding waste under 2x with log2(G+1)+1 compiled branches."""
+    out, w = [], 1
+    while w < block_size + 1:
+        out.append(w)
+        w *= 2
+    return tuple(out) + (block_size + 1,)
+
+
+def verify_widths(block_size: int, widths=None) -> tuple[int, ...]:
+    """Sorted distinct widths in [1, G+1], G+1 always included (``widths`` None: the default).
+    ConfigError on a width outside [1, G+1]."""
+    if widths is None:
+        return default_widths(block_size)
+    ws = sorted({int(w) for w in widths} | {block_size + 1})
+    if ws[0] < 1 or ws[-1] > block_size + 1:
+        raise ConfigError(f"verification widths must be in [1, block_size + 1 = {block_size + 1}], "
+                          f"got {sorted(widths)}")
+    return tuple(ws)
+
+
+def round_widths(static: _Static) -> tuple[int, ...]:
+    """The widths the round of ``static`` compiles: ``static.widths``, else the policy's
+    ``verify_widths`` (a scheduler measured on a round table uses the table's widths), else
+    ``default_widths(G)``; a policy of one constant length l (``policies.constant_length``:
+    full, fixed:K) keeps only the smallest width >= l+1 (one branch, no switch)."""
+    g = static.draft.block_size
+    ws = static.widths if static.widths is not None else getattr(static.policy, "verify_widths", None)
+    ws = verify_widths(g, ws)
+    fixed = constant_length(static.policy, g)
+    if fixed is not None:
+        return (next(w for w in ws if w >= min(fixed, g) + 1),)
+    return ws
+
+
+def width_index(lengths: jax.Array, active: jax.Array, widths: Sequence[int]) -> jax.Array:
+    """Index into ``widths`` (sorted, last >= G+1) of the smallest width >= max(lengths of
+    active rows) + 1 (scalar int32; ``widths[0]`` when no row is active). lengths/active [B]."""
+    longest = jnp.max(jnp.where(active, lengths, 0), initial=0)
+    ws = jnp.asarray(widths, jnp.int32)
+    return jnp.minimum(jnp.sum((ws < longest + 1).astype(jnp.int32)), len(widths) - 1)
+
+
+def _defers_cache_write(tm) -> bool:
+    """Whether family module ``tm``'s forward can return the new k/v unwritten (``write_cache``)."""
+    return "write_cache" in inspect.signature(tm.forward).parameters
+
+
+def _verify_width(tparams, state: DecodeState, anchor, drafts, draft_logits, lengths, k_verify,
+                  temperature, stop_ids, static: _Static, width: int):
+    """Target verification and rejection sampling over the first ``width`` (static) block tokens
+    [x0, x_1..x_{w-1}] at positions p..p+w-1 (every active row has lengths <= w-1).
+
+    Returns (verdict, taps [B, G+1, F] zero-padded past w, kv): kv is the new target (k, v)
+    [Lt, B, G+1, Hkv, D] zero-padded past w when the family defers its cache write (written by
+    the caller, outside any ``lax.switch``: in place), else the written cache (a branch that
+    writes copies the cache). The rejection sampler draws its uniforms for the whole block (G)
+    and uses the first w-1, so a sampled run is the same whatever width runs it."""
+    tcfg, dcfg = static.target, static.draft
+    g = dcfg.block_size
+    d, pad = width - 1, g + 1 - width
+    verify_tokens = jnp.concatenate([anchor[:, None], drafts[:, :d]], axis=1)      # [B,w]
+    tm = target_module(tcfg)
+    kw = dict(write_cache=False) if _defers_cache_write(tm) else {}
+    hidden, taps, kv = tm.forward(tparams, tcfg, verify_tokens, state.cache,
+                                  tap_layer_ids=dcfg.target_layer_ids, **kw)
+    if kw:
+        kv = tuple(jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0))) for x in kv)
+    t_logits = target_logits(tcfg, tparams, hidden)
+    verdict = rejection_sample(k_verify, t_logits, draft_logits[:, :d], drafts[:, :d],
+                               jnp.minimum(lengths, d), temperature, static.greedy, stop_ids,
+                               draw_width=g)
+    return verdict, jnp.pad(taps, ((0, 0), (0, pad), (0, 0))), kv
+
+
 def _round(tparams, dparams, state: DecodeState, temperature, stop_ids, conf_temps,
            static: _Static) -> DecodeState:
-    """One speculative round for every row (finished rows: masked no-ops)."""
+    """One speculative round for every row (finished rows: masked no-ops).
+
+    The verification width follows the policy's lengths: ``round_widths(static)`` are compiled
+    (one ``lax.switch`` branch each, no switch when there is one), and the round runs the
+    smallest width w >= the longest active proposal + 1 (``width_index``). The branches only
+    verify; the commits (target cache, tokens, draft context) happen after the switch over
+    G+1 padded slots, the ones >= w dropped, so the donated buffers are updated in place."""
     tcfg, dcfg = static.target, static.draft
     b, max_len = state.seq.shape
     g = dcfg.block_size
@@ -225,27 +318,38 @@ def _round(tparams, dparams, state: DecodeState, temperature, stop_ids, conf_tem
     lengths, policy_state = static.policy(state.policy_state, conf, active)
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, g)
 
-    verify_tokens = jnp.concatenate([anchor[:, None], drafts], axis=1)        # [B,G+1]
-    tm = target_module(tcfg)
-    hidden, taps, cache = tm.forward(tparams, tcfg, verify_tokens, state.cache,
-                                     tap_layer_ids=dcfg.target_layer_ids)
-    t_logits = target_logits(tcfg, tparams, hidden)
-    verdict = rejection_sample(k_verify, t_logits, draft_logits, drafts, lengths,
-                               temperature, static.greedy, stop_ids)
+    widths = round_widths(static)
+    branches = [functools.partial(_verify_width, tparams, state, anchor, drafts, draft_logits,
+                                  lengths, k_verify, temperature, stop_ids, static, w)
+                for w in widths]
+    if len(branches) == 1:
+        verdict, taps, kv = branches[0]()
+        width = jnp.int32(widths[0])
+    else:
+        index = width_index(lengths, active, widths)
+        verdict, taps, kv = jax.lax.switch(index, branches)
+        width = jnp.asarray(widths, jnp.int32)[index]
     a = verdict.accepted
     acc_len = jnp.where(verdict.stopped, a, a + 1)
+    k_idx = jnp.arange(g + 1, dtype=jnp.int32)[None, :]
+    in_width = k_idx < width                                                     # [1, G+1]
+    if _defers_cache_write(target_module(tcfg)):
+        cache = state.cache.write(*kv, jnp.where(in_width, state.cache.lengths[:, None] + k_idx,
+                                                 state.cache.max_len))
+    else:
+        cache = kv
 
     # Commit: slots pos+1..pos+a get the drafts, pos+a+1 the replacement/bonus token.
-    k_idx = jnp.arange(g + 1, dtype=jnp.int32)[None, :]
     padded = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
     new_tokens = jnp.where(k_idx == a[:, None], verdict.next_token[:, None], padded)
-    slots = jnp.where(active[:, None], state.pos[:, None] + 1 + k_idx, max_len)
+    slots = jnp.where(active[:, None] & in_width, state.pos[:, None] + 1 + k_idx, max_len)
     seq = state.seq.at[rows[:, None], slots].set(new_tokens, mode="drop")
     new_pos = jnp.where(active, state.pos + acc_len, state.pos)
 
-    # Draft context: features of the verified positions p..p+G (only < new_pos are ever read).
-    ctx = draft_decode.extend_context(dparams, dcfg, state.ctx, taps, state.pos[:, None] + k_idx,
-                                      active)
+    # Draft context: features of the verified positions p..p+w-1 (only < new_pos are ever read).
+    ctx = draft_decode.extend_context(
+        dparams, dcfg, state.ctx, taps,
+        jnp.where(in_width, state.pos[:, None] + k_idx, state.ctx.max_len), active)
 
     rec = jnp.where(active, state.rounds, static.max_new_tokens)  # out of range -> dropped
     acc_rec = state.acc_rec.at[rows, rec].set(acc_len, mode="drop")

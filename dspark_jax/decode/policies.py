@@ -14,6 +14,13 @@ decode round)::
 - ``active``: [B] bool, False for finished rows (their lengths are ignored).
 - ``lengths``: [B] int32 in [0, G].
 
+A policy may also declare ``constant_length(block_size) -> int | None``: the one length it
+always returns (``full``: G, ``fixed:K``: min(K, G)); the decode round then compiles only the
+verification width that length needs (``loop.round_widths``). A policy whose lengths vary
+gets every compiled width and the round picks one per round from the lengths of its active
+rows. A policy may declare ``verify_widths``: the widths its cost model assumes (the
+scheduler's round table); the round compiles those unless the decode program sets its own.
+
 Losslessness needs the non-anticipating property (speculative sampling stays exact): whether
 x_k is verified may depend only on c_1..c_k (information available before x_k
 was sampled), never on c_{k+1} or later. Every policy here satisfies it.
@@ -42,12 +49,25 @@ class VerifyPolicy(Protocol):
     def __call__(self, state, confidences, active) -> tuple[Any, Any]: ...
 
 
+def constant_length(policy, block_size: int) -> int | None:
+    """The single length ``policy`` always returns for block size G (in [0, G]), or None when its
+    lengths vary (no ``constant_length`` method)."""
+    fn = getattr(policy, "constant_length", None)
+    if fn is None:
+        return None
+    k = fn(block_size)
+    return None if k is None else max(0, min(int(k), block_size))
+
+
 @dataclasses.dataclass(frozen=True)
 class FullPolicy:
     """Verify all G draft tokens."""
 
     def init_state(self, batch_size: int, block_size: int):
         return ()
+
+    def constant_length(self, block_size: int) -> int:
+        return block_size
 
     def __call__(self, state, confidences, active):
         b, g = confidences.shape
@@ -92,6 +112,9 @@ class FixedPolicy:
 
     def init_state(self, batch_size: int, block_size: int):
         return ()
+
+    def constant_length(self, block_size: int) -> int:
+        return min(self.k, block_size)
 
     def __call__(self, state, confidences, active):
         b, g = confidences.shape

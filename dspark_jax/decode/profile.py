@@ -1,4 +1,19 @@
-"""Profile SPS(B): target verification steps per second at B verification tokens.
+"""Profile the decode cost the prefix scheduler plans with.
+
+Round tables (``measure_rounds``; ``profile-sps --draft``, what the scheduler should use): whole
+speculative rounds per second of the program that decodes (``loop.build_decode(mesh).chunk``,
+the continuous engine's device loop of rounds), at each slot count B and each compiled
+verification width w (``loop.round_widths``). The policy is a forced length (every row l = w-1,
+read from the policy state), so the one compiled program per B (every width a ``lax.switch``
+branch, as under the scheduler) is timed at every width. Each (B, w) runs chunks of ``rounds``
+rounds from a cache of ``cache_length`` positions (rolled back between chunks); per B, chunks go
+round-robin over the widths (at least ``repeats`` passes and ``min_seconds`` per width), the
+fastest chunk counts. The stored latency (1/rps) is made non-decreasing in w and in B: other
+processes only ever slow a chunk down, so a latency above that of a wider (or taller) round is
+noise and is capped by it (reverse cumulative min). Raw values: ``meta["raw_rps"]``.
+
+Token tables (``measure_sps``, ``profile-sps`` without ``--draft``): SPS(B), target
+verification steps per second at B verification tokens (the verify forward alone).
 
 The measured call is the real verification forward: ``qwen3.forward`` extending a static KV
 cache that already holds ``cache_length`` positions, plus the LM head over every new
@@ -21,6 +36,7 @@ into the stored curve: ``none``, ``monotone`` (isotonic SPS), ``linear`` (latenc
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import time
 from typing import Callable, Sequence
@@ -29,11 +45,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax import families
+from dspark_jax import families, sampling
 from dspark_jax.config import TargetConfig
 from dspark_jax.decode.scheduler import DEFAULT_FIT, FITS, SPSTable, fit_sps, isotonic_decreasing  # noqa: F401
 from dspark_jax.errors import InputError
-from dspark_jax import families
 from dspark_jax.decode import sharded
 
 LAYOUTS = ("rows", "block")
@@ -193,3 +208,141 @@ def _table_meta(config, cache_length, layout, dtype, meta, **settings) -> dict:
                   "num_key_value_heads": config.num_key_value_heads},
         **(meta or {}),
     }
+
+
+# ----------------------------------------------------------------------------- round tables
+
+
+@dataclasses.dataclass(frozen=True)
+class ForcedLength:
+    """A verification policy returning its state (an int32 scalar) as every row's length: the
+    width a profiled round runs is set from the host without recompiling. Not lossless in
+    general (it is a profiling device)."""
+
+    def init_state(self, batch_size: int, block_size: int):
+        del batch_size, block_size
+        return jnp.zeros((), jnp.int32)
+
+    def __call__(self, state, confidences, active):
+        return jnp.full(active.shape, state, jnp.int32), state
+
+
+def default_round_batches(max_batch: int) -> list[int]:
+    """Powers of two below ``max_batch``, then ``max_batch`` (slot counts of a round table)."""
+    if max_batch < 1:
+        raise InputError(f"max batch must be >= 1, got {max_batch}")
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return out + [max_batch]
+
+
+def measure_rounds(
+    target_cfg: TargetConfig,
+    target_params: dict,
+    draft_cfg,
+    draft_params: dict,
+    batch_sizes: Sequence[int],
+    cache_length: int,
+    *,
+    widths: Sequence[int] | None = None,
+    rounds: int = 16,
+    warmup: int = 1,
+    min_seconds: float = 0.05,
+    repeats: int = 10,
+    mesh=None,
+    meta: dict | None = None,
+    progress: Callable[[int, int, float], None] | None = None,
+):
+    """Round table (``scheduler.RoundTable``) of the decode program for ``batch_sizes`` slot counts
+    at widths ``loop.verify_widths(G, widths)``, from a cache of ``cache_length`` positions.
+
+    ``progress(B, w, rps)`` is called per (B, w) after the last pass. InputError on bad sizes or
+    a cache that does not fit."""
+    from dspark_jax.decode import loop as L
+    from dspark_jax.decode.scheduler import RoundTable
+
+    g = draft_cfg.block_size
+    ws = L.verify_widths(g, widths)
+    sizes = sorted(set(int(b) for b in batch_sizes))
+    if not sizes or sizes[0] < 1:
+        raise InputError(f"batch sizes must be positive ints, got {list(batch_sizes)}")
+    if rounds < 1 or warmup < 0 or repeats < 1:
+        raise InputError("rounds and repeats must be >= 1, warmup >= 0")
+    max_len = L._round_up(cache_length + (g + 1) * (rounds + 1), L.CACHE_BUCKET)
+    max_pos = min(target_cfg.max_position_embeddings, draft_cfg.max_position_embeddings)
+    if cache_length < 1 or max_len > max_pos:
+        raise InputError(f"cache length {cache_length} + {rounds} rounds of {g + 1} tokens needs "
+                         f"{max_len} positions; the pair has {max_pos}")
+    if mesh is not None:
+        sharded.check_mesh(mesh, target_cfg, draft_cfg, 1)
+    prog = L.build_decode(mesh)
+    tp = prog.place_params(target_params, target_cfg)
+    dp = prog.place_params(draft_params, draft_cfg)
+    policy = ForcedLength()
+    static = L.DecodeStatic(target_cfg, draft_cfg, policy, True, rounds, widths=ws)
+    pre = dataclasses.replace(static, policy=None)
+    rep = (lambda x: x) if mesh is None else (
+        lambda x: jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())))
+    temp = rep(jnp.float32(sampling.GREEDY_EPS))
+    stop = rep(jnp.full((L.MAX_STOP_IDS,), -1, jnp.int32))
+    conf_t = rep(jnp.ones((g,), jnp.float32))
+    steps, until = rep(np.int32(rounds)), rep(np.bool_(False))
+    rng = np.random.default_rng(0)
+
+    def reset(state, b, w):
+        pos = np.full((b,), cache_length, np.int32)
+        return state.replace(pos=prog.place(pos), active=prog.place(np.ones((b,), bool)),
+                             cache=state.cache.with_lengths(prog.place(pos)),
+                             policy_state=rep(jnp.int32(w - 1)))
+
+    def chunk(state):
+        return prog.chunk(tp, dp, state, temp, stop, conf_t, steps, until, static=static)
+
+    states = {}
+    for b in sizes:
+        if mesh is not None:
+            sharded.check_mesh(mesh, target_cfg, draft_cfg, b)
+        prompts = rng.integers(0, target_cfg.vocab_size, (b, cache_length)).astype(np.int32)
+        lens = np.full((b,), cache_length, np.int32)
+        budget = np.full((b,), (g + 1) * (rounds + 1), np.int32)
+        state = prog.prefill(tp, dp, prog.place(prompts), prog.place(lens),
+                             prog.place(np.ones((b,), bool)), rep(jax.random.PRNGKey(0)), temp, stop,
+                             static=pre, max_len=max_len, max_new=prog.place(budget))
+        for w in ws:
+            for _ in range(max(warmup, 1)):
+                state = chunk(reset(state, b, w))
+        jax.block_until_ready(state.pos)
+        states[b] = state
+
+    best = {(b, w): np.inf for b in sizes for w in ws}
+    for b in sizes:
+        spent = {w: 0.0 for w in ws}
+        done = 0
+        while done < repeats or min(spent.values()) < min_seconds:
+            for w in ws:  # one chunk per width in turn: a busy spell hits every width alike
+                state = reset(states[b], b, w)
+                jax.block_until_ready(state.pos)
+                t0 = time.perf_counter()
+                state = chunk(state)
+                jax.block_until_ready(state.pos)
+                dt = time.perf_counter() - t0
+                states[b] = state
+                spent[w] += dt
+                best[(b, w)] = min(best[(b, w)], dt / rounds)
+            done += 1
+    raw = np.array([[best[(b, w)] for w in ws] for b in sizes])            # seconds per round
+    # Noise only ever slows a chunk down: a latency above that of a wider width (or more rows)
+    # is noise, so each entry is capped by every wider / taller one (reverse cumulative min).
+    lat = np.minimum.accumulate(raw[:, ::-1], axis=1)[:, ::-1]
+    lat = np.minimum.accumulate(lat[::-1], axis=0)[::-1]
+    if progress is not None:
+        for i, b in enumerate(sizes):
+            for j, w in enumerate(ws):
+                progress(b, w, float(1.0 / lat[i, j]))
+    info = _table_meta(target_cfg, cache_length, "rounds", target_params["embed_tokens"].dtype,
+                       meta, rounds=rounds, warmup=warmup, min_seconds=min_seconds, repeats=repeats)
+    info.update(block_size=g, program="loop.build_decode().chunk",
+                raw_rps=[[float(1.0 / v) for v in row] for row in raw])
+    return RoundTable(tuple(sizes), ws, tuple(tuple(float(1.0 / v) for v in row) for row in lat), info)

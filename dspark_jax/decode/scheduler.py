@@ -24,6 +24,24 @@ hashable, pure, ``init_state(batch, block) -> state``,
   (no history yet) use Algorithm 1. ``delay=0`` is the *retrospective* same-round global
   search of Appendix A: NOT lossless, provided only to demonstrate the counterexample.
 
+Round tables and the width-aware objective. The decode round (``loop._round``) verifies a
+padded block: every one of its B rows (slots) runs ``w`` tokens, w the smallest compiled width
+(``loop.round_widths``, default 1, 2, 4, .., G+1) >= the longest active proposal + 1, so a round
+costs what its *width* costs, not what its ``sum_r (1 + l_r)`` tokens would. A
+:class:`RoundTable` (``profile-sps --draft``, ``profile.measure_rounds``) holds whole rounds per
+second of that program at each (slot count B, width w). With such a table the
+:class:`PrefixScheduler` walks the same descending-survival path as Algorithm 1 with
+``Theta(n) = tau(n) * RPS(B, w(n))``, ``w(n)`` the width the first n admissions need
+(:func:`width_path`). Admissions that stay inside the current width are free (Theta rises); an
+admission that opens a wider width is kept only if the *completion bound* of that width,
+``(tau(n-1) + a_n * F) * RPS(B, w(n))`` with F the candidates the width holds that are not yet
+admitted, beats ``Theta(n-1)``; otherwise the search stops at once. Every later candidate has
+survival <= a_n, so the bound uses only the first n candidates: the stop is a stopping time of
+the path, as Algorithm 1's early stop is, and the scheduler stays non-anticipating (lossless).
+A per-admission comparison would stop at every width step at large B (one token cannot pay for
+B padded ones); the bound lets a width open when filling it can pay. With a token table
+(:class:`SPSTable`) the scheduler is the paper's Algorithm 1 over ``R + n`` tokens.
+
 SPS tables (:class:`SPSTable`) are measured by ``dspark_jax.decode.profile`` and stored as
 JSON. A raw table (``interp="sps"``) interpolates SPS linearly between measured batch sizes,
 clamps below the smallest and beyond the largest assumes a constant token rate
@@ -246,6 +264,105 @@ def atomic_write_text(path, text: str, force: bool = False) -> None:
         f.write(text)
 
 
+ROUND_FORMAT = "dspark-jax/round-table/v1"
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundTable:
+    """Whole speculative rounds per second of the decode program at (B rows, verification width w).
+
+    ``batch_sizes`` [NB] strictly increasing positive ints (slot counts); ``widths`` [NW] strictly
+    increasing (the compiled widths); ``rps`` [NB][NW] positive floats. Latency (1/rps) is
+    interpolated linearly in B between measured slot counts, clamped below the smallest and
+    scaled in proportion to B beyond the largest. ``meta`` (device, model, cache length, raw
+    measurements, ...) is not hashed: two tables with the same grid are the same static argument.
+    """
+
+    batch_sizes: tuple[int, ...]
+    widths: tuple[int, ...]
+    rps: tuple[tuple[float, ...], ...]
+    meta: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self):
+        bs = tuple(int(b) for b in self.batch_sizes)
+        ws = tuple(int(w) for w in self.widths)
+        try:
+            rps = tuple(tuple(float(v) for v in row) for row in self.rps)
+        except TypeError:
+            raise ConfigError("RoundTable.rps must be a list of rows (one per batch size)") from None
+        object.__setattr__(self, "batch_sizes", bs)
+        object.__setattr__(self, "widths", ws)
+        object.__setattr__(self, "rps", rps)
+        for name, xs in (("batch_sizes", bs), ("widths", ws)):
+            if not xs or xs[0] < 1 or any(b <= a for a, b in zip(xs, xs[1:])):
+                raise ConfigError(f"RoundTable.{name} must be non-empty, positive and strictly "
+                                  f"increasing, got {xs}")
+        if len(rps) != len(bs) or any(len(row) != len(ws) for row in rps):
+            raise ConfigError(f"RoundTable.rps must be {len(bs)} rows of {len(ws)} values")
+        if not all(np.isfinite(v) and v > 0 for row in rps for v in row):
+            raise ConfigError("RoundTable.rps values must be finite and > 0")
+
+    def rates(self, batch: int) -> np.ndarray:
+        """[NW] float64 rounds per second of a ``batch``-row round at each width."""
+        xs = np.asarray(self.batch_sizes, np.float64)
+        lat = 1.0 / np.asarray(self.rps, np.float64)                         # [NB, NW]
+        b = float(batch)
+        if b > xs[-1]:
+            out = lat[-1] * b / xs[-1]
+        else:
+            out = np.array([np.interp(b, xs, lat[:, i]) for i in range(lat.shape[1])])
+        return 1.0 / out
+
+    def width_rates(self, batch: int, block_size: int) -> tuple[tuple[int, ...], np.ndarray]:
+        """(widths W, rates [len(W)]) for a round of ``batch`` rows and block size G: the table's
+        widths up to G+1, plus G+1 (at the rate of the next measured width, or the widest)."""
+        rates = self.rates(batch)
+        ws = [w for w in self.widths if w <= block_size + 1]
+        rs = [float(r) for w, r in zip(self.widths, rates) if w <= block_size + 1]
+        if not ws or ws[-1] != block_size + 1:
+            nxt = [r for w, r in zip(self.widths, rates) if w > block_size + 1]
+            ws.append(block_size + 1)
+            rs.append(nxt[0] if nxt else float(rates[-1]))
+        return tuple(ws), np.asarray(rs, np.float64)
+
+    def to_json(self) -> dict:
+        return {"format": ROUND_FORMAT, **dict(self.meta), "batch_sizes": list(self.batch_sizes),
+                "widths": list(self.widths), "rps": [list(r) for r in self.rps]}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any], where: str = "round table") -> "RoundTable":
+        if not isinstance(obj, Mapping):
+            raise InputError(f"{where}: expected a JSON object")
+        for key in ("batch_sizes", "widths", "rps"):
+            if key not in obj or not isinstance(obj[key], list):
+                raise InputError(f"{where}: field {key!r} (a list) is missing")
+        meta = {k: v for k, v in obj.items() if k not in ("batch_sizes", "widths", "rps", "format")}
+        try:
+            return cls(tuple(obj["batch_sizes"]), tuple(obj["widths"]), tuple(obj["rps"]), meta)
+        except ConfigError as e:
+            raise InputError(f"{where}: {e}") from None
+        except (TypeError, ValueError) as e:
+            raise InputError(f"{where}: bad values ({e})") from None
+
+    def save(self, path, force: bool = False) -> None:
+        """Atomic write; refuses to overwrite unless ``force``."""
+        atomic_write_text(path, json.dumps(self.to_json(), indent=1) + "\n", force=force)
+
+
+def load_table(path, fit: str | None = None):
+    """An :class:`SPSTable` (token table) or :class:`RoundTable` from its JSON file (by its
+    ``format``); ``fit`` refits a token table (round tables are stored as measured)."""
+    p = Path(path)
+    if p.is_file():
+        try:
+            obj = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise InputError(f"SPS table {str(p)!r}: invalid JSON ({e})") from None
+        if isinstance(obj, Mapping) and obj.get("format") == ROUND_FORMAT:
+            return RoundTable.from_json(obj, where=f"round table {str(p)!r}")
+    return SPSTable.load(path, fit)
+
+
 # ----------------------------------------------------------------------------- core search
 
 
@@ -330,20 +447,94 @@ def expected_throughput(confidences, active, lengths, sps: SPSTable) -> np.ndarr
     return tau * sps(max(tokens, 1)) if np.sum(act) else np.float64(0.0)
 
 
+def width_path(confidences: jax.Array, active: jax.Array, widths: Sequence[int], rates):
+    """The width-aware admission path (module doc), vectorised.
+
+    confidences [B, G], active [B] bool, widths [NW] sorted (last >= G+1), rates [NW] rounds/s
+    of a B-row round at each width. Returns ``(rank [B, G] int32, count [] int32, theta [N+1])``:
+    ``rank`` as in :func:`greedy_path`, ``count`` the admissions (a stopping time of the sorted
+    path: step n is decided from the first n candidates only), ``theta[n]`` the expected
+    throughput after n admissions (``-inf`` past the valid candidates).
+    """
+    b, g = confidences.shape
+    a = survival(confidences)
+    act = active.astype(bool)
+    ok = act[:, None] & (a > 0)
+    key = jnp.where(ok, a, -1.0).reshape(-1)
+    order = jnp.argsort(-key, stable=True)
+    sorted_a = key[order]
+    valid = sorted_a > 0
+    length = (order % g).astype(jnp.int32) + 1                  # l_r once candidate n is admitted
+    longest = jax.lax.cummax(jnp.where(valid, length, 0), axis=0)
+    ws = jnp.asarray(widths, jnp.int32)
+    rates = jnp.asarray(rates, jnp.float32)
+    last = len(widths) - 1
+    widx = jnp.minimum(jnp.sum((ws[None, :] < longest[:, None] + 1).astype(jnp.int32), axis=1), last)
+    r = jnp.sum(act.astype(jnp.int32))
+    rf = r.astype(jnp.float32)
+    tau = rf + jnp.cumsum(jnp.where(valid, sorted_a, 0.0))
+    theta = jnp.where(valid, tau * rates[widx], -jnp.inf)
+    theta0 = rf * rates[0]
+    prev_theta = jnp.concatenate([theta0[None], theta[:-1]])
+    prev_tau = jnp.concatenate([rf[None], tau[:-1]])
+    prev_widx = jnp.concatenate([jnp.zeros((1,), widx.dtype), widx[:-1]])
+    n = jnp.arange(1, b * g + 1, dtype=jnp.int32)
+    room = r * jnp.minimum(ws[widx] - 1, g) - (n - 1)          # candidates the width holds, not yet in
+    bound = (prev_tau + sorted_a * room.astype(jnp.float32)) * rates[widx]
+    step = valid & ((widx == prev_widx) | (bound > prev_theta))
+    count = jnp.sum(jnp.cumprod(step.astype(jnp.int32)))
+    rank = jnp.zeros((b * g,), jnp.int32).at[order].set(jnp.arange(b * g, dtype=jnp.int32))
+    return rank.reshape(b, g), count, jnp.concatenate([theta0[None], theta])
+
+
+def schedule_widths(confidences, active, table: RoundTable) -> jax.Array:
+    """Per-row lengths [B] int32 of the width-aware scheduler under a round table (jittable;
+    ``table`` static; B = the round's rows, so the table is read at this slot count)."""
+    b, g = confidences.shape
+    widths, rates = table.width_rates(b, g)
+    rank, count, _ = width_path(confidences, active, widths, rates)
+    return jnp.where(active.astype(bool), lengths_from_rank(rank, count), 0).astype(jnp.int32)
+
+
+def expected_round_throughput(confidences, active, lengths, table: RoundTable) -> float:
+    """Theta = tau * RPS(B, w) of given lengths, w the width they run at (numpy; tests, benchmarks)."""
+    c = np.clip(np.asarray(confidences, np.float64), 0, 1)
+    b, g = c.shape
+    a = np.cumprod(c, axis=-1)
+    act = np.asarray(active, bool)
+    lengths = np.asarray(lengths)
+    if not act.any():
+        return 0.0
+    mask = np.arange(g)[None, :] < lengths[:, None]
+    tau = np.sum(act) + np.sum(np.where(mask & act[:, None], a, 0.0))
+    widths, rates = table.width_rates(b, g)
+    need = int(np.max(np.where(act, lengths, 0))) + 1
+    i = next(k for k, w in enumerate(widths) if w >= need)
+    return float(tau * rates[i])
+
+
 # ----------------------------------------------------------------------------- policies
 
 
 @dataclasses.dataclass(frozen=True)
 class PrefixScheduler:
-    """``--verify scheduler``: paper Algorithm 1 with the early stop. Stateless."""
+    """``--verify scheduler``: paper Algorithm 1 with the early stop (token table), or its
+    width-aware form with the completion bound (round table; module doc). Stateless."""
 
-    sps: SPSTable
+    sps: SPSTable | RoundTable
+
+    @property
+    def verify_widths(self) -> tuple[int, ...] | None:
+        """The widths a round table was measured at (the round compiles those), else None."""
+        return self.sps.widths if isinstance(self.sps, RoundTable) else None
 
     def init_state(self, batch_size: int, block_size: int):
         del batch_size, block_size
         return jnp.zeros((), jnp.int32)  # round counter (no information is carried)
 
     def __call__(self, state, confidences, active):
+        if isinstance(self.sps, RoundTable):
+            return schedule_widths(confidences, active, self.sps), state + 1
         return schedule(confidences, active, self.sps, "early_stop"), state + 1
 
 
@@ -409,12 +600,15 @@ def make_policy(spec: str, sps_table, **kwargs):
         raise ConfigError(f"unknown scheduler policy {spec!r} (expected one of {POLICY_NAMES})")
     if sps_table is None:
         raise ConfigError(f"--verify {name} needs an SPS table (--sps FILE, from `dspark-jax profile-sps`)")
-    if not isinstance(sps_table, SPSTable):
-        sps_table = SPSTable.load(sps_table)
+    if not isinstance(sps_table, (SPSTable, RoundTable)):
+        sps_table = load_table(sps_table)
     if name == "scheduler":
         if arg or kwargs:
             raise ConfigError(f"--verify scheduler takes no options, got {spec!r} {kwargs or ''}")
         return PrefixScheduler(sps_table)
+    if isinstance(sps_table, RoundTable):
+        raise ConfigError(f"--verify {name} needs a token SPS table (`profile-sps` without --draft); "
+                          "a round table serves --verify scheduler")
     delay = kwargs.pop("delay", 2)
     if kwargs:
         raise ConfigError(f"scheduler-async: unknown options {sorted(kwargs)}")

@@ -106,7 +106,7 @@ def advisories(options: DecodeOptions, policy, block_size: int | None = None) ->
                     f"so fixed:{k} verifies {block_size} (clamped)"]
         return []
     sps = getattr(policy, "sps", None)
-    if sps is not None and name.startswith("scheduler"):
+    if sps is not None and name.startswith("scheduler") and not hasattr(sps, "widths"):  # token table
         # Algorithm 1 admits the first draft token of a row only if (R + c) * SPS(R + 1) beats
         # R * SPS(R): it needs a survival c above R * (SPS(R) / SPS(R + 1) - 1)
         r = options.batch_size

@@ -27,7 +27,7 @@ class Verdict(NamedTuple):
 def first_true(mask: jax.Array) -> jax.Array:
     """[B, K] bool -> [B] int32 index of the first True (K when none)."""
     k = mask.shape[-1]
-    return jnp.min(jnp.where(mask, jnp.arange(k, dtype=jnp.int32), k), axis=-1)
+    return jnp.min(jnp.where(mask, jnp.arange(k, dtype=jnp.int32), k), axis=-1, initial=k)
 
 
 def rejection_sample(
@@ -39,6 +39,7 @@ def rejection_sample(
     temperature,
     greedy: bool,
     stop_ids: jax.Array,
+    draw_width: int | None = None,
 ) -> Verdict:
     """Verify drafts.
 
@@ -46,6 +47,10 @@ def rejection_sample(
     predicts the token after x_k); draft_logits [B, G, V]: the Markov-corrected
     logits x_1..x_G were sampled from; draft_tokens [B, G]; lengths [B] in [0, G];
     stop_ids [S] (-1 = unused slot). ``greedy`` is static: argmax comparisons.
+    G may be 0 (nothing to verify: the next token comes from the target at x0).
+    ``draw_width`` (static, >= G; default G): the acceptance uniforms are drawn for this many
+    positions and the first G used, so verifying a narrower prefix of a block (the decode
+    round's width) consumes the same random numbers as verifying all of it.
     """
     b, g = draft_tokens.shape
     chex.assert_shape(draft_logits, (b, g, None))
@@ -63,7 +68,7 @@ def rejection_sample(
         p_d = jax.nn.softmax(draft_logits.astype(jnp.float32) / temperature, axis=-1)
         pt_x = jnp.take_along_axis(p_t[:, :g], draft_tokens[..., None], axis=-1)[..., 0]
         pd_x = jnp.take_along_axis(p_d, draft_tokens[..., None], axis=-1)[..., 0]
-        u = sampling.uniform(key_u, (b, g), jnp.float32)
+        u = sampling.uniform(key_u, (b, max(g, draw_width or g)), jnp.float32)[:, :g]
         accept = u * jnp.maximum(pd_x, 1e-8) < pt_x  # u < min(1, p_t / p_d)
     accept = accept & in_len
     accepted = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
@@ -79,7 +84,8 @@ def rejection_sample(
     else:
         # Rejected at a < l: residual norm(max(0, p_t - p_d)) at a; all l passed: p_t at l (bonus).
         pt_a = p_t[rows, accepted]
-        pd_a = jnp.where((accepted < lengths)[:, None], p_d[rows, jnp.minimum(accepted, g - 1)], 0.0)
+        pd_a = (jnp.where((accepted < lengths)[:, None], p_d[rows, jnp.minimum(accepted, g - 1)], 0.0)
+                if g else jnp.zeros_like(pt_a))
         residual = jnp.maximum(pt_a - pd_a, 0.0)
         mass = jnp.sum(residual, axis=-1, keepdims=True)
         residual = jnp.where(mass <= 1e-8, pt_a, residual)

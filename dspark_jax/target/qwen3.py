@@ -40,6 +40,13 @@ class KVCache:
     def with_lengths(self, lengths: jax.Array) -> "KVCache":
         return self.replace(lengths=lengths.astype(jnp.int32))
 
+    def write(self, k_new: jax.Array, v_new: jax.Array, positions: jax.Array) -> "KVCache":
+        """k_new, v_new [L, B, T, Hkv, D] written at slots ``positions`` [B, T] (slots >= max_len
+        are dropped; lengths unchanged). One scatter per tensor, in place when donated."""
+        rows = jnp.arange(k_new.shape[1])[:, None]
+        return self.replace(k=self.k.at[:, rows, positions].set(k_new.astype(self.k.dtype), mode="drop"),
+                            v=self.v.at[:, rows, positions].set(v_new.astype(self.v.dtype), mode="drop"))
+
 
 def init_cache(config: TargetConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
     shape = (config.num_hidden_layers, batch, max_len, config.num_key_value_heads, config.head_dim)
@@ -169,6 +176,7 @@ def forward(
     num_new: jax.Array | None = None,
     tap_layer_ids: Sequence[int] = (),
     compute_dtype=None,
+    write_cache: bool = True,
 ):
     """Run the target over ``tokens [B, T]``.
 
@@ -177,7 +185,10 @@ def forward(
     returned cache has ``lengths + num_new`` (``num_new`` [B] defaults to T).
 
     Returns ``(hidden [B, T, H] after the final norm, taps [B, T, n*H] or None,
-    cache or None)``. ``taps`` concatenates the raw outputs of decoder layers
+    cache or None)``; with ``write_cache=False`` the third item is the new ``(k, v)``
+    [L, B, T, Hkv, D] instead, unwritten (``KVCache.write`` them at ``lengths[b] + t``: a caller
+    that runs the forward inside a ``lax.switch`` branch writes outside it, so the cache is
+    updated in place rather than copied). ``taps`` concatenates the raw outputs of decoder layers
     ``tap_layer_ids`` (-1 = embedding output), the drafter's context features.
     """
     b, t = tokens.shape
@@ -233,9 +244,8 @@ def forward(
         # One scatter per tensor for all layers: row b's tokens go to slots lengths[b] + t
         # (slots >= max_len are dropped). In place when the cache buffer is donated.
         k_new, v_new = new_kv                                     # [Lyr, B, T, Hkv, D]
-        rows = jnp.arange(b)[:, None]
-        k_all = cache.k.at[:, rows, positions].set(k_new.astype(cache.k.dtype), mode="drop")
-        v_all = cache.v.at[:, rows, positions].set(v_new.astype(cache.v.dtype), mode="drop")
+        if not write_cache:
+            return hidden, tap_features, (k_new, v_new)
         step = jnp.full((b,), t, jnp.int32) if num_new is None else num_new.astype(jnp.int32)
-        new_cache = KVCache(k_all, v_all, cache.lengths + step)
+        new_cache = cache.write(k_new, v_new, positions).with_lengths(cache.lengths + step)
     return hidden, tap_features, new_cache

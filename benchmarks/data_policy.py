@@ -312,7 +312,7 @@ def main(argv=None) -> int:
 
     eval_sets = {"heldout": [encode_prompt(tok, r.text, raw=True) for r in demo.eval_prompts(cfg)],
                  "insample": prompts[:cfg.num_eval_prompts]}
-    temps = [float(cfg.temperature)] + ([0.0] if cfg.temperature != 0 else [])
+    temps = [temp for _, temp in demo.decode_settings(cfg).values()]  # the demo's: headline (+ greedy)
     results, train_info = [], {}
 
     def add(seed, data, ps, temp, s):

@@ -139,10 +139,10 @@ def train_drafter(cfg: demo.DemoConfig, data: Path, log=print) -> tuple[Path, di
     from dspark_jax.train.loop import train
 
     tc = demo.train_config(cfg, DRAFTER, progress=False).replace(data=str(data.absolute()))
-    before, t0 = COMPILES[0], time.time()
-    s = train(tc, fast_compile=cfg.fast_compile)
+    before = COMPILES[0]
+    s = train(tc, fast_compile=cfg.fast_compile)  # a finished run: its summary.json, nothing retrained
     fin = s.get("final") or {}
-    info = {"steps": s["steps"], "wall_s": time.time() - t0, "final_loss": fin.get("loss"),
+    info = {"steps": s["steps"], "wall_s": s["wall_s"], "final_loss": fin.get("loss"),
             "final_expected_accept_length": fin.get("expected_accept_length"),
             "tokens_per_s": s.get("tokens_per_s"), "compiles": COMPILES[0] - before}
     log(f"  train {cfg.out}: loss {info['final_loss']:.4f}, {info['wall_s']:.0f}s")
@@ -255,6 +255,15 @@ def plot(summary: dict, path: Path) -> Path | None:
 # --------------------------------------------------------------------------- main
 
 
+def previous_report(out: Path, cfg: demo.DemoConfig) -> dict | None:
+    """``out``/data_policy.json of an earlier run with the same config (its seeds are kept), else None."""
+    path = out / "data_policy.json"
+    if not path.is_file():
+        return None
+    prev = json.loads(path.read_text())
+    return prev if prev.get("config") == cfg.to_dict() else None
+
+
 def build_config(args) -> demo.DemoConfig:
     base = demo.quick_config(out="", greedy_table=False) if args.smoke else demo.DemoConfig()
     changes = {k: v for k, v in dict(
@@ -293,27 +302,45 @@ def main(argv=None) -> int:
     t0 = time.time()
     records = policy_prompts(cfg, tok)
     prompts = [encode_prompt(tok, r["text"], raw=True) for r in records]
-    before = COMPILES[0]
-    rows = {"on_policy": on_policy_rows(tdir, prompts, tokens=cfg.continuation_tokens,
-                                        temperature=cfg.sample_temperature, batch_size=cfg.sample_batch_size,
-                                        seed=cfg.seed + 1),
-            "off_policy": off_policy_rows(prompts, records)}
-    data_info = {"sample_seconds": time.time() - t0, "sample_compiles": COMPILES[0] - before,
-                 "prompts": len(records), "prompt_tokens": sum(map(len, prompts))}
-    files = {}
+    prev = previous_report(out, cfg)
+    data_files = {name: work / name / "data" / "train.jsonl" for name in DATASETS}
+    if prev is not None and all(f.is_file() for f in data_files.values()):
+        log(f"resuming {out / 'data_policy.json'}: datasets from {work}, seeds "
+            f"{sorted({r['seed'] for r in prev['rows']})} done already")
+        rows = {name: [json.loads(line) for line in f.read_text().splitlines()] for name, f in data_files.items()}
+        data_info = prev["data"]
+    else:
+        if prev is None and list(work.glob("*/seed*")):
+            raise SystemExit(f"{work} holds training runs of another configuration; choose another --out")
+        prev = None
+        before = COMPILES[0]
+        rows = {"on_policy": on_policy_rows(tdir, prompts, tokens=cfg.continuation_tokens,
+                                            temperature=cfg.sample_temperature,
+                                            batch_size=cfg.sample_batch_size, seed=cfg.seed + 1),
+                "off_policy": off_policy_rows(prompts, records)}
+        data_info = {"sample_seconds": time.time() - t0, "sample_compiles": COMPILES[0] - before,
+                     "prompts": len(records), "prompt_tokens": sum(map(len, prompts))}
     for name, rs in rows.items():
-        files[name] = write_rows(work / name / "data" / "train.jsonl", rs)
-        data_info[name] = rows_stats(rs, tok)
+        assert [r["input_ids"][:len(p)] for r, p in zip(rs, prompts)] == prompts, name
+        if prev is None:
+            write_rows(data_files[name], rs)
+            data_info[name] = rows_stats(rs, tok)
         d = data_info[name]
         log(f"data {name}: {d['rows']} rows, {d['trained_tokens']} trained tokens, "
             f"degenerate {d['degeneracy']['num_degenerate']}/{d['rows']}, "
             f"whitespace {100 * d['degeneracy']['whitespace_fraction']:.0f}%")
+    files = data_files
     assert data_info["on_policy"]["trained_tokens"] == data_info["off_policy"]["trained_tokens"]
 
     eval_sets = {"heldout": [encode_prompt(tok, r.text, raw=True) for r in demo.eval_prompts(cfg)],
                  "insample": prompts[:cfg.num_eval_prompts]}
     temps = [temp for _, temp in demo.decode_settings(cfg).values()]  # the demo's: headline (+ greedy)
     results, train_info = [], {}
+    per_seed = len(eval_sets) * len(temps) * (len(DATASETS) + 1)
+    if prev is not None:  # keep the seeds the previous run finished
+        done = {sd for sd in seeds if sum(r["seed"] == sd for r in prev["rows"]) == per_seed}
+        results = [r for r in prev["rows"] if r["seed"] in done]
+        train_info = {k: v for k, v in prev["train"].items() if int(k.rsplit("seed", 1)[1]) in done}
 
     def add(seed, data, ps, temp, s):
         r = dict(seed=seed, data=data, prompts=ps, temperature=temp, **flat(s))
@@ -335,7 +362,7 @@ def main(argv=None) -> int:
                 "generated tokens; on/off = tau(on-policy) / tau(off-policy)")
         text = "\n".join([head, table, note])
         print(text, flush=True)
-        report = {"partial": partial, "config": cfg.to_dict(), "seeds": seeds, "target": str(tdir),
+        report = {"partial": partial, "config": cfg.to_dict(), "seeds": sorted({r["seed"] for r in results}), "target": str(tdir),
                   "data": data_info, "train": train_info, "rows": results, "summary": summary, "table": text,
                   "total_compiles": COMPILES[0], "wall_s": time.time() - t_all, "devices": str(jax.devices()[0]),
                   "command": "PYTHONPATH=$PWD nice -n 15 python benchmarks/data_policy.py " + " ".join(
@@ -347,7 +374,8 @@ def main(argv=None) -> int:
         print(f"wrote {out / 'data_policy.json'}" + (f" and {png}" if png else "")
               + (" (partial)" if partial else ""), flush=True)
 
-    for seed in seeds:
+    missing = [sd for sd in seeds if not any(r["seed"] == sd for r in results)]
+    for seed in missing:
         for ps, pr in eval_sets.items():
             for temp in temps:
                 add(seed, "autoregressive", ps, temp,
@@ -361,7 +389,9 @@ def main(argv=None) -> int:
                 for temp in temps:
                     add(seed, data, ps, temp,
                         decode_row(tcfg, tparams, tdir, tok, pr, draft=draft, temperature=temp, cfg=cfg, seed=seed))
-        write_report(partial=seed != seeds[-1])
+        if seed != missing[-1]:
+            write_report(partial=True)
+    write_report(partial=False)
     return 0
 
 

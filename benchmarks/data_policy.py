@@ -131,6 +131,40 @@ def rows_stats(rows: list[dict], tok) -> dict:
             "degeneracy": degeneracy.summarize(conts, tokenizer=tok)}
 
 
+def target_fit(tcfg, tparams, rows: list[dict], *, length: int, batch: int = 64) -> dict:
+    """How the target itself scores the trained tokens of ``rows``: mean cross-entropy in bits
+    per token (``bits_per_token``; on-policy data at T=1 sits near the target's entropy) and the
+    share of trained tokens equal to the target's argmax given the true prefix
+    (``target_argmax_agreement``, what a drafter for greedy decoding has to predict). One jitted
+    forward over [batch, length] padded windows."""
+    import jax.numpy as jnp
+
+    from dspark_jax.target import qwen3
+
+    @jax.jit
+    def score(params, ids):
+        hidden, _, _ = qwen3.forward(params, tcfg, ids)
+        logp = jax.nn.log_softmax(qwen3.compute_logits(params, hidden)[:, :-1].astype(jnp.float32), -1)
+        nll = -jnp.take_along_axis(logp, ids[:, 1:, None], -1)[..., 0]
+        return nll, jnp.argmax(logp, -1) == ids[:, 1:]
+
+    nll_sum, agree, count = 0.0, 0, 0
+    for i in range(0, len(rows), batch):
+        chunk = rows[i:i + batch]
+        ids = np.zeros((batch, length), np.int32)
+        mask = np.zeros((batch, length), np.float32)
+        for j, r in enumerate(chunk):
+            ids[j, :len(r["input_ids"])] = r["input_ids"]
+            mask[j, :len(r["loss_mask"])] = r["loss_mask"]
+        nll, hit = map(np.asarray, score(tparams, jnp.asarray(ids)))
+        m = mask[:, 1:]
+        nll_sum += float((nll * m).sum())
+        agree += int((hit * m).sum())
+        count += int(m.sum())
+    return {"bits_per_token": nll_sum / max(count, 1) / np.log(2.0),
+            "target_argmax_agreement": agree / max(count, 1), "tokens": count}
+
+
 # --------------------------------------------------------------------------- train / decode
 
 
@@ -326,9 +360,13 @@ def main(argv=None) -> int:
             write_rows(data_files[name], rs)
             data_info[name] = rows_stats(rs, tok)
         d = data_info[name]
+        if "target_fit" not in d:
+            d["target_fit"] = target_fit(tcfg, tparams, rs, length=cfg.max_length)
         log(f"data {name}: {d['rows']} rows, {d['trained_tokens']} trained tokens, "
             f"degenerate {d['degeneracy']['num_degenerate']}/{d['rows']}, "
-            f"whitespace {100 * d['degeneracy']['whitespace_fraction']:.0f}%")
+            f"whitespace {100 * d['degeneracy']['whitespace_fraction']:.0f}%, target "
+            f"{d['target_fit']['bits_per_token']:.3f} bits/token, target argmax = token "
+            f"{100 * d['target_fit']['target_argmax_agreement']:.1f}%")
     files = data_files
     assert data_info["on_policy"]["trained_tokens"] == data_info["off_policy"]["trained_tokens"]
 
@@ -360,7 +398,11 @@ def main(argv=None) -> int:
                 f"{cfg.max_new_tokens} new tokens")
         note = ("degen = outputs with distinct-4-gram ratio < 0.3 (summed over seeds); ws = whitespace share of "
                 "generated tokens; on/off = tau(on-policy) / tau(off-policy)")
-        text = "\n".join([head, table, note])
+        fit = "; ".join(f"{n}: target {data_info[n]['target_fit']['bits_per_token']:.3f} bits/token, "
+                        f"argmax agreement {100 * data_info[n]['target_fit']['target_argmax_agreement']:.1f}%, "
+                        f"degenerate {data_info[n]['degeneracy']['num_degenerate']}/{data_info[n]['rows']}"
+                        for n in DATASETS)
+        text = "\n".join([head, table, note, "training continuations: " + fit])
         print(text, flush=True)
         report = {"partial": partial, "config": cfg.to_dict(), "seeds": sorted({r["seed"] for r in results}), "target": str(tdir),
                   "data": data_info, "train": train_info, "rows": results, "summary": summary, "table": text,

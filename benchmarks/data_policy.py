@@ -235,14 +235,19 @@ def summarize(rows: list[dict]) -> dict:
                              "num_outputs": sum(r["num_outputs"] for r in sel),
                              "whitespace_fraction": float(np.mean([r["whitespace_fraction"] for r in sel]))}
             if "on_policy" in ent and "off_policy" in ent:
+                on, off = (dict(zip(ent[d]["seeds"], ent[d]["tau_per_seed"])) for d in DATASETS)
+                diff = [on[sd] - off[sd] for sd in sorted(on) if sd in off]  # paired by seed
                 ent["on_over_off"] = ent["on_policy"]["tau_mean"] / ent["off_policy"]["tau_mean"]
                 ent["on_minus_off"] = ent["on_policy"]["tau_mean"] - ent["off_policy"]["tau_mean"]
+                ent["on_minus_off_per_seed"] = diff
+                ent["on_minus_off_sem"] = (float(np.std(diff, ddof=1) / np.sqrt(len(diff)))
+                                           if len(diff) > 1 else None)
             out[key] = ent
     return out
 
 
 def format_table(summary: dict) -> str:
-    head = ["prompts", "T", "data", "tau (mean)", "tau per seed", "degen", "ws", "on/off"]
+    head = ["prompts", "T", "data", "tau (mean)", "tau per seed", "degen", "ws", "on/off", "on-off (sem)"]
     lines = []
     for key, ent in summary.items():
         ps, t = key.split("/T=")
@@ -250,10 +255,14 @@ def format_table(summary: dict) -> str:
             if data not in ent:
                 continue
             e = ent[data]
-            ratio = f"{ent['on_over_off']:.3f}" if data == "on_policy" and "on_over_off" in ent else ""
+            ratio, diff = "", ""
+            if data == "on_policy" and "on_over_off" in ent:
+                ratio = f"{ent['on_over_off']:.3f}"
+                sem = ent["on_minus_off_sem"]
+                diff = f"{ent['on_minus_off']:+.3f}" + (f" ({sem:.3f})" if sem is not None else "")
             lines.append([ps, t, data, f"{e['tau_mean']:.3f}", " ".join(f"{x:.3f}" for x in e["tau_per_seed"]),
                           f"{e['num_degenerate']}/{e['num_outputs']}", f"{100 * e['whitespace_fraction']:.0f}%",
-                          ratio])
+                          ratio, diff])
     widths = [max(len(str(c)) for c in col) for col in zip(head, *lines)]
     fmt = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
     return "\n".join([fmt(head)] + [fmt(c) for c in lines])
@@ -397,7 +406,8 @@ def main(argv=None) -> int:
                 f"({cfg.eval_dataset}) and {len(eval_sets['insample'])} in-sample prompts, "
                 f"{cfg.max_new_tokens} new tokens")
         note = ("degen = outputs with distinct-4-gram ratio < 0.3 (summed over seeds); ws = whitespace share of "
-                "generated tokens; on/off = tau(on-policy) / tau(off-policy)")
+                "generated tokens; on/off = tau(on-policy) / tau(off-policy); "
+                "on-off = mean over seeds of the paired difference, (standard error)")
         fit = "; ".join(f"{n}: target {data_info[n]['target_fit']['bits_per_token']:.3f} bits/token, "
                         f"argmax agreement {100 * data_info[n]['target_fit']['target_argmax_agreement']:.1f}%, "
                         f"degenerate {data_info[n]['degeneracy']['num_degenerate']}/{data_info[n]['rows']}"

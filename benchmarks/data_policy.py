@@ -416,7 +416,9 @@ def main(argv=None) -> int:
         print(text, flush=True)
         report = {"partial": partial, "config": cfg.to_dict(), "seeds": sorted({r["seed"] for r in results}), "target": str(tdir),
                   "data": data_info, "train": train_info, "rows": results, "summary": summary, "table": text,
-                  "total_compiles": COMPILES[0], "wall_s": time.time() - t_all, "devices": str(jax.devices()[0]),
+                  "total_compiles": COMPILES[0], "wall_s": time.time() - t_all,
+                  "wall_s_all_runs": (prev or {}).get("wall_s_all_runs", (prev or {}).get("wall_s", 0.0))
+                  + time.time() - t_all, "devices": str(jax.devices()[0]),
                   "command": "PYTHONPATH=$PWD nice -n 15 python benchmarks/data_policy.py " + " ".join(
                       sys.argv[1:] if argv is None else argv)}
         out.mkdir(parents=True, exist_ok=True)

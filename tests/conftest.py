@@ -1,5 +1,6 @@
 """Test setup: 8 simulated CPU devices, float32 matmuls at full precision, shared fixtures."""
 
+import gc
 import os
 from pathlib import Path
 
@@ -19,3 +20,33 @@ TINY = FIXTURES / "dspark_qwen3_tiny"
 def tiny_dir() -> Path:
     """The reference fixture (copied from shared/golden): target/, draft/, train_forward.npz, decode_greedy.json."""
     return TINY
+
+
+def _memory_maps() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return 0
+
+
+def _max_memory_maps() -> int:
+    try:
+        return int(Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        return 65530
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Free compiled executables between test modules once they hold many memory mappings.
+
+    Every XLA:CPU executable keeps a handful of mmap'd code/data regions alive for as long as a
+    jit cache holds it; the whole suite in one process compiles thousands of programs and crossed
+    Linux's ``vm.max_map_count`` (65530), after which the next compile segfaulted inside XLA.
+    Clearing at half the limit keeps the suite's own cache reuse within a module.
+    """
+    yield
+    if _memory_maps() > _max_memory_maps() // 2:
+        jax.clear_caches()
+        gc.collect()

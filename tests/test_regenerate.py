@@ -340,32 +340,19 @@ def test_top_p_filter_keeps_the_nucleus_and_samples_it():
     assert scipy_stats.chisquare(counts[:3], expected).pvalue > 1e-3
 
 
-TOP_P_SCRIPT = """
-from dspark_jax.convert.checkpoint import load_target
-from dspark_jax.decode import engine
-from dspark_jax.embedded.default import PACKAGED_DIR
-from dspark_jax.pipelines import regenerate as R
-
-tc, tp = load_target(PACKAGED_DIR)
-prompts = [[257, 105, 109], [257, 100, 101, 102]]
-keys = R.request_keys(1, range(2))
-kw = dict(max_new_tokens=%d, slots=2)
-base = engine.serve(tc, tp, None, None, prompts, temperature=1.0, request_keys=keys, **kw)
-same = engine.serve(tc, tp, None, None, prompts, temperature=1.0, request_keys=keys, top_p=1.0, **kw)
-assert [r.output_ids for r in base] == [r.output_ids for r in same]
-tiny = engine.serve(tc, tp, None, None, prompts, temperature=1.0, request_keys=keys, top_p=1e-6, **kw)
-greedy = engine.serve(tc, tp, None, None, prompts, temperature=0.0, **kw)
-assert [r.output_ids for r in tiny] == [r.output_ids for r in greedy]  # nucleus = the argmax
-print("ok")
-""" % MAX_NEW
-
-
 def test_top_p_in_the_engine_changes_only_when_below_one():
-    # In a fresh interpreter: compiling the top-p AR program after the rest of the suite's
-    # compilations in one process crashed XLA:CPU's compiler once (segfault; not reproduced alone).
-    proc = subprocess.run([sys.executable, "-c", TOP_P_SCRIPT], capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
+    tc, tp = load_target(TARGET)
+    prompts = [[257, 105, 109], [257, 100, 101, 102]]
+    keys = R.request_keys(1, range(2))
+    base = engine.serve(tc, tp, None, None, prompts, max_new_tokens=MAX_NEW, temperature=1.0,
+                        slots=2, request_keys=keys)
+    same = engine.serve(tc, tp, None, None, prompts, max_new_tokens=MAX_NEW, temperature=1.0,
+                        slots=2, request_keys=keys, top_p=1.0)
+    assert [r.output_ids for r in base] == [r.output_ids for r in same]
+    tiny = engine.serve(tc, tp, None, None, prompts, max_new_tokens=MAX_NEW, temperature=1.0,
+                        slots=2, request_keys=keys, top_p=1e-6)  # nucleus = the argmax: greedy
+    greedy = engine.serve(tc, tp, None, None, prompts, max_new_tokens=MAX_NEW, temperature=0.0, slots=2)
+    assert [r.output_ids for r in tiny] == [r.output_ids for r in greedy]
 
 
 # ----------------------------------------------------------------------------- speculative

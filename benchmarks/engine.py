@@ -1,6 +1,8 @@
 """The decode engine measured end to end: a mixed request stream at several concurrencies.
 
     nice -n 15 python benchmarks/engine.py [--out DIR] [--smoke] [--target DIR --draft DIR]
+    python benchmarks/engine.py --target dspark_jax/assets/default_target \
+        --draft runs/demo/train/dspark/export --texts runs/demo/data/prompts.jsonl --out DIR
 
 A stream of requests with mixed prompt lengths and output budgets (stop tokens on) is decoded
 with AR, fixed:1, fixed:G, threshold and the prefix scheduler, each with static batching
@@ -42,20 +44,40 @@ from dspark_jax.compiles import COMPILES
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests/fixtures/dspark_qwen3_tiny"
-def make_stream(base_prompts, n: int, vocab: int, max_new: int, seed: int):
-    """n requests: prompts = a base prompt cut to a random length (>= 2) or random tokens
-    (lengths 2..3x the longest base prompt); budgets uniform in [max_new // 8, max_new]."""
+def make_stream(base_prompts, n: int, vocab: int, max_new: int, seed: int, random_share: float = 0.3):
+    """n requests: prompts = a base prompt cut to a random length (>= 2) or, with probability
+    ``random_share``, random tokens (lengths 2..3x the longest base prompt); budgets uniform in
+    [max_new // 8, max_new]."""
     rng = np.random.default_rng(seed)
     longest = max(len(p) for p in base_prompts)
     prompts, budgets = [], []
     for _ in range(n):
-        if rng.random() < 0.7:
+        if rng.random() >= random_share:
             p = base_prompts[int(rng.integers(len(base_prompts)))]
             prompts.append(list(p[:int(rng.integers(2, len(p) + 1))]))
         else:
             prompts.append(rng.integers(0, vocab, size=int(rng.integers(2, 3 * longest))).tolist())
         budgets.append(int(rng.integers(max(1, max_new // 8), max_new + 1)))
     return prompts, budgets
+
+
+def base_prompts(args, tc):
+    """(prompt id lists the stream is cut from, stop ids): --texts tokenized with the target's
+    tokenizer, else the token lists of --prompts; stops from --stop-ids or the default."""
+    if args.texts:
+        from dspark_jax.tokenizer import encode_prompt, load_tokenizer
+        tok = load_tokenizer(args.target, required=True)
+        rows = [json.loads(line) for line in Path(args.texts).read_text().splitlines() if line.strip()]
+        base = [encode_prompt(tok, r["text"], raw=True)[-args.max_prompt_tokens:] for r in rows]
+        stops = [int(tok.eos_token_id)]
+    else:
+        d = json.loads(Path(args.prompts).read_text())
+        base = d["prompts"]
+        # Stop tokens on: a token the fixture's outputs contain now and then.
+        stops = [int(d.get("output_ids", [[2] * 21])[0][20])]
+    if args.stop_ids:
+        stops = [int(x) for x in args.stop_ids.split(",")]
+    return base, stops
 
 
 def run_one(tc, tp, dc, dp, prompts, budgets, *, batching, slots, policy, stops, cache_len):
@@ -116,6 +138,14 @@ def main(argv=None) -> int:
     ap.add_argument("--draft", default=str(FIXTURE / "draft"))
     ap.add_argument("--prompts", default=str(FIXTURE / "decode_greedy.json"),
                     help="JSON with 'prompts' (token-id lists) the stream is cut from")
+    ap.add_argument("--texts", default=None, metavar="JSONL",
+                    help="instead of --prompts: text prompts (rows with 'text', e.g. a demo's "
+                         "data/prompts.jsonl) tokenized raw with the target's tokenizer, each keeping "
+                         "its last --max-prompt-tokens tokens; no random-token prompts then")
+    ap.add_argument("--max-prompt-tokens", type=int, default=128)
+    ap.add_argument("--stop-ids", default=None,
+                    help="comma-separated stop token ids (default: a token the fixture's outputs "
+                         "contain now and then; with --texts the tokenizer's eos id)")
     ap.add_argument("--concurrency", default="1,2,4,8,16,32,64")
     ap.add_argument("--requests-per-slot", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -133,10 +163,8 @@ def main(argv=None) -> int:
     tc, tp = load_target(args.target)
     dc, dp = load_draft(args.draft)
     g = dc.block_size
-    base = json.loads(Path(args.prompts).read_text())["prompts"]
+    base, stops = base_prompts(args, tc)
     concs = [int(c) for c in args.concurrency.split(",")]
-    # Stop tokens on: a token the fixture's outputs contain now and then.
-    stops = [int(json.loads(Path(args.prompts).read_text()).get("output_ids", [[2] * 21])[0][20])]
 
     t0 = time.perf_counter()
     # The scheduler's cost: whole rounds of the decode program at every slot count run here
@@ -155,7 +183,8 @@ def main(argv=None) -> int:
           f"{'budget':>6} {'tau':>5} {'compiles':>8}")
     for c in concs:
         n = max(16, args.requests_per_slot * c)
-        prompts, budgets = make_stream(base, n, tc.vocab_size, args.max_new_tokens, args.seed + c)
+        prompts, budgets = make_stream(base, n, tc.vocab_size, args.max_new_tokens, args.seed + c,
+                                       random_share=0.0 if args.texts else 0.3)
         _, cache_len = loop.plan_shapes(prompts, args.max_new_tokens, g,
                                         min(tc.max_position_embeddings, dc.max_position_embeddings), None)
         for method in methods:

@@ -30,16 +30,20 @@ padded block: every one of its B rows (slots) runs ``w`` tokens, w the smallest 
 costs what its *width* costs, not what its ``sum_r (1 + l_r)`` tokens would. A
 :class:`RoundTable` (``profile-sps --draft``, ``profile.measure_rounds``) holds whole rounds per
 second of that program at each (slot count B, width w). With such a table the
-:class:`PrefixScheduler` walks the same descending-survival path as Algorithm 1 with
-``Theta(n) = tau(n) * RPS(B, w(n))``, ``w(n)`` the width the first n admissions need
-(:func:`width_path`). Admissions that stay inside the current width are free (Theta rises); an
-admission that opens a wider width is kept only if the *completion bound* of that width,
-``(tau(n-1) + a_n * F) * RPS(B, w(n))`` with F the candidates the width holds that are not yet
-admitted, beats ``Theta(n-1)``; otherwise the search stops at once. Every later candidate has
-survival <= a_n, so the bound uses only the first n candidates: the stop is a stopping time of
-the path, as Algorithm 1's early stop is, and the scheduler stays non-anticipating (lossless).
-A per-admission comparison would stop at every width step at large B (one token cannot pay for
-B padded ones); the bound lets a width open when filling it can pay. With a token table
+:class:`PrefixScheduler` chooses the round's width, and every active row verifies all the drafts
+that width holds (a narrower prefix would cost the same padded round and can only accept fewer
+tokens). The choice is a stopping rule over depth (:func:`width_by_depth`): starting at the
+narrowest width, it opens the next one when some wider width w' is estimated to pay,
+``(tau_known + est(w')) * RPS(B, w') > tau_known * RPS(B, w)``, where ``tau_known`` sums the
+survivals the current width holds and ``est`` extrapolates each active row geometrically from
+its first position d outside the width (``a_rd * c_rd ** (k - d)``); the first refusal stops.
+Deciding whether position d is verified reads confidences at positions <= d only (each row's
+own and other rows'), never the confidences that are functions of the draft being verified, so
+the scheduler stays non-anticipating (lossless), as Algorithm 1's early stop does. (An earlier
+rule walked Algorithm 1's descending-survival path and opened a width when a completion bound,
+every not-yet-admitted slot of the width filled with the current candidate's survival, beat the
+current throughput: the bound's room grows with the rows, so at 64 slots it opened the widest
+width where width 2 paid best; benchmarks/results/engine_trained.) With a token table
 (:class:`SPSTable`) the scheduler is the paper's Algorithm 1 over ``R + n`` tokens.
 
 SPS tables (:class:`SPSTable`) are measured by ``dspark_jax.decode.profile`` and stored as
@@ -447,44 +451,42 @@ def expected_throughput(confidences, active, lengths, sps: SPSTable) -> np.ndarr
     return tau * sps(max(tokens, 1)) if np.sum(act) else np.float64(0.0)
 
 
-def width_path(confidences: jax.Array, active: jax.Array, widths: Sequence[int], rates):
-    """The width-aware admission path (module doc), vectorised.
+def width_by_depth(confidences: jax.Array, active: jax.Array, widths: Sequence[int], rates) -> jax.Array:
+    """The width-aware choice (module doc): a stopping rule over depth, vectorised over rows.
 
-    confidences [B, G], active [B] bool, widths [NW] sorted (last >= G+1), rates [NW] rounds/s
-    of a B-row round at each width. Returns ``(rank [B, G] int32, count [] int32, theta [N+1])``:
-    ``rank`` as in :func:`greedy_path`, ``count`` the admissions (a stopping time of the sorted
-    path: step n is decided from the first n candidates only), ``theta[n]`` the expected
-    throughput after n admissions (``-inf`` past the valid candidates).
+    confidences [B, G], active [B] bool, widths [NW] sorted (last = G+1), rates [NW] rounds/s of
+    a B-row round at each width (static). Starting at the narrowest width, the round opens the
+    next width when, for some wider width w', the estimated throughput
+    ``(tau_known + est(w')) * RPS(w')`` beats the current ``tau_known * RPS(w)``: ``tau_known``
+    sums the survivals the current width already holds; ``est`` extrapolates each active row
+    from its first position outside the width (index d): ``a_rd * c_rd ** (k - d)`` for
+    positions k in [d, w' - 1). The first refusal stops. The decision to verify position d
+    reads confidences at positions <= d only, so it never depends on the drafts it verifies.
+    Returns lengths [B] int32: w - 1 for active rows (capped at their positive-survival
+    prefix), 0 for inactive ones.
     """
     b, g = confidences.shape
-    a = survival(confidences)
+    c = jnp.clip(confidences.astype(jnp.float32), 0.0, 1.0)
+    a = jnp.cumprod(c, axis=-1)                                            # [B, G]
     act = active.astype(bool)
-    ok = act[:, None] & (a > 0)
-    key = jnp.where(ok, a, -1.0).reshape(-1)
-    order = jnp.argsort(-key, stable=True)
-    sorted_a = key[order]
-    valid = sorted_a > 0
-    length = (order % g).astype(jnp.int32) + 1                  # l_r once candidate n is admitted
-    longest = jax.lax.cummax(jnp.where(valid, length, 0), axis=0)
-    ws = jnp.asarray(widths, jnp.int32)
-    rates = jnp.asarray(rates, jnp.float32)
-    last = len(widths) - 1
-    widx = jnp.minimum(jnp.sum((ws[None, :] < longest[:, None] + 1).astype(jnp.int32), axis=1), last)
-    r = jnp.sum(act.astype(jnp.int32))
-    rf = r.astype(jnp.float32)
-    tau = rf + jnp.cumsum(jnp.where(valid, sorted_a, 0.0))
-    theta = jnp.where(valid, tau * rates[widx], -jnp.inf)
-    theta0 = rf * rates[0]
-    prev_theta = jnp.concatenate([theta0[None], theta[:-1]])
-    prev_tau = jnp.concatenate([rf[None], tau[:-1]])
-    prev_widx = jnp.concatenate([jnp.zeros((1,), widx.dtype), widx[:-1]])
-    n = jnp.arange(1, b * g + 1, dtype=jnp.int32)
-    room = r * jnp.minimum(ws[widx] - 1, g) - (n - 1)          # candidates the width holds, not yet in
-    bound = (prev_tau + sorted_a * room.astype(jnp.float32)) * rates[widx]
-    step = valid & ((widx == prev_widx) | (bound > prev_theta))
-    count = jnp.sum(jnp.cumprod(step.astype(jnp.int32)))
-    rank = jnp.zeros((b * g,), jnp.int32).at[order].set(jnp.arange(b * g, dtype=jnp.int32))
-    return rank.reshape(b, g), count, jnp.concatenate([theta0[None], theta])
+    af = act.astype(jnp.float32)
+    held = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), jnp.cumsum(a, axis=-1)], axis=-1)
+    drafts = [min(int(w) - 1, g) for w in widths]                            # d_i, increasing
+    rates = [float(x) for x in rates]
+    known = [jnp.sum(af) + jnp.sum(af * held[:, d]) for d in drafts]         # tau at each width
+    chosen = jnp.zeros((), jnp.int32)
+    going = jnp.ones((), bool)
+    for i, d in enumerate(drafts[:-1]):
+        best = jnp.float32(-jnp.inf)
+        for j in range(i + 1, len(drafts)):
+            powers = c[:, d:d + 1] ** jnp.arange(drafts[j] - d, dtype=jnp.float32)  # [B, n]
+            est = jnp.sum(af * jnp.sum(a[:, d:d + 1] * powers, axis=-1))
+            best = jnp.maximum(best, (known[i] + est) * rates[j])
+        going = going & (best > known[i] * rates[i])
+        chosen = jnp.where(going, i + 1, chosen)
+    depth = jnp.asarray(drafts, jnp.int32)[chosen]
+    positive = jnp.sum((a > 0).astype(jnp.int32), axis=-1)                # a is non-increasing
+    return jnp.where(act, jnp.minimum(depth, positive), 0).astype(jnp.int32)
 
 
 def schedule_widths(confidences, active, table: RoundTable) -> jax.Array:
@@ -492,8 +494,7 @@ def schedule_widths(confidences, active, table: RoundTable) -> jax.Array:
     ``table`` static; B = the round's rows, so the table is read at this slot count)."""
     b, g = confidences.shape
     widths, rates = table.width_rates(b, g)
-    rank, count, _ = width_path(confidences, active, widths, rates)
-    return jnp.where(active.astype(bool), lengths_from_rank(rank, count), 0).astype(jnp.int32)
+    return width_by_depth(confidences, active, widths, rates)
 
 
 def expected_round_throughput(confidences, active, lengths, table: RoundTable) -> float:
@@ -518,8 +519,8 @@ def expected_round_throughput(confidences, active, lengths, table: RoundTable) -
 
 @dataclasses.dataclass(frozen=True)
 class PrefixScheduler:
-    """``--verify scheduler``: paper Algorithm 1 with the early stop (token table), or its
-    width-aware form with the completion bound (round table; module doc). Stateless."""
+    """``--verify scheduler``: paper Algorithm 1 with the early stop (token table), or the
+    width-aware stopping rule over depth (round table; module doc). Stateless."""
 
     sps: SPSTable | RoundTable
 

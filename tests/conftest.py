@@ -22,6 +22,17 @@ def tiny_dir() -> Path:
     return TINY
 
 
+@pytest.fixture(scope="session")
+def tiny_reference(tiny_dir):
+    """(target_cfg, target_params, draft_cfg, draft_params, decode_greedy.json) of the reference fixture."""
+    import json
+
+    from dspark_jax.convert.checkpoint import load_draft, load_target
+    tc, tp = load_target(tiny_dir / "target")
+    dc, dp = load_draft(tiny_dir / "draft")
+    return tc, tp, dc, dp, json.loads((tiny_dir / "decode_greedy.json").read_text())
+
+
 def _memory_maps() -> int:
     try:
         with open("/proc/self/maps") as f:

@@ -12,7 +12,6 @@ import decode_pairs as testing
 from dspark_jax.cli import main
 from dspark_jax.config import DraftConfig
 from dspark_jax.compiles import COMPILES
-from dspark_jax.convert.checkpoint import load_draft, load_target
 from dspark_jax.decode import (FixedPolicy, FullPolicy, ThresholdPolicy, autoregressive_generate,
                                parse_policy, speculative_generate)
 from dspark_jax.decode import loop as decode_loop
@@ -24,13 +23,6 @@ warnings.filterwarnings("ignore", message="Some donated buffers were not usable"
 @pytest.fixture(scope="module")
 def pair():
     return testing.tiny_pair(block_size=3)
-
-
-@pytest.fixture(scope="module")
-def fixture(tiny_dir):
-    tc, tp = load_target(tiny_dir / "target")
-    dc, dp = load_draft(tiny_dir / "draft")
-    return tc, tp, dc, dp, json.loads((tiny_dir / "decode_greedy.json").read_text())
 
 
 def test_no_recompilation(pair):
@@ -61,7 +53,7 @@ def test_no_recompilation(pair):
     assert COMPILES[0] == before, "recompiled after warm-up"
 
 
-def test_bad_input_raises_before_compiling(pair, fixture):
+def test_bad_input_raises_before_compiling(pair, tiny_reference):
     tc, tp, dc, dp = pair
     before = COMPILES[0]
     gen = lambda prompts, **kw: speculative_generate(tc, tp, dc, dp, prompts, max_new_tokens=4, **kw)
@@ -81,7 +73,7 @@ def test_bad_input_raises_before_compiling(pair, fixture):
         gen([[1]], confidence_temperatures=[1.0])
     with pytest.raises(InputError, match="max_new_tokens"):
         speculative_generate(tc, tp, dc, dp, [[1]], max_new_tokens=0)
-    ftc, ftp, fdc, fdp, _ = fixture
+    ftc, ftp, fdc, fdp, _ = tiny_reference
     with pytest.raises(ConfigError, match="vocab_size"):
         speculative_generate(ftc, ftp, dc, dp, [[1]], max_new_tokens=4)
     with pytest.raises(ConfigError, match="hidden_size"):
@@ -95,10 +87,10 @@ def test_bad_input_raises_before_compiling(pair, fixture):
     assert COMPILES[0] == before
 
 
-def test_stop_tokens_match_reference_prefix(fixture):
+def test_stop_tokens_match_reference_prefix(tiny_reference):
     """Every prompt (one batch of 8, sharing the parity test's compilation) stops at the first
     occurrence of a token that first appears mid-stream (maybe among accepted drafts)."""
-    tc, tp, dc, dp, ref = fixture
+    tc, tp, dc, dp, ref = tiny_reference
     n = len(ref["prompts"])
     stopped = 0
     for stop in (ref["output_ids"][0][5], ref["output_ids"][0][20]):
@@ -124,8 +116,8 @@ def test_stop_tokens_match_reference_prefix(fixture):
         assert r.output_ids == (ref_out[:ref_out.index(stop) + 1] if stop in ref_out else ref_out)
 
 
-def test_autoregressive_greedy_matches_reference(fixture):
-    tc, tp, dc, dp, ref = fixture
+def test_autoregressive_greedy_matches_reference(tiny_reference):
+    tc, tp, dc, dp, ref = tiny_reference
     res = autoregressive_generate(tc, tp, ref["prompts"], max_new_tokens=ref["max_new_tokens"],
                                   batch_size=8)
     assert [r.output_ids for r in res] == ref["output_ids"]
@@ -196,11 +188,11 @@ def test_cli_generate_end_to_end(tiny_dir, tmp_path, capsys):
     assert "vocabulary" in capsys.readouterr().err
 
 
-def test_cli_generate_applies_saved_sts_temperatures(fixture, tiny_dir, tmp_path, capsys):
+def test_cli_generate_applies_saved_sts_temperatures(tiny_reference, tiny_dir, tmp_path, capsys):
     """A drafter saved with extras {"sts_temperatures": [...]} gets them; the flag overrides."""
     from dspark_jax.convert.checkpoint import save_draft
 
-    tc, tp, dc, dp, ref = fixture
+    tc, tp, dc, dp, ref = tiny_reference
     g = dc.block_size
     draft = save_draft(tmp_path / "draft", dc, dp, format="jax",
                        extras={"sts_temperatures": [1e-3] * g})

@@ -1,27 +1,17 @@
 """Greedy parity with the PyTorch reference (decode_greedy.json), at batch 1 and one batch of all prompts."""
 
-import json
 import warnings
 
 import pytest
 
-from dspark_jax.convert.checkpoint import load_draft, load_target
 from dspark_jax.decode import speculative_generate, summarize
 
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 
 
-@pytest.fixture(scope="module")
-def fixture(tiny_dir):
-    tc, tp = load_target(tiny_dir / "target")
-    dc, dp = load_draft(tiny_dir / "draft")
-    ref = json.loads((tiny_dir / "decode_greedy.json").read_text())
-    return tc, tp, dc, dp, ref
-
-
 @pytest.mark.parametrize("batch_size", [1, 8])
-def test_greedy_parity(fixture, batch_size):
-    tc, tp, dc, dp, ref = fixture
+def test_greedy_parity(tiny_reference, batch_size):
+    tc, tp, dc, dp, ref = tiny_reference
     assert ref["temperature"] == 0.0 and ref["confidence_threshold"] == 0.0
     n = len(ref["prompts"])
     res = speculative_generate(tc, tp, dc, dp, ref["prompts"], max_new_tokens=ref["max_new_tokens"],

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from dspark_jax.compiles import COMPILES
-from dspark_jax.convert.checkpoint import load_draft, load_target
 from dspark_jax.decode import loop as L
 from dspark_jax.decode import scheduler as S
 from dspark_jax.decode import speculative_generate
@@ -21,16 +20,8 @@ from dspark_jax.errors import ConfigError, InputError
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 
 
-@pytest.fixture(scope="module")
-def fixture(tiny_dir):
-    tc, tp = load_target(tiny_dir / "target")
-    dc, dp = load_draft(tiny_dir / "draft")
-    ref = json.loads((tiny_dir / "decode_greedy.json").read_text())
-    return tc, tp, dc, dp, ref
-
-
-def test_default_and_round_widths(fixture):
-    tc, _, dc, _, _ = fixture
+def test_default_and_round_widths(tiny_reference):
+    tc, _, dc, _, _ = tiny_reference
     assert L.default_widths(7) == (1, 2, 4, 8) and L.default_widths(1) == (1, 2)
     assert L.verify_widths(7, [4, 2]) == (2, 4, 8)
     with pytest.raises(ConfigError, match="widths"):
@@ -104,11 +95,11 @@ def _widths_run(res, widths=(1, 2, 4, 8)):
     return out
 
 
-def test_narrow_rounds_equal_full_width_rounds_and_compile_once(fixture):
+def test_narrow_rounds_equal_full_width_rounds_and_compile_once(tiny_reference):
     """Rounds of every width give the same tokens, acceptance and proposal records as the same
     policy run at full width (and the reference's greedy tokens); a later batch whose rounds run
     other widths compiles nothing."""
-    tc, tp, dc, dp, ref = fixture
+    tc, tp, dc, dp, ref = tiny_reference
     prompts, n = ref["prompts"], ref["max_new_tokens"]
     kw = dict(max_new_tokens=n, temperature=0.0, batch_size=len(prompts))
     narrow = speculative_generate(tc, tp, dc, dp, prompts, policy=Cycling(), **kw)
@@ -124,8 +115,8 @@ def test_narrow_rounds_equal_full_width_rounds_and_compile_once(fixture):
         assert r.output_ids == ref["output_ids"][i]
 
 
-def test_threshold_narrow_equals_full_width(fixture):
-    tc, tp, dc, dp, ref = fixture
+def test_threshold_narrow_equals_full_width(tiny_reference):
+    tc, tp, dc, dp, ref = tiny_reference
     kw = dict(max_new_tokens=ref["max_new_tokens"], temperature=0.0, batch_size=3)
     narrow = speculative_generate(tc, tp, dc, dp, ref["prompts"][:3], policy=ThresholdPolicy(0.5), **kw)
     wide = speculative_generate(tc, tp, dc, dp, ref["prompts"][:3], policy=FullWidthThreshold(0.5), **kw)
@@ -134,8 +125,8 @@ def test_threshold_narrow_equals_full_width(fixture):
 
 
 @pytest.mark.parametrize("k", [0, 1, 3])
-def test_fixed_lengths_run_narrow_and_match_reference(fixture, k):
-    tc, tp, dc, dp, ref = fixture
+def test_fixed_lengths_run_narrow_and_match_reference(tiny_reference, k):
+    tc, tp, dc, dp, ref = tiny_reference
     res = speculative_generate(tc, tp, dc, dp, ref["prompts"][:3], max_new_tokens=ref["max_new_tokens"],
                                temperature=0.0, batch_size=3, policy=FixedPolicy(k))
     for i, r in enumerate(res):
@@ -143,10 +134,10 @@ def test_fixed_lengths_run_narrow_and_match_reference(fixture, k):
         assert max(r.proposal_lengths) <= k
 
 
-def test_sampled_run_is_the_same_at_any_width(fixture):
+def test_sampled_run_is_the_same_at_any_width(tiny_reference):
     """The acceptance uniforms are drawn for the whole block: a sampled run's tokens do not
     depend on the width its rounds ran at."""
-    tc, tp, dc, dp, ref = fixture
+    tc, tp, dc, dp, ref = tiny_reference
     kw = dict(max_new_tokens=12, temperature=1.0, batch_size=4, seed=5)
     a = speculative_generate(tc, tp, dc, dp, ref["prompts"][:4], policy=Cycling(), **kw)
     b = speculative_generate(tc, tp, dc, dp, ref["prompts"][:4], policy=Cycling(wide=True), **kw)
@@ -265,8 +256,8 @@ def test_width_scheduler_never_depends_on_later_confidences(table):
     assert len(seen) > 1  # the table makes the scheduler choose among widths
 
 
-def test_scheduler_on_round_table_in_decode_matches_reference(fixture):
-    tc, tp, dc, dp, ref = fixture
+def test_scheduler_on_round_table_in_decode_matches_reference(tiny_reference):
+    tc, tp, dc, dp, ref = tiny_reference
     pol = S.make_policy("scheduler", MIXED)
     res = speculative_generate(tc, tp, dc, dp, ref["prompts"], max_new_tokens=ref["max_new_tokens"],
                                temperature=0.0, batch_size=len(ref["prompts"]), policy=pol)

@@ -6,25 +6,16 @@ tests/conftest.py), in static and continuous mode, whatever the slot count and a
 bad meshes / prompts fail before compiling; no recompilation while requests come and go.
 """
 
-import json
 import warnings
 
 import numpy as np
 import pytest
 
 from dspark_jax.compiles import COMPILES
-from dspark_jax.convert.checkpoint import load_draft, load_target
 from dspark_jax.decode import ThresholdPolicy, autoregressive_generate, engine, sharded, speculative_generate
 from dspark_jax.errors import ConfigError, InputError
 
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-
-@pytest.fixture(scope="module")
-def fixture(tiny_dir):
-    tc, tp = load_target(tiny_dir / "target")
-    dc, dp = load_draft(tiny_dir / "draft")
-    return tc, tp, dc, dp, json.loads((tiny_dir / "decode_greedy.json").read_text())
-
 
 def _same(res, ref, acceptance=True):
     for i, r in enumerate(res):
@@ -35,8 +26,8 @@ def _same(res, ref, acceptance=True):
 
 @pytest.mark.parametrize("mesh_spec,slots", [(None, 3), ("tensor=2", 2), ("data=2,tensor=2", 4),
                                              ("data=4,tensor=2", 4)])
-def test_greedy_identical_on_every_mesh(fixture, mesh_spec, slots):
-    tc, tp, dc, dp, ref = fixture
+def test_greedy_identical_on_every_mesh(tiny_reference, mesh_spec, slots):
+    tc, tp, dc, dp, ref = tiny_reference
     mesh = sharded.make_decode_mesh(mesh_spec)
     n, r = len(ref["prompts"]), ref["max_new_tokens"]
     _same(speculative_generate(tc, tp, dc, dp, ref["prompts"], max_new_tokens=r, batch_size=n,
@@ -48,8 +39,8 @@ def test_greedy_identical_on_every_mesh(fixture, mesh_spec, slots):
     assert all(0 <= x.ttft_s <= x.latency_s and x.tokens_per_second > 0 for x in res)
 
 
-def test_autoregressive_sharded_and_continuous(fixture):
-    tc, tp, dc, dp, ref = fixture
+def test_autoregressive_sharded_and_continuous(tiny_reference):
+    tc, tp, dc, dp, ref = tiny_reference
     n, r = len(ref["prompts"]), ref["max_new_tokens"]
     mesh = sharded.make_decode_mesh("data=2,tensor=2")
     _same(autoregressive_generate(tc, tp, ref["prompts"], max_new_tokens=r, batch_size=n,
@@ -58,8 +49,8 @@ def test_autoregressive_sharded_and_continuous(fixture):
           acceptance=False)
 
 
-def test_bad_mesh_and_prompts_fail_before_compiling(fixture):
-    tc, tp, dc, dp, ref = fixture
+def test_bad_mesh_and_prompts_fail_before_compiling(tiny_reference):
+    tc, tp, dc, dp, ref = tiny_reference
     before = COMPILES[0]
     with pytest.raises(ConfigError, match="needs 16 devices but 8"):
         sharded.make_decode_mesh("data=2,tensor=8")
@@ -86,10 +77,10 @@ def _stream(rng, n, vocab):
     return prompts, budgets
 
 
-def test_continuous_no_recompilation_and_matches_static(fixture):
+def test_continuous_no_recompilation_and_matches_static(tiny_reference):
     """Warm-up covers the prompt buckets; then streams with other lengths, budgets, stop tokens
     and orders compile nothing, and every request equals its own static greedy decode."""
-    tc, tp, dc, dp, _ = fixture
+    tc, tp, dc, dp, _ = tiny_reference
     rng = np.random.default_rng(0)
     kw = dict(slots=4, max_cache_len=64, policy=ThresholdPolicy(0.3))
     warm = [[1] * 10, [2] * 20, [3] * 40]

@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="smallest settings")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.concurrency, args.max_new_tokens, args.methods = "1,2", 8, "ar,scheduler"
+        args.concurrency, args.max_new_tokens, args.methods = "2", 8, "ar,scheduler"
         args.requests_per_slot = 2
 
     tc, tp = load_target(args.target)

@@ -45,7 +45,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dspark_jax.compiles import COMPILES  # noqa: E402
-from dspark_jax.fileio import atomic_open, write_json, write_text  # noqa: E402
+from dspark_jax.data.sources import reply_record  # noqa: E402
+from dspark_jax.fileio import write_json, write_jsonl, write_text  # noqa: E402
 from dspark_jax.pipelines import demo  # noqa: E402
 
 DATASETS = ("on_policy", "off_policy")
@@ -99,26 +100,13 @@ def on_policy_rows(target_dir: Path, prompts: list[list[int]], *, tokens: int, t
     tcfg, tparams = load_target(target_dir)
     results = timed_decode(tcfg, tparams, prompts, max_new_tokens=tokens, temperature=temperature,
                            batch_size=batch_size, seed=seed, warmup=False)
-    rows = []
-    for p, r in zip(prompts, results):
-        out = list(r.output_ids)
-        assert len(out) == tokens, (len(out), tokens)
-        rows.append({"input_ids": list(p) + out, "loss_mask": [0] * len(p) + [1] * len(out)})
-    return rows
+    assert all(len(r.output_ids) == tokens for r in results), tokens
+    return [reply_record(p, r.output_ids) for p, r in zip(prompts, results)]
 
 
 def off_policy_rows(prompts: list[list[int]], records: list[dict]) -> list[dict]:
     """Rows of the real text after each prompt (``records[i]["following_ids"]``), same layout."""
-    return [{"input_ids": list(p) + list(r["following_ids"]),
-             "loss_mask": [0] * len(p) + [1] * len(r["following_ids"])} for p, r in zip(prompts, records)]
-
-
-def write_rows(path: Path, rows: list[dict]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_open(path) as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-    return path
+    return [reply_record(p, r["following_ids"]) for p, r in zip(prompts, records)]
 
 
 def rows_stats(rows: list[dict], tok) -> dict:
@@ -366,7 +354,7 @@ def main(argv=None) -> int:
     for name, rs in rows.items():
         assert [r["input_ids"][:len(p)] for r, p in zip(rs, prompts)] == prompts, name
         if prev is None:
-            write_rows(data_files[name], rs)
+            write_jsonl(data_files[name], rs)
             data_info[name] = rows_stats(rs, tok)
         d = data_info[name]
         if "target_fit" not in d:
@@ -376,7 +364,6 @@ def main(argv=None) -> int:
             f"whitespace {100 * d['degeneracy']['whitespace_fraction']:.0f}%, target "
             f"{d['target_fit']['bits_per_token']:.3f} bits/token, target argmax = token "
             f"{100 * d['target_fit']['target_argmax_agreement']:.1f}%")
-    files = data_files
     assert data_info["on_policy"]["trained_tokens"] == data_info["off_policy"]["trained_tokens"]
 
     eval_sets = {"heldout": [encode_prompt(tok, r.text, raw=True) for r in demo.eval_prompts(cfg)],
@@ -436,7 +423,7 @@ def main(argv=None) -> int:
                     decode_row(tcfg, tparams, tdir, tok, pr, temperature=temp, cfg=cfg, seed=seed))
         for data in DATASETS:
             rcfg = cfg.replace(out=str(work / data / f"seed{seed}"), seed=seed)
-            export, info = train_drafter(rcfg, files[data], log=log)
+            export, info = train_drafter(rcfg, data_files[data], log=log)
             train_info[f"{data}/seed{seed}"] = info
             draft = load_draft(export)
             for ps, pr in eval_sets.items():
@@ -447,7 +434,6 @@ def main(argv=None) -> int:
             write_report(partial=True)
     write_report(partial=False)
     return 0
-
 
 
 if __name__ == "__main__":

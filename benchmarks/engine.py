@@ -65,10 +65,11 @@ def base_prompts(args, tc):
     """(prompt id lists the stream is cut from, stop ids): --texts tokenized with the target's
     tokenizer, else the token lists of --prompts; stops from --stop-ids or the default."""
     if args.texts:
+        from dspark_jax.fileio import iter_jsonl
         from dspark_jax.tokenizer import encode_prompt, load_tokenizer
         tok = load_tokenizer(args.target, required=True)
-        rows = [json.loads(line) for line in Path(args.texts).read_text().splitlines() if line.strip()]
-        base = [encode_prompt(tok, r["text"], raw=True)[-args.max_prompt_tokens:] for r in rows]
+        base = [encode_prompt(tok, r["text"], raw=True)[-args.max_prompt_tokens:]
+                for _, r in iter_jsonl(args.texts, "text prompts")]
         stops = [int(tok.eos_token_id)]
     else:
         d = json.loads(Path(args.prompts).read_text())

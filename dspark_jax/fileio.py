@@ -9,7 +9,7 @@ import shutil
 import tempfile
 import uuid
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Any, Iterable, Iterator
 
 from dspark_jax.errors import InputError
 
@@ -90,6 +90,14 @@ def write_text(path, text: str, *, force: bool = True) -> Path:
     """``text`` to ``path``, atomically."""
     with atomic_open(path, force=force) as f:
         f.write(text)
+    return Path(path)
+
+
+def write_jsonl(path, rows: Iterable[Any], *, force: bool = True) -> Path:
+    """One JSON object per line, written atomically (``atomic_open``)."""
+    with atomic_open(path, force=force) as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
     return Path(path)
 
 

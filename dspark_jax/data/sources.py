@@ -73,6 +73,13 @@ class TokenSequences:
         return self._seqs[index]
 
 
+def reply_record(prompt_ids: Sequence[int], reply_ids: Sequence[int]) -> dict:
+    """The token-JSONL record of a prompt and its reply: ``{"input_ids": prompt + reply,
+    "loss_mask": 0 on the prompt, 1 on the reply}`` (what ``read_token_jsonl`` reads)."""
+    prompt, reply = [int(t) for t in prompt_ids], [int(t) for t in reply_ids]
+    return {"input_ids": prompt + reply, "loss_mask": [0] * len(prompt) + [1] * len(reply)}
+
+
 def parse_token_record(rec, where: str) -> tuple[list[int], list[float]]:
     """``{"input_ids": [...], "loss_mask": [...]}`` (loss_mask optional: all 1) -> (ids, mask);
     InputError naming ``where`` for a wrong shape or type."""

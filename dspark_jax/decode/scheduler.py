@@ -467,7 +467,7 @@ def width_by_depth(confidences: jax.Array, active: jax.Array, widths: Sequence[i
     """
     b, g = confidences.shape
     c = jnp.clip(confidences.astype(jnp.float32), 0.0, 1.0)
-    a = jnp.cumprod(c, axis=-1)                                            # [B, G]
+    a = survival(c)                                                        # [B, G]
     act = active.astype(bool)
     af = act.astype(jnp.float32)
     held = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), jnp.cumsum(a, axis=-1)], axis=-1)

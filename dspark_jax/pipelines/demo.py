@@ -36,7 +36,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from dspark_jax.errors import ConfigError, InputError, require_positive_int
-from dspark_jax.fileio import atomic_open, write_text
+from dspark_jax.fileio import write_jsonl, write_text
 
 STAGES = ("sample", "train", "decode", "report")
 DRAFTERS = ("dspark", "dflash")
@@ -276,6 +276,7 @@ def stage_sample(cfg: DemoConfig, *, progress: bool = True, log: Callable[[str],
     from tqdm import tqdm
 
     from dspark_jax.convert.checkpoint import load_target
+    from dspark_jax.data.sources import reply_record
     from dspark_jax.pipelines.evaluate import timed_decode, write_json_atomic
     from dspark_jax.tokenizer import encode_prompt, load_tokenizer
 
@@ -293,24 +294,15 @@ def stage_sample(cfg: DemoConfig, *, progress: bool = True, log: Callable[[str],
                                temperature=cfg.sample_temperature, batch_size=cfg.sample_batch_size,
                                seed=cfg.seed + 1, warmup=False, progress=bar.update)
     p["train_data"].parent.mkdir(parents=True, exist_ok=True)
-    lines, cont = [], 0
-    for prompt, res in zip(prompts, results):
-        ids = prompt + list(res.output_ids)
-        lines.append({"input_ids": ids, "loss_mask": [0] * len(prompt) + [1] * len(res.output_ids)})
-        cont += len(res.output_ids)
-    _write_jsonl(p["prompts"], records)
-    _write_jsonl(p["train_data"], lines)
+    lines = [reply_record(prompt, res.output_ids) for prompt, res in zip(prompts, results)]
+    cont = sum(len(res.output_ids) for res in results)
+    write_jsonl(p["prompts"], records)
+    write_jsonl(p["train_data"], lines)
     info = {"sequences": len(lines), "continuation_tokens": cont, "seconds": round(time.time() - t0, 1),
             "temperature": cfg.sample_temperature, "file": str(p["train_data"])}
     write_json_atomic(p["out"] / "data" / "sample.json", info)
     log(f"sample: {len(lines)} sequences, {cont} sampled tokens in {info['seconds']}s -> {p['train_data']}")
     return info
-
-
-def _write_jsonl(path: Path, rows) -> None:
-    with atomic_open(path) as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
 
 
 # --------------------------------------------------------------------------- train

@@ -39,8 +39,9 @@ from typing import Callable, Sequence
 import numpy as np
 
 from dspark_jax.data.formats import Conversation, read_conversations
+from dspark_jax.data.sources import reply_record
 from dspark_jax.errors import InputError, warn
-from dspark_jax.fileio import atomic_open, check_output, write_json
+from dspark_jax.fileio import check_output, write_json, write_jsonl
 
 TURNS = ("last", "all")
 DEFAULT_TEMPERATURE = 1.0   # no generation config: sample the target's own distribution
@@ -287,8 +288,7 @@ def make_row(req: Request, output_ids: Sequence[int], stops: Sequence[int], toke
     text = tokenizer.decode(out[:-1] if stopped else out, skip_special_tokens=True)
     conv = req.conv
     row = {"id": conv.id if conv.id is not None else conv.row, "turn": req.turn,
-           "input_ids": list(req.prompt_ids) + out,
-           "loss_mask": [0] * len(req.prompt_ids) + [1] * len(out),
+           **reply_record(req.prompt_ids, out),
            "messages": list(req.history) + [{"role": "assistant", "content": text}],
            "finish_reason": "stop" if stopped else "length",
            "prompt_tokens": len(req.prompt_ids), "generated_tokens": len(out),
@@ -376,9 +376,7 @@ def regenerate(target, data, out, *, fmt: str = "auto", turns: str = "last", thi
             progress=progress, after_row=after_row, total=len(requests))
 
     rows = [done[r.index] for r in requests]
-    with atomic_open(files["out"]) as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
+    write_jsonl(files["out"], rows)
     summary = summarize_rows(rows, seconds, session_tokens)
     summary.update(resumed_rows=len(requests) - len(todo), out=str(files["out"]),
                    mode="speculative" if draft else "autoregressive", turns=turns,

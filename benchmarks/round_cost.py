@@ -134,7 +134,7 @@ def param_count(tree) -> int:
 
 
 def decode_programs(tcfg, tparams, dcfg, dparams, batch: int, prompt_len: int, max_new: int,
-                    temperature: float = 0.0, seed: int = 0, abstract: bool = False):
+                    temperature: float = 0.0, seed: int = 0, abstract: bool = False, spans=None):
     """ADAPTER -- the only code here that touches dspark_jax.decode.loop internals.
 
     Builds the shipped programs for B = ``batch`` random prompts of ``prompt_len`` tokens:
@@ -142,6 +142,9 @@ def decode_programs(tcfg, tparams, dcfg, dparams, batch: int, prompt_len: int, m
     ``lower(state)`` gives their lowering), the prefilled ``spec_state`` / ``ar_state``, and
     ``max_len`` (cache capacity). ``abstract=True``: params may be ShapeDtypeStructs and the
     states are abstract too (``jax.eval_shape``; nothing runs, for lowering/cost analysis only).
+    ``spans``: the compiled cache spans (default: the shipped ``loop.default_spans``; ``(max_len,)``:
+    attention over the whole capacity, the program before spans); the dict's ``spans`` / ``span``
+    are the compiled spans and the one the programs read at ``prompt_len``.
     Re-point this function when the loop internals move.
     """
     import functools
@@ -160,14 +163,18 @@ def decode_programs(tcfg, tparams, dcfg, dparams, batch: int, prompt_len: int, m
     stop = jnp.full((loop.MAX_STOP_IDS,), -1, jnp.int32)
     conf_temps = jnp.ones((dcfg.block_size,), jnp.float32)
     policy = FullPolicy()
-    static = loop._Static(tcfg, dcfg, policy, sampling.is_greedy(temperature), max_new)
+    static = loop._Static(tcfg, dcfg, policy, sampling.is_greedy(temperature), max_new,
+                          spans=None if spans is None else tuple(spans))
+    compiled = loop.compiled_spans(static, max_len)
+    span = next(s for s in compiled if s >= prompt_len)
     pre_static = dataclasses.replace(static, policy=None)
     call = ((lambda f, *a, **k: jax.eval_shape(functools.partial(f, **k), *a)) if abstract
             else (lambda f, *a, **k: f(*a, **k)))
     spec_state = call(loop.spec_prefill_jit, tparams, dparams, arr, lens, valid, key, temp, stop,
                       static=pre_static, max_len=max_len)
     spec_state = dataclasses.replace(spec_state, policy_state=policy.init_state(batch, dcfg.block_size))
-    ar_static = loop._Static(tcfg, None, None, sampling.is_greedy(temperature), max_new)
+    ar_static = loop._Static(tcfg, None, None, sampling.is_greedy(temperature), max_new,
+                             spans=static.spans)
     ar_state = call(loop.ar_prefill_jit, tparams, arr, lens, valid, key, temp, stop, static=ar_static,
                     max_len=max_len)
 
@@ -181,19 +188,22 @@ def decode_programs(tcfg, tparams, dcfg, dparams, batch: int, prompt_len: int, m
     rnd = _Prog(loop.spec_round_jit, (tparams, dparams, (temp, stop, conf_temps)), {"static": static})
     ar = _Prog(loop.ar_step_jit, (tparams, (temp, stop)), {"static": ar_static})
     return {"round": rnd, "ar_step": ar, "spec_state": spec_state, "ar_state": ar_state,
-            "max_len": max_len, "temperature": temp, "stop_ids": stop, "conf_temps": conf_temps}
+            "max_len": max_len, "temperature": temp, "stop_ids": stop, "conf_temps": conf_temps,
+            "spans": compiled, "span": span}
 
 
 # --------------------------------------------------------------------------- parts
 
 
-def make_parts(tcfg: TargetConfig, dcfg: DraftConfig, greedy: bool):
-    """The round's parts as pure functions of public component APIs (shapes as in decode.loop)."""
+def make_parts(tcfg: TargetConfig, dcfg: DraftConfig, greedy: bool, span: int | None = None):
+    """The round's parts as pure functions of public component APIs (shapes as in decode.loop;
+    attention over the first ``span`` cache slots, the span the shipped round reads there)."""
     g = dcfg.block_size
 
     def draft_backbone(dp, seq, pos, ctx_k, ctx_v):
         anchor = seq[jnp.arange(seq.shape[0]), pos]
-        return draft_decode.block_hidden(dp, dcfg, anchor, pos, draft_decode.ContextCache(ctx_k, ctx_v)), anchor
+        return draft_decode.block_hidden(dp, dcfg, anchor, pos, draft_decode.ContextCache(ctx_k, ctx_v),
+                                         span), anchor
 
     def draft_lm_head(dp, hidden):
         return draft_model.compute_logits(dp, hidden)
@@ -232,7 +242,8 @@ def make_parts(tcfg: TargetConfig, dcfg: DraftConfig, greedy: bool):
 
     def target_verify(tp, cache, tokens):
         start = cache.lengths
-        hidden, taps, cache = qwen3.forward(tp, tcfg, tokens, cache, tap_layer_ids=dcfg.target_layer_ids)
+        hidden, taps, cache = qwen3.forward(tp, tcfg, tokens, cache, tap_layer_ids=dcfg.target_layer_ids,
+                                            cache_span=span)
         return qwen3.compute_logits(tp, hidden), taps, cache.with_lengths(start)  # roll back
 
     def rejection(key, target_logits, draft_logits, drafts, lengths, temperature, stop_ids):
@@ -304,11 +315,13 @@ class Program:
         return out
 
 
-def build_programs(tcfg, tp, dcfg, dp, batch, prompt_len, max_new, temperature):
-    """All programs of one (size, B), compiled and called once (their outputs feed the next part)."""
+def build_programs(tcfg, tp, dcfg, dp, batch, prompt_len, max_new, temperature, spans=None):
+    """All programs of one (size, B), compiled and called once (their outputs feed the next part).
+    When the shipped programs read less than the capacity at ``prompt_len``, ``round@capacity`` /
+    ``ar_step@capacity`` (one span: the whole cache, the program before spans) run beside them."""
     greedy = sampling.is_greedy(temperature)
     progs = {}
-    a = decode_programs(tcfg, tp, dcfg, dp, batch, prompt_len, max_new, temperature)
+    a = decode_programs(tcfg, tp, dcfg, dp, batch, prompt_len, max_new, temperature, spans=spans)
     st = a["spec_state"]
 
     def aot(fn, args, donate=()):
@@ -320,7 +333,7 @@ def build_programs(tcfg, tp, dcfg, dp, batch, prompt_len, max_new, temperature):
     progs["ar_step"] = shipped_programs(a, ("ar_step",))["ar_step"]
     temp, stop = a["temperature"], a["stop_ids"]
     # Parts (from a copy of the prefilled state: the round donates its own).
-    parts = make_parts(tcfg, dcfg, greedy)
+    parts = make_parts(tcfg, dcfg, greedy, a["span"])
     seq, pos = jnp.array(st.seq), jnp.array(st.pos)
     ctx_k, ctx_v = jnp.array(st.ctx.k), jnp.array(st.ctx.v)
     cache = jax.tree.map(jnp.array, st.cache)
@@ -354,24 +367,46 @@ def build_programs(tcfg, tp, dcfg, dp, batch, prompt_len, max_new, temperature):
     run("commit", parts["commit"], commit_args, donate=(1, 4, 5, 6, 7), feed=commit_feed)
 
     progs["round"] = shipped_programs(a, ("round",))["round"]
-    return progs, a["max_len"]
+    if a["span"] < a["max_len"]:
+        full = decode_programs(tcfg, tp, dcfg, dp, batch, prompt_len, max_new, temperature,
+                               spans=(a["max_len"],))
+        for name, p in shipped_programs(full).items():
+            progs[f"{name}@capacity"] = p
+    return progs, a["max_len"], a["spans"], a["span"]
+
+
+def _stay(state):
+    """``feed`` for a donated decode state: the next call runs at the same positions, every row
+    active (the cost of a step at ``prompt_len``, whatever the outputs; attention reads the same
+    span every call). Fresh copies of the prefilled positions each call: they are donated."""
+    pos = np.asarray(state.pos)
+    lengths = np.asarray(state.cache.lengths)
+    active = np.ones(pos.shape, bool)
+
+    def feed(o):  # jax.device_put: no compile (jnp.asarray of a numpy array compiles a copy)
+        extra = {"round": jax.device_put(np.int32(0))} if hasattr(o, "round") else {}
+        return o.replace(pos=jax.device_put(pos), active=jax.device_put(active),
+                         cache=o.cache.with_lengths(jax.device_put(lengths)), **extra)
+    return feed
 
 
 def shipped_programs(a: dict, names=("ar_step", "round"), compiler_options=None) -> dict:
     """Compiled shipped AR step / round (from ``decode_programs``) as Programs that feed their
-    donated state back (rows that finish stay in the batch as masked no-ops: same cost).
+    donated state back at the same positions (``_stay``).
     ``compiler_options`` go to ``Lowered.compile`` (e.g. fast CPU compiles for smoke runs)."""
     out = {}
     if "ar_step" in names:
         tp, (temp, stop) = a["ar_step"].args
+        stay = _stay(a["ar_state"])
         out["ar_step"] = Program("ar_step", a["ar_step"].lower(a["ar_state"]).compile(compiler_options),
                                  (tp, a["ar_state"], temp, stop),
-                                 feed=lambda args, o: (args[0], o, *args[2:]))
+                                 feed=lambda args, o: (args[0], stay(o), *args[2:]))
     if "round" in names:
         tp, dp, extra = a["round"].args
+        stay = _stay(a["spec_state"])
         out["round"] = Program("round", a["round"].lower(a["spec_state"]).compile(compiler_options),
                                (tp, dp, a["spec_state"], *extra),
-                               feed=lambda args, o: (args[0], args[1], o, *args[3:]))
+                               feed=lambda args, o: (args[0], args[1], stay(o), *args[3:]))
     return out
 
 
@@ -402,13 +437,15 @@ def time_programs(progs: dict, repeats: int, min_seconds: float, warmup: int = 2
 # --------------------------------------------------------------------------- report
 
 
-def measure(size: str, batches, repeats, min_seconds, prompt_len, max_new, temperature) -> list[dict]:
+def measure(size: str, batches, repeats, min_seconds, prompt_len, max_new, temperature,
+            spans=None) -> list[dict]:
     tcfg, tp, dcfg, dp = load_size(size)
     rows = []
     for b in batches:
         before = COMPILES[0]
         t0 = time.perf_counter()
-        progs, max_len = build_programs(tcfg, tp, dcfg, dp, b, prompt_len, max_new, temperature)
+        progs, max_len, compiled_spans, span = build_programs(tcfg, tp, dcfg, dp, b, prompt_len, max_new,
+                                                              temperature, spans)
         build_s = time.perf_counter() - t0
         compiles_build = COMPILES[0] - before
         before = COMPILES[0]
@@ -419,6 +456,7 @@ def measure(size: str, batches, repeats, min_seconds, prompt_len, max_new, tempe
         parts_sum = sum(times[p]["median_s"] for p in PARTS)
         row = {
             "size": size, "batch": b, "prompt_len": prompt_len, "cache_len": max_len,
+            "spans": list(compiled_spans), "span": span,
             "block_size": dcfg.block_size, "draft_layers": dcfg.num_hidden_layers,
             "target_params": param_count(tp),
             "target": {"hidden": tcfg.hidden_size, "layers": tcfg.num_hidden_layers, "vocab": tcfg.vocab_size,
@@ -429,6 +467,8 @@ def measure(size: str, batches, repeats, min_seconds, prompt_len, max_new, tempe
             "hlo_ops": {k: p.hlo_ops for k, p in progs.items()},
             "hlo_top": {k: p.hlo_top for k, p in progs.items()},
             "round_over_ar": rnd / ar,
+            "capacity_over_span": ({k: times[f"{k}@capacity"]["median_s"] / times[k]["median_s"]
+                                    for k in ("ar_step", "round")} if "round@capacity" in times else None),
             "parts_sum_s": parts_sum,
             "non_target_share_of_parts": 1.0 - times["target_verify"]["median_s"] / parts_sum,
             "verify_over_ar": times["target_verify"]["median_s"] / ar,
@@ -441,13 +481,13 @@ def measure(size: str, batches, repeats, min_seconds, prompt_len, max_new, tempe
 
 
 COLS = ("ar_step", "round", "target_verify", "draft_backbone", "draft_lm_head", "markov_scan", "confidence",
-        "rejection", "commit", "dispatch")
+        "rejection", "commit", "dispatch", "ar_step@capacity", "round@capacity")
 HEADER = (f"{'size':<6}{'B':>4}" + "".join(f"{c[:9]:>10}" for c in COLS) + f"{'rnd/AR':>7}{'ops rnd/AR':>12}"
           f"{'compiles':>10}   (ms per call, medians)")
 
 
 def print_row(r: dict) -> None:
-    cells = "".join(f"{r['seconds'][c] * 1e3:>10.4g}" for c in COLS)
+    cells = "".join(f"{r['seconds'][c] * 1e3:>10.4g}" if c in r["seconds"] else f"{'-':>10}" for c in COLS)
     print(f"{r['size']:<6}{r['batch']:>4}{cells}{r['round_over_ar']:>7.2f}"
           f"{r['hlo_ops']['round']:>6}/{r['hlo_ops']['ar_step']:<5}"
           f"{r['compiles_build']:>5}/{r['compiles_timed']:<4}", flush=True)
@@ -499,6 +539,10 @@ def main(argv=None) -> int:
     ap.add_argument("--min-seconds", type=float, default=0.2, help="per timed chunk")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-new-tokens", type=int, default=256, help="sets the cache capacity")
+    ap.add_argument("--cache-spans", type=int, nargs="+", default=None, metavar="S",
+                    help="compiled cache spans of the shipped programs (default: loop.default_spans of "
+                         "the capacity); when the span read at --prompt-len is below the capacity, "
+                         "round@capacity / ar_step@capacity (attention over the whole cache) run beside")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--out", default=None, help="folder for round_cost.json / round_cost.png")
     ap.add_argument("--smoke", action="store_true", help="tiny fixture, B=1,2, few repeats (seconds)")
@@ -510,7 +554,7 @@ def main(argv=None) -> int:
     rows = []
     for size in args.sizes.split(","):
         rows += measure(size, args.batch_sizes, args.repeats, args.min_seconds, args.prompt_len,
-                        args.max_new_tokens, args.temperature)
+                        args.max_new_tokens, args.temperature, args.cache_spans)
     report = {
         "benchmark": "round_cost",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from dspark_jax import cli, sharding
 from dspark_jax.convert.checkpoint import load_draft, load_target
-from dspark_jax.decode import autoregressive_generate, engine, sharded, speculative_generate
+from dspark_jax.decode import engine, sharded, speculative_generate
 
 TINY = Path(__file__).resolve().parent / "fixtures" / "dspark_qwen3_tiny"
 
@@ -54,14 +54,14 @@ def main(out: str) -> None:
         got[name] = {"output_ids": [x.output_ids for x in results],
                      "acceptance_lengths": [x.acceptance_lengths for x in results]}
 
+    # (the generate command above is speculative continuous batching on data=2,tensor=2)
     for (name, mesh), loop in zip(meshes(), ("device", "host")):
         keep(f"{name}/spec/static-{loop}-loop", speculative_generate(
             tc, tp, dc, dp, prompts, max_new_tokens=r, batch_size=n, mesh=mesh, loop=loop))
-        keep(f"{name}/spec/continuous", engine.serve(tc, tp, dc, dp, prompts, max_new_tokens=r,
-                                                     slots=4, mesh=mesh, order=list(range(n))[::-1]))
+    name, mesh = meshes()[1]
+    keep(f"{name}/spec/continuous", engine.serve(tc, tp, dc, dp, prompts, max_new_tokens=r,
+                                                 slots=4, mesh=mesh, order=list(range(n))[::-1]))
     name, mesh = meshes()[0]
-    keep(f"{name}/ar/static", autoregressive_generate(tc, tp, prompts, max_new_tokens=r, batch_size=n,
-                                                      mesh=mesh))
     keep(f"{name}/ar/continuous", engine.serve(tc, tp, None, None, prompts, max_new_tokens=r, slots=2,
                                                mesh=mesh))
     path = Path(out) / f"process_{jax.process_index()}.json"

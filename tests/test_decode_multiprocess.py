@@ -1,9 +1,10 @@
 """Decoding under ``jax.distributed``: 2 processes x 2 CPU devices (launch/local.py, gloo) give the
 reference fixture's greedy tokens and acceptance lengths token for token — speculative static
-(device loop / host loop) and continuous batching (reversed arrival order) on data=2 x tensor=2
-with data across the processes and with tensor across them, the autoregressive baseline (static
-and continuous), and `dspark-jax generate --mesh data=2,tensor=2` (continuous; its env-configured
-jax.distributed; process 0 writes --out). The worker: decode_multiprocess_worker.py.
+(device loop with data across the processes, host loop with tensor across them), continuous
+batching (reversed arrival order, tensor across the processes), the autoregressive baseline
+(continuous, data across), and `dspark-jax generate --mesh data=2,tensor=2` (speculative
+continuous; its env-configured jax.distributed; process 0 writes --out). Single-process meshes
+cover the other combinations (test_engine, test_sharding). The worker: decode_multiprocess_worker.py.
 """
 
 import json
@@ -15,9 +16,8 @@ import pytest
 from train_tiny import REPO
 
 TINY = REPO / "tests/fixtures/dspark_qwen3_tiny"
-RUNS = ["data2_tensor2/spec/static-device-loop", "data2_tensor2/spec/continuous",
-        "tensor2_across_processes/spec/static-host-loop", "tensor2_across_processes/spec/continuous",
-        "data2_tensor2/ar/static", "data2_tensor2/ar/continuous"]
+RUNS = ["data2_tensor2/spec/static-device-loop", "tensor2_across_processes/spec/static-host-loop",
+        "tensor2_across_processes/spec/continuous", "data2_tensor2/ar/continuous"]
 
 
 @pytest.mark.slow  # ~55-160 s on 2 shared CPU cores (two processes compile every program)

@@ -100,6 +100,7 @@ def serve(
     request_keys=None,
     on_result: Callable[[int, StreamResult], None] | None = None,
     top_p: float = 1.0,
+    cache_spans: Sequence[int] | None = None,
 ) -> list[StreamResult]:
     """Serve ``prompts`` through ``slots`` rows with continuous batching; results in input order.
 
@@ -110,7 +111,9 @@ def serve(
     from its own key only (per-row keys in the state), so its output does not depend on
     ``slots``, ``order`` or the other requests; default: one shared key per step (as before).
     ``on_result(i, result)`` is called as request i finishes. ``top_p`` < 1: nucleus sampling
-    (autoregressive only). Raises ConfigError / InputError before compiling anything.
+    (autoregressive only). ``cache_spans``: the compiled attention spans over the cache
+    (``loop.compiled_spans``; the longest live row picks one). Raises ConfigError / InputError
+    before compiling anything.
     """
     spec = draft_cfg is not None
     if spec:
@@ -146,7 +149,9 @@ def serve(
     conf_temps = L._confidence_temperatures(confidence_temperatures, g) if spec else None
     policy = (policy if policy is not None else FullPolicy()) if spec else None
     greedy = sampling.is_greedy(temperature)
-    static = L._Static(target_cfg, draft_cfg, policy, greedy, r_cap, top_p=top_p)
+    static = L._Static(target_cfg, draft_cfg, policy, greedy, r_cap, top_p=top_p,
+                       spans=L._spans_arg(cache_spans))
+    L.compiled_spans(static, max_len)  # ConfigError now, not at trace time
     pre_static = dataclasses.replace(static, policy=None)
     temp = jnp.float32(max(float(temperature), sampling.GREEDY_EPS))
 

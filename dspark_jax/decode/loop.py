@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import math
 import time
 from typing import Any, Callable, Sequence
@@ -58,6 +57,8 @@ from dspark_jax.target import qwen3  # KVCache type only; the forward comes from
 MAX_STOP_IDS = 8     # stop-id slots (padded with -1) so the count never changes shapes
 MIN_PROMPT_BUCKET = 16  # padded prompt length P is a power of two >= this
 CACHE_BUCKET = 64    # default cache capacity L is a multiple of this
+SPAN_ALIGN = 128     # compiled cache spans (``default_spans``) are multiples of this
+NUM_SPANS = 4        # at most this many spans by default
 
 
 # --------------------------------------------------------------------------- state
@@ -116,6 +117,7 @@ class _Static:
     max_new_tokens: int
     top_p: float = 1.0       # nucleus sampling of the target (AR only); 1 = off (unchanged program)
     widths: tuple[int, ...] | None = None  # compiled verification widths (``round_widths``)
+    spans: tuple[int, ...] | None = None   # compiled cache spans (``compiled_spans``)
 
 
 @dataclasses.dataclass
@@ -182,7 +184,7 @@ def _prefill(tparams, dparams, prompts, lens, valid, key, temperature, stop_ids,
     extend = static.draft.block_size + 1 if static.draft is not None else 1
     cache = init_target_cache(tcfg, b, max_len, dtype, extend)
     hidden, taps, cache = tm.forward(tparams, tcfg, prompts, cache, num_new=lens,
-                                     tap_layer_ids=_tap_ids(static))
+                                     tap_layer_ids=_tap_ids(static), cache_span=0)  # cache empty
     rows = jnp.arange(b)
     last = hidden[rows, lens - 1]
     key, k_first = jax.random.split(key)
@@ -260,31 +262,77 @@ def width_index(lengths: jax.Array, active: jax.Array, widths: Sequence[int]) ->
     return jnp.minimum(jnp.sum((ws < longest + 1).astype(jnp.int32)), len(widths) - 1)
 
 
-def _defers_cache_write(tm) -> bool:
-    """Whether family module ``tm``'s forward can return the new k/v unwritten (``write_cache``)."""
-    return "write_cache" in inspect.signature(tm.forward).parameters
+def default_spans(max_len: int, n: int = NUM_SPANS) -> tuple[int, ...]:
+    """The default compiled cache spans for capacity L: ceil(k L / n) rounded up to SPAN_ALIGN,
+    k = 1..n, at most L (L = 448: 128, 256, 384, 448; L <= SPAN_ALIGN: L alone). A step whose
+    longest row holds p positions attends over the smallest span >= p instead of all L slots,
+    so attention reads the used part of the cache (within SPAN_ALIGN or L/n) for log-free
+    n-fold more compiled branches."""
+    return tuple(sorted({min(max_len, -(-math.ceil(k * max_len / n) // SPAN_ALIGN) * SPAN_ALIGN)
+                         for k in range(1, n + 1)}))
+
+
+def compiled_spans(static: _Static, max_len: int) -> tuple[int, ...]:
+    """The cache spans the round / AR step of ``static`` compiles for capacity ``max_len``:
+    ``static.spans`` (sorted, capacity added, ConfigError outside [1, L]) or ``default_spans``."""
+    if static.spans is None:
+        return default_spans(max_len)
+    spans = sorted({int(s) for s in static.spans} | {max_len})
+    if spans[0] < 1 or spans[-1] > max_len:
+        raise ConfigError(f"cache spans must be in [1, cache capacity {max_len}], got {sorted(static.spans)}")
+    return tuple(spans)
+
+
+def _spans_arg(spans) -> tuple[int, ...] | None:
+    """A user's ``cache_spans`` as a tuple of positive ints (None stays None); InputError else."""
+    if spans is None:
+        return None
+    try:
+        out = tuple(int(x) for x in spans)
+    except (TypeError, ValueError):
+        raise InputError(f"cache_spans must be a list of positive integers, got {spans!r}") from None
+    if not out or min(out) < 1 or any(isinstance(x, bool) or int(x) != x for x in spans):
+        raise InputError(f"cache_spans must be a list of positive integers, got {spans!r}")
+    return out
+
+
+def span_index(pos: jax.Array, active: jax.Array, spans: Sequence[int]) -> jax.Array:
+    """Index into ``spans`` (sorted, last = capacity) of the smallest span >= the longest active
+    row's committed length ``pos`` [B] (scalar int32; 0 when no row is active). Finished rows may
+    read a truncated cache: their outputs are masked no-ops."""
+    longest = jnp.max(jnp.where(active, pos, 0), initial=0)
+    ss = jnp.asarray(spans, jnp.int32)
+    return jnp.minimum(jnp.sum((ss < longest).astype(jnp.int32)), len(spans) - 1)
+
+
+def by_span(fn: Callable[[int], Any], spans: Sequence[int], index: jax.Array):
+    """``fn(span)`` for the span at the traced ``index`` (one ``lax.switch`` branch per span;
+    no switch for one span)."""
+    if len(spans) == 1:
+        return fn(spans[0])
+    return jax.lax.switch(index, [functools.partial(fn, s) for s in spans])
 
 
 def _verify_width(tparams, state: DecodeState, anchor, drafts, draft_logits, lengths, k_verify,
-                  temperature, stop_ids, static: _Static, width: int):
+                  temperature, stop_ids, static: _Static, width: int, span: int):
     """Target verification and rejection sampling over the first ``width`` (static) block tokens
-    [x0, x_1..x_{w-1}] at positions p..p+w-1 (every active row has lengths <= w-1).
+    [x0, x_1..x_{w-1}] at positions p..p+w-1 (every active row has lengths <= w-1), reading the
+    first ``span`` cache slots (every active row has p <= span).
 
     Returns (verdict, taps [B, G+1, F] zero-padded past w, kv): kv is the new target (k, v)
-    [Lt, B, G+1, Hkv, D] zero-padded past w when the family defers its cache write (written by
-    the caller, outside any ``lax.switch``: in place), else the written cache (a branch that
-    writes copies the cache). The rejection sampler draws its uniforms for the whole block (G)
-    and uses the first w-1, so a sampled run is the same whatever width runs it."""
+    [Lt, B, G+1, Hkv, D] zero-padded past w, unwritten (the caller writes it outside any
+    ``lax.switch``: in place; a branch that wrote would copy the cache). The rejection sampler
+    draws its uniforms for the whole block (G) and uses the first w-1, so a sampled run is the
+    same whatever width runs it."""
     tcfg, dcfg = static.target, static.draft
     g = dcfg.block_size
     d, pad = width - 1, g + 1 - width
     verify_tokens = jnp.concatenate([anchor[:, None], drafts[:, :d]], axis=1)      # [B,w]
     tm = target_module(tcfg)
-    kw = dict(write_cache=False) if _defers_cache_write(tm) else {}
     hidden, taps, kv = tm.forward(tparams, tcfg, verify_tokens, state.cache,
-                                  tap_layer_ids=dcfg.target_layer_ids, **kw)
-    if kw:
-        kv = tuple(jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0))) for x in kv)
+                                  tap_layer_ids=dcfg.target_layer_ids, write_cache=False,
+                                  cache_span=span)
+    kv = jax.tree.map(lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0))), kv)
     t_logits = target_logits(tcfg, tparams, hidden)
     verdict = rejection_sample(k_verify, t_logits, draft_logits[:, :d], drafts[:, :d],
                                jnp.minimum(lengths, d), temperature, static.greedy, stop_ids,
@@ -298,8 +346,10 @@ def _round(tparams, dparams, state: DecodeState, temperature, stop_ids, conf_tem
 
     The verification width follows the policy's lengths: ``round_widths(static)`` are compiled
     (one ``lax.switch`` branch each, no switch when there is one), and the round runs the
-    smallest width w >= the longest active proposal + 1 (``width_index``). The branches only
-    verify; the commits (target cache, tokens, draft context) happen after the switch over
+    smallest width w >= the longest active proposal + 1 (``width_index``). Attention (drafter
+    context and target cache) reads the smallest compiled cache span >= the longest active row
+    (``compiled_spans``, ``span_index``): the target's branches are (width, span) pairs. The branches
+    only verify; the commits (target cache, tokens, draft context) happen after the switch over
     G+1 padded slots, the ones >= w dropped, so the donated buffers are updated in place."""
     tcfg, dcfg = static.target, static.draft
     b, max_len = state.seq.shape
@@ -309,8 +359,12 @@ def _round(tparams, dparams, state: DecodeState, temperature, stop_ids, conf_tem
     active = state.active
 
     anchor = state.seq[rows, state.pos]
-    drafts, draft_logits, conf_logits = draft_decode.propose(
-        dparams, dcfg, anchor, state.pos, state.ctx, k_draft, temperature, static.greedy)
+    spans = compiled_spans(static, max_len)
+    s_index = span_index(state.pos, active, spans)
+    hidden = by_span(lambda s: draft_decode.block_hidden(dparams, dcfg, anchor, state.pos, state.ctx, s),
+                     spans, s_index)
+    drafts, draft_logits, conf_logits = draft_decode.propose_from_hidden(
+        dparams, dcfg, hidden, anchor, k_draft, temperature, static.greedy)
     if dcfg.enable_confidence_head:
         conf = jax.nn.sigmoid(conf_logits / conf_temps)
     else:
@@ -320,24 +374,20 @@ def _round(tparams, dparams, state: DecodeState, temperature, stop_ids, conf_tem
 
     widths = round_widths(static)
     branches = [functools.partial(_verify_width, tparams, state, anchor, drafts, draft_logits,
-                                  lengths, k_verify, temperature, stop_ids, static, w)
-                for w in widths]
+                                  lengths, k_verify, temperature, stop_ids, static, w, s)
+                for w in widths for s in spans]
+    w_index = width_index(lengths, active, widths)
     if len(branches) == 1:
         verdict, taps, kv = branches[0]()
-        width = jnp.int32(widths[0])
     else:
-        index = width_index(lengths, active, widths)
-        verdict, taps, kv = jax.lax.switch(index, branches)
-        width = jnp.asarray(widths, jnp.int32)[index]
+        verdict, taps, kv = jax.lax.switch(w_index * len(spans) + s_index, branches)
+    width = jnp.asarray(widths, jnp.int32)[w_index]
     a = verdict.accepted
     acc_len = jnp.where(verdict.stopped, a, a + 1)
     k_idx = jnp.arange(g + 1, dtype=jnp.int32)[None, :]
     in_width = k_idx < width                                                     # [1, G+1]
-    if _defers_cache_write(target_module(tcfg)):
-        cache = state.cache.write(*kv, jnp.where(in_width, state.cache.lengths[:, None] + k_idx,
-                                                 state.cache.max_len))
-    else:
-        cache = kv
+    cache = state.cache.write(*kv, jnp.where(in_width, state.cache.lengths[:, None] + k_idx,
+                                             state.cache.max_len))
 
     # Commit: slots pos+1..pos+a get the drafts, pos+a+1 the replacement/bonus token.
     padded = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
@@ -396,7 +446,11 @@ def _ar_step(tparams, state: ARState, temperature, stop_ids, static) -> ARState:
     key, k_s = sampling.split(state.key)
     tok = state.seq[rows, state.pos][:, None]
     tm = target_module(static.target)
-    hidden, _, cache = tm.forward(tparams, static.target, tok, state.cache)
+    spans = compiled_spans(static, max_len)
+    hidden, _, kv = by_span(lambda s: tm.forward(tparams, static.target, tok, state.cache,
+                                                 write_cache=False, cache_span=s),
+                            spans, span_index(state.pos, state.active, spans))
+    cache = state.cache.write(*kv, state.cache.lengths[:, None]).with_lengths(state.cache.lengths + 1)
     nxt = sampling.sample_logits(k_s, target_logits(static.target, tparams, hidden[:, 0]), temperature,
                                  static.greedy, static.top_p)
     active = state.active
@@ -772,6 +826,7 @@ def speculative_generate(
     mesh=None,
     batching: str = "static",
     stats: dict | None = None,
+    cache_spans: Sequence[int] | None = None,
 ) -> list[Result]:
     """Speculative decoding of ``prompts`` (token-id lists) in batches of ``batch_size``.
 
@@ -785,14 +840,17 @@ def speculative_generate(
     axes and the state by ``sharded.STATE_AXES`` (``build_decode``).
     ``batching="continuous"`` serves the prompts through ``batch_size`` slots instead
     (``decode.engine.serve``: StreamResults with per-request latency; ``stats`` receives the
-    stream's throughput). Raises ConfigError / InputError before compiling anything.
+    stream's throughput). ``cache_spans``: the compiled attention spans over the cache (default
+    ``default_spans`` of the capacity; outputs do not depend on them, only the time does).
+    Raises ConfigError / InputError before compiling anything.
     """
     if batching != "static":
         return _continuous(target_cfg, target_params, draft_cfg, draft_params, prompts, batching,
                            max_new_tokens=max_new_tokens, temperature=temperature, policy=policy,
                            slots=batch_size, seed=seed, stop_token_ids=stop_token_ids,
                            confidence_temperatures=confidence_temperatures,
-                           max_cache_len=max_cache_len, mesh=mesh, progress=progress, stats=stats)
+                           max_cache_len=max_cache_len, mesh=mesh, progress=progress, stats=stats,
+                           cache_spans=cache_spans)
     families.check_pair(draft_cfg, target_cfg)
     draft_cfg.check_compatible(target_cfg)
     sharded.check_mesh(mesh, target_cfg, draft_cfg, batch_size)
@@ -807,7 +865,9 @@ def speculative_generate(
     max_pos = min(target_cfg.max_position_embeddings, draft_cfg.max_position_embeddings)
     p_len, max_len = plan_shapes(prompts, max_new_tokens, g, max_pos, max_cache_len)
     policy = policy if policy is not None else FullPolicy()
-    static = _Static(target_cfg, draft_cfg, policy, sampling.is_greedy(temperature), max_new_tokens)
+    static = _Static(target_cfg, draft_cfg, policy, sampling.is_greedy(temperature), max_new_tokens,
+                     spans=_spans_arg(cache_spans))
+    compiled_spans(static, max_len)  # ConfigError now, not at trace time
     prefill_static = dataclasses.replace(static, policy=None)  # one prefill compile for all policies
     temp = jnp.float32(max(float(temperature), sampling.GREEDY_EPS))
     prog = build_decode(mesh)
@@ -860,18 +920,19 @@ def autoregressive_generate(
     mesh=None,
     batching: str = "static",
     stats: dict | None = None,
+    cache_spans: Sequence[int] | None = None,
 ) -> list[Result]:
     """Baseline: one target token per step, same cache code, no drafter.
 
     Results have one "round" per generated token after the first (acceptance
     length 1, proposal length 0) so ``summarize`` works on both. ``mesh`` / ``batching`` /
-    ``stats``: as for ``speculative_generate``.
+    ``stats`` / ``cache_spans``: as for ``speculative_generate``.
     """
     if batching != "static":
         return _continuous(target_cfg, target_params, None, None, prompts, batching,
                            max_new_tokens=max_new_tokens, temperature=temperature, slots=batch_size,
                            seed=seed, stop_token_ids=stop_token_ids, max_cache_len=max_cache_len,
-                           mesh=mesh, progress=progress, stats=stats)
+                           mesh=mesh, progress=progress, stats=stats, cache_spans=cache_spans)
     budgets = per_request_budgets(max_new_tokens, len(prompts) if isinstance(prompts, (list, tuple)) else 0)
     max_new_tokens = max(budgets) if budgets else max_new_tokens
     prompts, stop_arr, stops = _validate_common(target_cfg, prompts, max_new_tokens, temperature,
@@ -879,7 +940,9 @@ def autoregressive_generate(
     sharded.check_mesh(mesh, target_cfg, None, batch_size)
     p_len, max_len = plan_shapes(prompts, max_new_tokens, 1, target_cfg.max_position_embeddings,
                                  max_cache_len)
-    static = _Static(target_cfg, None, None, sampling.is_greedy(temperature), max_new_tokens)
+    static = _Static(target_cfg, None, None, sampling.is_greedy(temperature), max_new_tokens,
+                     spans=_spans_arg(cache_spans))
+    compiled_spans(static, max_len)  # ConfigError now, not at trace time
     temp = jnp.float32(max(float(temperature), sampling.GREEDY_EPS))
 
     prog = build_decode(mesh)

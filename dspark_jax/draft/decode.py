@@ -81,9 +81,10 @@ class Proposal(NamedTuple):
 
 
 def block_hidden(dparams: dict, dcfg: DraftConfig, anchor: jax.Array, pos: jax.Array,
-                 ctx: ContextCache) -> jax.Array:
+                 ctx: ContextCache, span: int | None = None) -> jax.Array:
     """Backbone output hidden [B, G, H] of the block [anchor, MASK, ..] at positions pos..pos+G-1
-    (anchor [B], pos [B]), attending to context rows < pos and the whole block."""
+    (anchor [B], pos [B]), attending to context rows < pos and the whole block. ``span`` (static,
+    default the capacity): read only the first ``span`` context rows (every row needs pos <= span)."""
     b = anchor.shape[0]
     g = dcfg.block_size
     chex.assert_shape(pos, (b,))
@@ -94,9 +95,10 @@ def block_hidden(dparams: dict, dcfg: DraftConfig, anchor: jax.Array, pos: jax.A
     ops = families.draft_ops(dcfg)
     embeds = ops.embed_block(dparams, dcfg, block_ids)[:, None]               # [B,1,G,H]
     block_pos = (pos[:, None] + jnp.arange(g, dtype=jnp.int32))[:, None]      # [B,1,G]
-    ctx_mask = jnp.arange(ctx.max_len)[None, None, :] < pos[:, None, None]    # [B,1,L]
-    return ops.block_forward(dparams, dcfg, embeds, block_pos, ctx.k, ctx.v,
-                                  ctx_mask, jnp.ones((b, 1), bool))[:, 0]    # [B,G,H]
+    span = ctx.max_len if span is None else int(span)
+    ctx_mask = jnp.arange(span)[None, None, :] < pos[:, None, None]          # [B,1,S]
+    return ops.block_forward(dparams, dcfg, embeds, block_pos, ctx.k[:, :, :span], ctx.v[:, :, :span],
+                             ctx_mask, jnp.ones((b, 1), bool))[:, 0]         # [B,G,H]
 
 
 def sample_block(dparams: dict, dcfg: DraftConfig, hidden: jax.Array, anchor: jax.Array,
@@ -146,8 +148,15 @@ def propose(dparams: dict, dcfg: DraftConfig, anchor: jax.Array, pos: jax.Array,
     against context rows < pos (``block_hidden``); then tokens are sampled left to right
     (``sample_block``), each with the Markov bias of the previous one.
     """
-    b, g = anchor.shape[0], dcfg.block_size
     hidden = block_hidden(dparams, dcfg, anchor, pos, ctx)
+    return propose_from_hidden(dparams, dcfg, hidden, anchor, key, temperature, greedy)
+
+
+def propose_from_hidden(dparams: dict, dcfg: DraftConfig, hidden: jax.Array, anchor: jax.Array,
+                        key: jax.Array, temperature, greedy: bool) -> Proposal:
+    """``propose`` after the backbone: drafts, logits and confidence logits of the block whose
+    backbone output is hidden [B, G, H] (``block_hidden``)."""
+    b, g = anchor.shape[0], dcfg.block_size
     drafts, logits = sample_block(dparams, dcfg, hidden, anchor, key, temperature, greedy)
     if dcfg.enable_confidence_head:
         prev = jnp.concatenate([anchor[:, None], drafts[:, :-1]], axis=1)

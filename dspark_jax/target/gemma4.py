@@ -430,6 +430,27 @@ class Gemma4Cache:
     def with_lengths(self, lengths: jax.Array) -> "Gemma4Cache":
         return dataclasses.replace(self, lengths=lengths.astype(jnp.int32))
 
+    def write(self, k_new: dict, v_new: dict, positions: jax.Array,
+              ring_keep: jax.Array | None = None) -> "Gemma4Cache":
+        """k_new, v_new {group: [L_g, B, T, Hkv_g, D_g]} written for positions [B, T]: full layers at
+        slot p, the sliding ring at p mod R (positions >= max_len are dropped; lengths unchanged).
+        ``ring_keep`` [B, T] (default all): which positions the ring takes; without it T <= R.
+        One scatter per tensor, in place when donated (``qwen3.KVCache.write``'s contract)."""
+        rows = jnp.arange(positions.shape[0])[:, None]
+        live = positions < self.max_len
+        if ring_keep is not None:
+            live = live & ring_keep
+        slots = {"full": positions}
+        if "sliding" in self.k:
+            ring = self.k["sliding"].shape[2]
+            slots["sliding"] = jnp.where(live, positions % ring, ring)
+
+        def put(buf, new, g):
+            return buf.at[:, rows, slots[g]].set(new.astype(buf.dtype), mode="drop")
+
+        return dataclasses.replace(self, k={g: put(a, k_new[g], g) for g, a in self.k.items()},
+                                   v={g: put(a, v_new[g], g) for g, a in self.v.items()})
+
 
 def ring_slots(cfg: Gemma4TargetConfig, max_extend: int) -> int:
     """Sliding-layer ring size that keeps rolled-back extends of up to ``max_extend`` tokens exact."""
@@ -480,8 +501,13 @@ def forward(
     num_new: jax.Array | None = None,
     tap_layer_ids: Sequence[int] = (),
     compute_dtype=None,
+    write_cache: bool = True,
+    cache_span: int | None = None,
 ):
-    """Run the decoder over ``tokens [B, T]``; same contract as ``target.qwen3.forward``.
+    """Run the decoder over ``tokens [B, T]``; same contract as ``target.qwen3.forward``
+    (``write_cache=False`` returns the new ``(k, v)`` as dicts {group: [L_g, B, T, Hkv_g, D_g]} for
+    ``Gemma4Cache.write``; ``cache_span`` limits the full layers' cache reads, the sliding ring is
+    read whole).
 
     Without a cache: a causal pass over positions 0..T-1. With one: an extend at positions
     ``lengths[b] + t`` that sees the committed slots (and, on sliding layers, only those
@@ -504,8 +530,11 @@ def forward(
     if cache is not None:
         lengths = cache.lengths[:, None, None]
         if "full" in cache.k:
-            slots = jnp.arange(cache.k["full"].shape[2], dtype=jnp.int32)[None, None, :]
-            cache_mask["full"] = jnp.broadcast_to(slots < lengths, (b, t, slots.shape[-1]))
+            span = cache.k["full"].shape[2] if cache_span is None else int(cache_span)
+            if not 0 <= span <= cache.k["full"].shape[2]:
+                raise ValueError(f"cache_span {span} is outside [0, capacity {cache.k['full'].shape[2]}]")
+            slots = jnp.arange(span, dtype=jnp.int32)[None, None, :]
+            cache_mask["full"] = jnp.broadcast_to(slots < lengths, (b, t, span))
         if "sliding" in cache.k:  # ring: slot s holds the last position < lengths that is s mod R
             ring = cache.k["sliding"].shape[2]
             slots = jnp.arange(ring, dtype=jnp.int32)[None, None, :]
@@ -548,8 +577,10 @@ def forward(
             cos, sin = rope[g]
             q, k = nn.apply_rope(q, cos, sin), nn.apply_rope(k, cos, sin)
             prefix = None
-            if cache is not None:
-                prefix = (xs["k"][g][seen[g]].astype(dtype), xs["v"][g][seen[g]].astype(dtype), cache_mask[g])
+            if cache is not None and cache_mask[g].shape[-1]:
+                span = cache_mask[g].shape[-1]
+                prefix = (xs["k"][g][seen[g]][:, :span].astype(dtype),
+                          xs["v"][g][seen[g]][:, :span].astype(dtype), cache_mask[g])
             attn = nn.attention(q, k, v, new_mask[g], prefix, scale=1.0).reshape(b, t, -1) @ p["o_proj"]
             x = sandwich(x, attn, p, eps)
             slot = xs["tap"][j]
@@ -570,22 +601,16 @@ def forward(
         features = jnp.moveaxis(taps, 0, 2).reshape(b, t, len(tap_ids) * cfg.hidden_size)
     new_cache = None
     if cache is not None:
-        rows = jnp.arange(b)[:, None]
+        flat = lambda kv: {g: a.reshape(-1, *a.shape[2:]) for g, a in kv.items()}  # [L_g, B, T, ..]
+        k_new, v_new = flat(new_kv[0]), flat(new_kv[1])
+        if not write_cache:
+            return hidden, features, (k_new, v_new)
         step = jnp.full((b,), t, jnp.int32) if num_new is None else num_new.astype(jnp.int32)
         end = (cache.lengths + step)[:, None]
-        slots = {"full": positions}                               # past max_len: dropped
-        if "sliding" in cache.k:  # the last R of each row's num_new tokens, at p mod R
-            ring = cache.k["sliding"].shape[2]
-            keep = (positions >= end - ring) & (positions < end)
-            slots["sliding"] = jnp.where(keep, positions % ring, ring)
-
-        def write(buf, new, g):  # new [reps, per_rep, B, T, ...]
-            new = new.reshape(-1, *new.shape[2:]).astype(buf.dtype)
-            return buf.at[:, rows, slots[g]].set(new, mode="drop")
-
-        k_all = {g: write(cache.k[g], new_kv[0][g], g) for g in cache.k}
-        v_all = {g: write(cache.v[g], new_kv[1][g], g) for g in cache.v}
-        new_cache = Gemma4Cache(k_all, v_all, cache.lengths + step, cache.max_len)
+        # the ring takes the last R of each row's num_new tokens (a prefill may be longer than R)
+        ring = cache.k["sliding"].shape[2] if "sliding" in cache.k else t
+        keep = (positions >= end - ring) & (positions < end)
+        new_cache = cache.write(k_new, v_new, positions, ring_keep=keep).with_lengths(cache.lengths + step)
     return hidden, features, new_cache
 
 

@@ -24,6 +24,10 @@ The verification width w follows the lengths: the round compiles a small set of 
 ``full`` or ``fixed:K``), one ``lax.switch`` branch each, and runs the smallest width >= the
 longest active row's length + 1 (``width_index``). Every shape stays static (the cache and the
 state are the same in every branch), so nothing recompiles as widths change from round to round.
+Attention reads the used part of the caches the same way: a few compiled cache spans
+(``compiled_spans``: ``default_spans`` of the capacity L, or ``cache_spans=``), and each round /
+AR step attends over the smallest span >= its longest active row instead of all L slots
+(``span_index``; the round's target branches are (width, span) pairs).
 
 The loop over rounds is a ``lax.while_loop`` on device (``loop="device"``,
 default, measured faster than a host loop over one compiled round, see
@@ -266,8 +270,8 @@ def default_spans(max_len: int, n: int = NUM_SPANS) -> tuple[int, ...]:
     """The default compiled cache spans for capacity L: ceil(k L / n) rounded up to SPAN_ALIGN,
     k = 1..n, at most L (L = 448: 128, 256, 384, 448; L <= SPAN_ALIGN: L alone). A step whose
     longest row holds p positions attends over the smallest span >= p instead of all L slots,
-    so attention reads the used part of the cache (within SPAN_ALIGN or L/n) for log-free
-    n-fold more compiled branches."""
+    so attention reads the used part of the cache (to within SPAN_ALIGN or L/n), at the price
+    of up to n times more compiled verification branches."""
     return tuple(sorted({min(max_len, -(-math.ceil(k * max_len / n) // SPAN_ALIGN) * SPAN_ALIGN)
                          for k in range(1, n + 1)}))
 

@@ -143,7 +143,9 @@ def decode_programs(tcfg, tparams, dcfg, dparams, batch: int, prompt_len: int, m
     ``max_len`` (cache capacity). ``abstract=True``: params may be ShapeDtypeStructs and the
     states are abstract too (``jax.eval_shape``; nothing runs, for lowering/cost analysis only).
     ``spans``: the compiled cache spans (default: the shipped ``loop.default_spans``; ``(max_len,)``:
-    attention over the whole capacity, the program before spans); the dict's ``spans`` / ``span``
+    attention over the whole capacity, the program before spans; ``"prompt"``: the default span a
+    step at ``prompt_len`` reads, and the capacity: the same kernels run, fewer compile); the dict's
+    ``spans`` / ``span``
     are the compiled spans and the one the programs read at ``prompt_len``.
     Re-point this function when the loop internals move.
     """
@@ -154,6 +156,8 @@ def decode_programs(tcfg, tparams, dcfg, dparams, batch: int, prompt_len: int, m
     prompts = rng.integers(0, tcfg.vocab_size - 1, (batch, prompt_len)).tolist()
     p_len, max_len = loop.plan_shapes(prompts, max_new, dcfg.block_size,
                                       min(tcfg.max_position_embeddings, dcfg.max_position_embeddings), None)
+    if spans == "prompt":  # only the default span a step at prompt_len reads (+ the capacity)
+        spans = (next(s for s in loop.default_spans(max_len) if s >= prompt_len),)
     arr = jnp.asarray(prompts, jnp.int32)
     arr = jnp.pad(arr, ((0, 0), (0, p_len - prompt_len)))
     lens = jnp.full((batch,), prompt_len, jnp.int32)

@@ -53,6 +53,7 @@ def main(argv=None) -> int:
     max_pos = min(tc.max_position_embeddings, dc.max_position_embeddings)
     capacity = {slack: plan_shapes(prompts, args.max_new_tokens, slack, max_pos, None)[1]
                 for slack in (1, dc.block_size)}  # AR, speculative
+    spans = list(default_spans(capacity[dc.block_size]))
     rows = []
     for bs in args.batch_sizes:
         runs = {"autoregressive": lambda **kw: autoregressive_generate(
@@ -93,10 +94,10 @@ def main(argv=None) -> int:
         row["speedup"] = row["tokens_per_second"] / base["tokens_per_second"]
         row["speedup_over_tau"] = row["speedup"] / row["tau"]
     report = {"device": str(jax.devices()[0]), "max_new_tokens": args.max_new_tokens,
-              "cache_capacity": capacity[dc.block_size], "cache_spans": list(default_spans(capacity[dc.block_size])),
+              "cache_capacity": capacity[dc.block_size], "cache_spans": spans,
               "temperature": args.temperature, "prompts": len(prompts), "total_compiles": COMPILES[0],
               "rows": rows}
-    print(f"cache capacity {capacity[dc.block_size]} (spans {list(default_spans(capacity[dc.block_size]))})")
+    print(f"cache capacity {capacity[dc.block_size]} (spans {spans})")
     print(f"{'B':>3} {'mode':<28} {'tok/s':>10} {'tau':>6} {'speedup':>8} {'x/tau':>6} "
           f"{'warm s':>7} {'compiles':>9}")
     for r in rows:

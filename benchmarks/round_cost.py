@@ -145,8 +145,7 @@ def decode_programs(tcfg, tparams, dcfg, dparams, batch: int, prompt_len: int, m
     ``spans``: the compiled cache spans (default: the shipped ``loop.default_spans``; ``(max_len,)``:
     attention over the whole capacity, the program before spans; ``"prompt"``: the default span a
     step at ``prompt_len`` reads, and the capacity: the same kernels run, fewer compile); the dict's
-    ``spans`` / ``span``
-    are the compiled spans and the one the programs read at ``prompt_len``.
+    ``spans`` / ``span`` are the compiled spans and the one the programs read at ``prompt_len``.
     Re-point this function when the loop internals move.
     """
     import functools

@@ -48,15 +48,26 @@ def masked_softmax(scores: jax.Array, visible: jax.Array, scale: float) -> jax.A
     return jnp.where(visible, jax.nn.softmax(scores, axis=-1), 0.0)
 
 
+def read_span(cache_span: int | None, capacity: int) -> int:
+    """The number of cache slots an extend reads: ``cache_span`` (static; the caller guarantees
+    every row it reads has fewer committed slots), default the whole ``capacity``. ValueError
+    outside [0, capacity]."""
+    span = capacity if cache_span is None else int(cache_span)
+    if not 0 <= span <= capacity:
+        raise ValueError(f"cache_span {span} is outside [0, capacity {capacity}]")
+    return span
+
+
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
               prefix: tuple[jax.Array, jax.Array, jax.Array] | None = None,
               scale: float | None = None) -> jax.Array:
     """Masked GQA attention, optionally jointly over a read-only prefix (a KV cache).
 
     q [B, Q, Hq, D]; k, v [B, K, Hkv, D]; mask [B, Q, K] (True = visible).
-    ``prefix = (k_pre, v_pre, pre_mask)`` with k_pre, v_pre [B, S, Hkv, D] and
-    pre_mask [B, Q, S]: one softmax over [prefix ; k] without materialising their
-    concatenation. Rows with no visible key return zeros. ``scale`` multiplies the scores
+    ``prefix = (k_pre, v_pre, pre_mask)`` with k_pre, v_pre [B, L, Hkv, D] and
+    pre_mask [B, Q, S], S <= L: one softmax over [the first S prefix slots ; k] without
+    materialising their concatenation (a cache read over its used span, ``read_span``; S = 0:
+    no prefix). Rows with no visible key return zeros. ``scale`` multiplies the scores
     (default D^-0.5; Gemma4 uses 1.0). Returns [B, Q, Hq, D].
     """
     b, nq, hq, d = q.shape
@@ -64,15 +75,16 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     hkv = k.shape[2]
     qg = q.reshape(b, nq, hkv, hq // hkv, d)
     scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32)
-    if prefix is None:
+    if prefix is None or prefix[2].shape[-1] == 0:
         probs = masked_softmax(scores, mask[:, None, None, :, :], scale).astype(v.dtype)
         out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v)
         return out.reshape(b, nq, hq, d)
     k_pre, v_pre, pre_mask = prefix
+    s = pre_mask.shape[-1]
+    k_pre, v_pre = k_pre[:, :s], v_pre[:, :s]
     s_pre = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k_pre, preferred_element_type=jnp.float32)
     m = jnp.concatenate([pre_mask, mask], axis=-1)[:, None, None]
     probs = masked_softmax(jnp.concatenate([s_pre, scores], axis=-1), m, scale).astype(v.dtype)
-    s = k_pre.shape[1]
     out = (jnp.einsum("bhgqk,bkhd->bqhgd", probs[..., :s], v_pre)
            + jnp.einsum("bhgqk,bkhd->bqhgd", probs[..., s:], v))
     return out.reshape(b, nq, hq, d)

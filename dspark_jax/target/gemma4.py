@@ -530,9 +530,7 @@ def forward(
     if cache is not None:
         lengths = cache.lengths[:, None, None]
         if "full" in cache.k:
-            span = cache.k["full"].shape[2] if cache_span is None else int(cache_span)
-            if not 0 <= span <= cache.k["full"].shape[2]:
-                raise ValueError(f"cache_span {span} is outside [0, capacity {cache.k['full'].shape[2]}]")
+            span = nn.read_span(cache_span, cache.k["full"].shape[2])
             slots = jnp.arange(span, dtype=jnp.int32)[None, None, :]
             cache_mask["full"] = jnp.broadcast_to(slots < lengths, (b, t, span))
         if "sliding" in cache.k:  # ring: slot s holds the last position < lengths that is s mod R
@@ -577,10 +575,8 @@ def forward(
             cos, sin = rope[g]
             q, k = nn.apply_rope(q, cos, sin), nn.apply_rope(k, cos, sin)
             prefix = None
-            if cache is not None and cache_mask[g].shape[-1]:
-                span = cache_mask[g].shape[-1]
-                prefix = (xs["k"][g][seen[g]][:, :span].astype(dtype),
-                          xs["v"][g][seen[g]][:, :span].astype(dtype), cache_mask[g])
+            if cache is not None:  # attention reads the cache_mask's span of it
+                prefix = (xs["k"][g][seen[g]].astype(dtype), xs["v"][g][seen[g]].astype(dtype), cache_mask[g])
             attn = nn.attention(q, k, v, new_mask[g], prefix, scale=1.0).reshape(b, t, -1) @ p["o_proj"]
             x = sandwich(x, attn, p, eps)
             slot = xs["tap"][j]
@@ -606,10 +602,10 @@ def forward(
         if not write_cache:
             return hidden, features, (k_new, v_new)
         step = jnp.full((b,), t, jnp.int32) if num_new is None else num_new.astype(jnp.int32)
-        end = (cache.lengths + step)[:, None]
-        # the ring takes the last R of each row's num_new tokens (a prefill may be longer than R)
-        ring = cache.k["sliding"].shape[2] if "sliding" in cache.k else t
-        keep = (positions >= end - ring) & (positions < end)
+        keep = None
+        if "sliding" in cache.k:  # the ring takes the last R of each row's num_new tokens
+            end = (cache.lengths + step)[:, None]          # (a prefill may be longer than R)
+            keep = (positions >= end - cache.k["sliding"].shape[2]) & (positions < end)
         new_cache = cache.write(k_new, v_new, positions, ring_keep=keep).with_lengths(cache.lengths + step)
     return hidden, features, new_cache
 

@@ -148,21 +148,20 @@ def _layer(config: TargetConfig, x, p, positions, mask, k_cache=None, v_cache=No
 
     Without a cache: attention over the T new tokens (``mask`` [B, T, T]). With
     one: this layer's read-only ``k_cache, v_cache [B, max_len, Hkv, D]``, of which the first
-    S = ``cache_mask.shape[-1]`` slots are read (visible per ``cache_mask`` [B, T, S]), plus the
-    new tokens (``mask``). Returns (x, k, v) with the new tokens' k, v [B, T, Hkv, D] (written by
-    the caller).
+    S = ``cache_mask.shape[-1]`` slots are read (``nn.attention``; visible per ``cache_mask``
+    [B, T, S]), plus the new tokens (``mask``). Returns (x, k, v) with the new tokens' k, v
+    [B, T, Hkv, D] (written by the caller).
     """
     h = nn.rms_norm(x, p["input_layernorm"], config.rms_norm_eps)
     q, k, v = nn.qkv_heads(h, p, config.num_attention_heads, config.num_key_value_heads,
                            config.head_dim, config.rms_norm_eps)
     cos, sin = nn.rope_cos_sin(positions, config.head_dim, config.rope_theta)
     q, k = nn.apply_rope(q, cos, sin), nn.apply_rope(k, cos, sin)
-    if k_cache is None or cache_mask.shape[-1] == 0:
+    if k_cache is None:
         attn = nn.attention(q, k, v, mask)
     else:
-        span = cache_mask.shape[-1]
-        attn = nn.attention(q, k, v, mask, prefix=(k_cache[:, :span].astype(q.dtype),
-                                                   v_cache[:, :span].astype(q.dtype), cache_mask))
+        attn = nn.attention(q, k, v, mask,
+                            prefix=(k_cache.astype(q.dtype), v_cache.astype(q.dtype), cache_mask))
     b, t = x.shape[:2]
     x = x + attn.reshape(b, t, -1) @ p["o_proj"]
     x = x + nn.swiglu_mlp(nn.rms_norm(x, p["post_attention_layernorm"], config.rms_norm_eps), p)
@@ -206,9 +205,7 @@ def forward(
         # The cache is read-only inside the layer loop: queries see the committed slots
         # < lengths[b] plus the new tokens causally; the new k/v are written once at the end.
         positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-        span = cache.max_len if cache_span is None else int(cache_span)
-        if not 0 <= span <= cache.max_len:
-            raise ValueError(f"cache_span {span} is outside [0, capacity {cache.max_len}]")
+        span = nn.read_span(cache_span, cache.max_len)
         slots = jnp.arange(span, dtype=jnp.int32)
         cache_mask = jnp.broadcast_to(slots[None, None, :] < cache.lengths[:, None, None],
                                       (b, t, span))

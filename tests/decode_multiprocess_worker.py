@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from dspark_jax import cli, sharding
 from dspark_jax.convert.checkpoint import load_draft, load_target
-from dspark_jax.decode import engine, sharded, speculative_generate
+from dspark_jax.decode import autoregressive_generate, engine, sharded, speculative_generate
 
 TINY = Path(__file__).resolve().parent / "fixtures" / "dspark_qwen3_tiny"
 
@@ -62,6 +62,8 @@ def main(out: str) -> None:
     keep(f"{name}/spec/continuous", engine.serve(tc, tp, dc, dp, prompts, max_new_tokens=r,
                                                  slots=4, mesh=mesh, order=list(range(n))[::-1]))
     name, mesh = meshes()[0]
+    keep(f"{name}/ar/static", autoregressive_generate(tc, tp, prompts, max_new_tokens=r, batch_size=n,
+                                                      mesh=mesh))
     keep(f"{name}/ar/continuous", engine.serve(tc, tp, None, None, prompts, max_new_tokens=r, slots=2,
                                                mesh=mesh))
     path = Path(out) / f"process_{jax.process_index()}.json"

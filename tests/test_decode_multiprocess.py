@@ -2,7 +2,7 @@
 reference fixture's greedy tokens and acceptance lengths token for token — speculative static
 (device loop with data across the processes, host loop with tensor across them), continuous
 batching (reversed arrival order, tensor across the processes), the autoregressive baseline
-(continuous, data across), and `dspark-jax generate --mesh data=2,tensor=2` (speculative
+(static and continuous, data across), and `dspark-jax generate --mesh data=2,tensor=2` (speculative
 continuous; its env-configured jax.distributed; process 0 writes --out). Single-process meshes
 cover the other combinations (test_engine, test_sharding). The worker: decode_multiprocess_worker.py.
 """
@@ -17,7 +17,7 @@ from train_tiny import REPO
 
 TINY = REPO / "tests/fixtures/dspark_qwen3_tiny"
 RUNS = ["data2_tensor2/spec/static-device-loop", "tensor2_across_processes/spec/static-host-loop",
-        "tensor2_across_processes/spec/continuous", "data2_tensor2/ar/continuous"]
+        "tensor2_across_processes/spec/continuous", "data2_tensor2/ar/static", "data2_tensor2/ar/continuous"]
 
 
 @pytest.mark.slow  # ~55-160 s on 2 shared CPU cores (two processes compile every program)

@@ -199,7 +199,7 @@ CASES = {
     ("convert", "dst-is-src"): (
         lambda d: ["convert", str(_copy_draft(d)), str(d / "src"), "--force"], "src"),
     ("convert", "dst-parent-of-src"): (
-        lambda d: ["convert", str(_copy_draft(d)), str(d), "--force"], "contains it"),
+        lambda d: ["convert", str(_copy_draft(d)), str(d), "--force"], "contains the input SRC"),
     ("convert", "dst-exists"): (
         lambda d: ["convert", str(_copy_draft(d)), str((d / "dst").mkdir() or d / "dst")], "--force"),
     ("convert", "dst-is-file"): (
@@ -228,6 +228,58 @@ CASES = {
     ("demo", "out-is-file"): (lambda d: ["demo", "--quick", "--out", str(_w(d / "demo", "x"))], "is a file"),
     ("demo", "target-missing"): (
         lambda d: ["demo", "--quick", "--out", str(d / "demo"), "--target", str(d / "nowhere")], "nowhere"),
+    # ---- inputs are sacred: an output that is, contains or lies inside an input is refused even
+    # with --force, naming both (issue 27); the snapshot shows the input untouched
+    ("cache", "out-is-target-force"): (
+        lambda d: ["cache", "--target", str(_copy(d, TARGET, "t")), "--data", str(_tokens(d)), "--out", str(d / "t"),
+                   "--layer-ids", "0,2", "--force"], "is the input --target"),
+    ("cache", "out-contains-data-force"): (
+        lambda d: ["cache", "--target", str(TARGET), "--data", str(_tokens(d / "c")), "--out", str(d / "c"),
+                   "--layer-ids", "0,2", "--force"], "contains the input --data"),
+    ("export", "dst-contains-draft-force"): (
+        lambda d: ["export", str(_copy(d / "p", DRAFT, "d")), str(d / "p"), "--engine", "deepspec", "--force"],
+        "contains the input DRAFT"),
+    ("export", "dst-is-draft-force"): (
+        lambda d: ["export", str(_copy(d, DRAFT, "d")), str(d / "d"), "--engine", "deepspec", "--force"],
+        "is the input DRAFT"),
+    ("calibrate", "out-contains-logs-force"): (
+        lambda d: ["calibrate", "--logs", str(_logs(d / "x")), "--out", str(d / "x"), "--force"],
+        "contains the input --logs"),
+    ("calibrate", "out-contains-draft-force"): (
+        lambda d: ["calibrate", "--logs", str(_logs(d)), "--out", str(d / "x"), "--draft", str(_copy(d / "x", DRAFT, "d")),
+                   "--write-draft", "--force"], "contains the input --draft"),
+    ("profile-sps", "out-inside-target-force"): (
+        lambda d: ["profile-sps", "--target", str(_copy(d, TARGET, "t")), "--out", str(d / "t" / "config.json"),
+                   "--force"], "lies inside the input --target"),
+    ("generate", "out-is-prompts-force"): (
+        lambda d: G("--prompts", str(_prompts(d)), "--out", str(d / "prompts.jsonl"), "--force"),
+        "is the input --prompts"),
+    ("generate", "out-is-prompts-symlink-force"): (
+        lambda d: G("--prompts", str(_prompts(d)), "--out", str(_symlink(d / "o.jsonl", d / "prompts.jsonl")),
+                    "--force"), "is the input --prompts"),
+    ("eval", "out-inside-draft"): (
+        lambda d: ["eval", "--target", str(TARGET), "--draft", str(_copy(d, DRAFT, "d")), "--datasets", "gsm8k",
+                   "--out", str(d / "d" / "ev")], "lies inside the input --draft"),
+    ("convert", "dst-inside-src-force"): (
+        lambda d: ["convert", str(_copy_draft(d)), str(d / "src" / "sub"), "--force"], "lies inside the input SRC"),
+    ("train", "output-dir-is-data-dir"): (
+        lambda d: (_tokens(d / "run"), ["train", "--config", str(_config(d, data=str(d / "run" / "data.jsonl")))])[1],
+        "contains the input data"),
+    ("train", "output-dir-foreign"): (
+        lambda d: (_tokens(d), _w(d / "run" / "notes.txt", "mine"), _w(d / "run" / "metrics.jsonl", "{}\n"),
+                   ["train", "--config", str(_config(d))])[3], "not one of ours"),
+    ("data-regenerate", "out-is-data-force"): (
+        lambda d: ["data", "regenerate", "--target", str(TARGET), "--data", str(_w(d / "chat.jsonl", '{"prompt": "hi"}\n')),
+                   "--out", str(d / "chat.jsonl"), "--force"], "is the input --data"),
+    ("demo", "out-contains-target"): (
+        lambda d: ["demo", "--quick", "--out", str(d), "--target", str(_copy(d, TARGET, "t"))],
+        "contains the input --target"),
+    ("data-inspect", "json-is-file-force"): (
+        lambda d: ["data", "inspect", str(_tokens(d)), "--json", str(d / "data.jsonl"), "--force"],
+        "is the input FILE"),
+    ("sample", "out-inside-target-force"): (
+        lambda d: ["--target", str(_copy(d, TARGET, "t")), "--out", str(d / "t" / "s.jsonl"), "--force"],
+        "lies inside the input --target"),
     # ---- data.sample (python -m dspark_jax.data.sample)
     ("sample", "bad-target"): (lambda d: ["--target", str(d / "nowhere"), "--out", str(d / "s.jsonl")], "nowhere"),
     ("sample", "num-0"): (lambda d: ["--target", str(TARGET), "--out", str(d / "s.jsonl"), "--num", "0"], "--num"),
@@ -245,6 +297,17 @@ CASES = {
         lambda d: ["--target", str(TARGET), "--out", str((d / "sd").mkdir() or d / "sd"), "--force"],
         "is a directory"),
 }
+
+
+def _copy(d: Path, src: Path, name: str) -> Path:
+    import shutil
+    shutil.copytree(src, d / name)
+    return d / name
+
+
+def _symlink(link: Path, to: Path) -> Path:
+    link.symlink_to(to)
+    return link
 
 
 def _copy_draft(d: Path) -> Path:

@@ -47,7 +47,8 @@ def run(args) -> int:
         raise InputError("--write-draft needs --draft DIR (the drafter to save the temperatures with)")
     from dspark_jax.fileio import check_output
 
-    out = check_output(args.out, force=args.force, kind="dir")
+    out = check_output(args.out, force=args.force, kind="dir",
+                       inputs={"--logs": args.logs, "--draft": args.draft})
     if not 0 < args.holdout < 1:
         raise InputError(f"--holdout must be in (0, 1), got {args.holdout}")
     report = C.run_sts(args.logs, out, draft=args.draft, holdout=args.holdout, seed=args.seed,

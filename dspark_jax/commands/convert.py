@@ -63,7 +63,7 @@ def run(args) -> int:
         raise InputError(f"SRC {str(args.src)!r} is not a directory")
     # DST must not be SRC or hold it: --force replaces DST, which would delete the source
     check_output(args.dst, force=args.force, kind="dir", flag="DST",
-                 protect=[args.src] + ([args.target] if args.target else []))
+                 inputs={"SRC": args.src, "--target": args.target})
 
     if args.max_shard_size is not None:
         safetensors_io.parse_size(args.max_shard_size)  # fail fast on a bad size

@@ -33,7 +33,8 @@ def generate(target, prompts_file, out, *, draft=None, options: DecodeOptions = 
     from dspark_jax.decode.sharded import make_decode_mesh
     from dspark_jax.tokenizer import encode_prompt, load_tokenizer
 
-    out = check_output(out, force=force)
+    out = check_output(out, force=force, inputs={"--target": target, "--draft": draft,
+                                                 "--prompts": prompts_file, "--sps": options.sps_table})
     target_dir = Path(target)
     tokenizer = load_tokenizer(target_dir) if target_dir.is_dir() else None
     encode = None

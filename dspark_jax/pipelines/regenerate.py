@@ -343,10 +343,9 @@ def regenerate(target, data, out, *, fmt: str = "auto", turns: str = "last", thi
     data_path = Path(data)
     if not data_path.is_file():
         raise InputError(f"--data {str(data)!r} does not exist or is not a file")
-    if files["out"].resolve() == data_path.resolve():
-        raise InputError(f"--out {str(out)!r} is the input file; choose another destination")
-    check_output(files["out"], force=force)
-    check_output(files["summary"], force=force, flag="--out (its summary)")
+    inputs = {"--target": target, "--data": data, "--draft": draft}
+    check_output(files["out"], force=force, inputs=inputs)
+    check_output(files["summary"], force=force, flag="--out (its summary)", inputs=inputs)
     for key in ("journal", "meta"):
         if files[key].is_dir():
             raise InputError(f"{files[key]} (the resume journal of --out) is a directory")

@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from dspark_jax.errors import DSparkError
+from dspark_jax.errors import DSparkError, os_error_line
 
 # Subcommand modules, in the order --help lists them.
 COMMANDS = (
@@ -45,6 +45,9 @@ def main(argv=None) -> int:
         return 130
     except DSparkError as e:
         print(f"dspark-jax {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the environment refused (read-only or missing path, full disk): one line
+        print(f"dspark-jax {args.command}: error: {os_error_line(e)}", file=sys.stderr)
         return 2
 
 

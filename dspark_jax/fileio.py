@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -125,6 +126,24 @@ def atomic_dir(dst, *, force: bool = False, make_parents: bool = True,
         raise
 
 
+def json_safe(x):
+    """JSON-safe copy of ``x``: NaN/inf floats (NumPy scalars too) -> None, recursively."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    if getattr(x, "ndim", None) == 0 and hasattr(x, "item"):  # a NumPy / JAX scalar
+        return json_safe(x.item())
+    return x
+
+
+def dumps(x, **kw) -> str:
+    """``json.dumps`` for our outputs: strict JSON (non-finite numbers written as null)."""
+    return json.dumps(json_safe(x), allow_nan=False, **kw)
+
+
 def write_text(path, text: str, *, force: bool = True) -> Path:
     """``text`` to ``path``, atomically."""
     with atomic_open(path, force=force) as f:
@@ -136,14 +155,14 @@ def write_jsonl(path, rows: Iterable[Any], *, force: bool = True) -> Path:
     """One JSON object per line, written atomically (``atomic_open``)."""
     with atomic_open(path, force=force) as f:
         for row in rows:
-            f.write(json.dumps(row) + "\n")
+            f.write(dumps(row) + "\n")
     return Path(path)
 
 
 def write_json(path, data, *, force: bool = True, indent: int | None = 2) -> Path:
     """``data`` as JSON (plus a newline), atomically."""
     with atomic_open(path, force=force) as f:
-        json.dump(data, f, indent=indent)
+        f.write(dumps(data, indent=indent))
         f.write("\n")
     return Path(path)
 
@@ -218,8 +237,14 @@ def check_output(path, *, force: bool = False, kind: str = "file", flag: str = "
         parent = parent.parent
     if not parent.is_dir():
         raise InputError(f"{shown}: {str(parent)!r} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise InputError(f"{shown}: directory {str(parent)!r} is not writable")
+    try:  # a probe file: os.access cannot see every refusal (read-only mounts for root, /proc)
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise PermissionError
+        fd, probe = tempfile.mkstemp(prefix=".dspark-probe-", dir=str(parent))
+        os.close(fd)
+        os.unlink(probe)
+    except OSError:
+        raise InputError(f"{shown}: directory {str(parent)!r} is not writable") from None
     return path
 
 

@@ -116,7 +116,17 @@ def main(argv=None) -> int:
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not cmd:
         ap.error("give the command after --")
-    return launch(cmd, args.processes, args.devices_per_process, args.log_dir, args.port)
+    for flag, value in (("--processes", args.processes), ("--devices-per-process", args.devices_per_process)):
+        if value < 1:
+            ap.error(f"{flag} must be >= 1, got {value}")
+    import shutil
+    if shutil.which(cmd[0]) is None:
+        ap.error(f"command {cmd[0]!r} not found (not an executable on PATH)")
+    try:
+        return launch(cmd, args.processes, args.devices_per_process, args.log_dir, args.port)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

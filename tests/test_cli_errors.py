@@ -104,6 +104,16 @@ CASES = {
     ("generate", "negative-temperature"): (
         lambda d: G("--prompts", str(_prompts(d)), "--out", str(d / "o.jsonl"), "--temperature", "-1"),
         "temperature"),
+    ("generate", "seed-negative"): (
+        lambda d: G("--prompts", str(_prompts(d)), "--out", str(d / "o.jsonl"), "--seed", "-1"), "seed"),
+    ("generate", "batch-size-beyond-memory"): (
+        lambda d: G("--prompts", str(_prompts(d)), "--out", str(d / "o.jsonl"), "--batch-size", "100000000"),
+        "GiB"),
+    ("generate", "max-cache-len-beyond-context"): (
+        lambda d: G("--prompts", str(_prompts(d)), "--out", str(d / "o.jsonl"), "--max-cache-len", "100000000"),
+        "max_position_embeddings"),
+    ("generate", "out-parent-missing-unwritable"): (
+        lambda d: G("--prompts", str(_prompts(d)), "--out", "/proc/nope/o.jsonl"), "not writable"),
     # ---- eval
     ("eval", "out-is-file"): (
         lambda d: ["eval", "--target", str(TARGET), "--draft", str(DRAFT), "--datasets", "gsm8k",
@@ -173,6 +183,14 @@ CASES = {
         "--holdout"),
     ("calibrate", "write-draft-without-draft"): (
         lambda d: ["calibrate", "--logs", str(_logs(d)), "--out", str(d / "sts"), "--write-draft"], "--draft"),
+    ("calibrate", "nan-confidence-logit"): (
+        lambda d: ["calibrate", "--logs", str(_logs(d, '{"confidence_logits": [[0.1, NaN]], "accepted_drafts": [1], '
+                                                       '"proposal_lengths": [2]}\n')), "--out", str(d / "sts")],
+        "logs.jsonl:1: confidence logit 1"),
+    ("calibrate", "inf-confidence-logit"): (
+        lambda d: ["calibrate", "--logs", str(_logs(d, '{"confidence_logits": [-Infinity, 0.2], "accepted": 1, '
+                                                       '"proposal": 2}\n')), "--out", str(d / "sts")],
+        "logs.jsonl:1: confidence logit 0"),
     # ---- cache
     ("cache", "batch-size-0"): (
         lambda d: ["cache", "--target", str(TARGET), "--data", str(_tokens(d)), "--out", str(d / "c"),
@@ -221,6 +239,15 @@ CASES = {
     ("train", "bad-record-line"): (
         lambda d: (_w(d / "data.jsonl", '{"input_ids": [1, 2]}\n{"input_ids": [1], "loss_mask": [1, 1]}\n'),
                    ["train", "--config", str(_config(d))])[1], "data.jsonl:2"),
+    ("train", "max-length-1"): (
+        lambda d: (_tokens(d), ["train", "--config", str(_config(d)), "max_length=1"])[1], "max_length"),
+    ("train", "loss-mask-2"): (
+        lambda d: (_tokens(d, mask=2), ["train", "--config", str(_config(d))])[1], "data.jsonl:1: 'loss_mask' value 2"),
+    ("train", "loss-mask-half"): (
+        lambda d: (_tokens(d, mask=0.5), ["train", "--config", str(_config(d))])[1], "not 0 or 1"),
+    ("cache", "max-length-negative"): (
+        lambda d: ["cache", "--target", str(TARGET), "--data", str(_tokens(d)), "--out", str(d / "c"),
+                   "--layer-ids", "0,2", "--max-length", "-3"], "--max-length"),
     ("train", "output-dir-is-file"): (
         lambda d: (_tokens(d), ["train", "--config", str(_config(d, output_dir=str(_w(d / "run", "x"))))])[1],
         "is a file"),
@@ -396,7 +423,7 @@ def test_advisories():
     assert advisories(o, parse_policy("scheduler", sps_table=good)) == []
 
 
-def test_non_finite_weights_warn_on_convert(tmp_path, capsys):
+def test_non_finite_weights_refused_by_convert_unless_allowed(tmp_path, capsys):
     import numpy as np
     from safetensors.numpy import load_file, save_file
 
@@ -406,7 +433,12 @@ def test_non_finite_weights_warn_on_convert(tmp_path, capsys):
     tensors[name] = tensors[name].copy()
     tensors[name].flat[0] = np.nan
     save_file(tensors, src / "model.safetensors")
-    assert cli.main(["convert", str(src), str(tmp_path / "dst")]) == 0
+    capsys.readouterr()
+    assert cli.main(["convert", str(src), str(tmp_path / "dst")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "confidence_head/bias" in err[0] and "--allow-nonfinite" in err[0], err
+    assert not (tmp_path / "dst").exists() and not list(tmp_path.glob(".dst.tmp-*"))
+    assert cli.main(["convert", str(src), str(tmp_path / "dst"), "--allow-nonfinite"]) == 0
     err = capsys.readouterr().err
     assert "warning" in err and "NaN" in err
 

@@ -58,3 +58,51 @@ def test_stale_temporaries_of_dead_writers_are_removed(tmp_path, capsys):
         f.write("{}")
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".f.json")) == []
     assert remove_stale_temps(tmp_path / "nowhere" / "x") == []
+
+
+def test_json_outputs_are_strict(tmp_path):
+    import json
+
+    import numpy as np
+
+    from dspark_jax.fileio import dumps, write_json, write_jsonl
+
+    row = {"a": float("nan"), "b": [1.0, float("inf"), np.float32("-inf"), np.float64(2.5)], "c": (np.int32(3),)}
+    assert dumps(row) == '{"a": null, "b": [1.0, null, null, 2.5], "c": [3]}'
+    write_jsonl(tmp_path / "r.jsonl", [row])
+    write_json(tmp_path / "r.json", row)
+    strict = lambda s: json.loads(s, parse_constant=lambda c: pytest.fail(f"non-strict JSON {c}"))
+    assert strict((tmp_path / "r.jsonl").read_text())["a"] is None
+    assert strict((tmp_path / "r.json").read_text())["b"][1] is None
+
+
+def _fake_cache(d, tokens=6):
+    """A feature cache written by hand (no target run): one record of ``tokens`` tokens."""
+    import json
+
+    import numpy as np
+
+    sh = d / "shard_00000"
+    sh.mkdir(parents=True)
+    for k, a in (("tokens", np.arange(tokens, dtype=np.int32)), ("loss_mask", np.ones(tokens, np.uint8)),
+                 ("features", np.zeros((tokens, 8), np.float32)), ("last_hidden", np.zeros((tokens, 4), np.float32))):
+        np.save(sh / f"{k}.npy", a)
+    np.save(d / "index.npy", np.array([[0, 0, tokens]], np.int64))
+    (d / "manifest.json").write_text(json.dumps({
+        "format": "dspark-feature-cache", "version": 1, "layer_ids": [0, 1], "hidden_size": 4, "feature_dim": 8,
+        "max_length": 8, "feature_dtype": "float32", "num_records": 1, "num_tokens": tokens,
+        "shards": [{"name": sh.name, "tokens": tokens}]}))
+    return d
+
+
+@pytest.mark.parametrize("victim", ["index.npy", "shard_00000/features.npy", "shard_00000/tokens.npy"])
+def test_truncated_cache_shard_is_named(tmp_path, victim):
+    from dspark_jax.data.cache import FeatureCache
+    from dspark_jax.errors import CheckpointError
+
+    d = _fake_cache(tmp_path / "c")
+    assert len(FeatureCache(d)._shards) == 1
+    f = d / victim
+    f.write_bytes(f.read_bytes()[:-7])
+    with pytest.raises(CheckpointError, match=f"{victim}.*(truncated|holds)"):
+        FeatureCache(d)

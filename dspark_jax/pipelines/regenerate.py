@@ -41,7 +41,7 @@ import numpy as np
 from dspark_jax.data.formats import Conversation, read_conversations
 from dspark_jax.data.sources import reply_record
 from dspark_jax.errors import InputError, warn
-from dspark_jax.fileio import check_output, write_json, write_jsonl
+from dspark_jax.fileio import check_output, dumps, write_json, write_jsonl
 
 TURNS = ("last", "all")
 DEFAULT_TEMPERATURE = 1.0   # no generation config: sample the target's own distribution
@@ -241,7 +241,7 @@ class Journal:
         self._f = path.open("a", encoding="utf-8")
 
     def append(self, index: int, row: dict) -> None:
-        self._f.write(json.dumps({"index": index, "row": row}) + "\n")
+        self._f.write(dumps({"index": index, "row": row}) + "\n")
         self._f.flush()
         os.fsync(self._f.fileno())
 

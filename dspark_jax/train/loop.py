@@ -41,7 +41,7 @@ from dspark_jax.convert.identity import target_identity
 from dspark_jax.data import chat, pipeline, reference_cache, sources
 from dspark_jax import families
 from dspark_jax.errors import CheckpointError, ConfigError, DSparkError, InputError
-from dspark_jax.fileio import atomic_open, check_output, write_json
+from dspark_jax.fileio import atomic_open, check_output, dumps, write_json
 from dspark_jax.tokenizer import load_tokenizer
 from dspark_jax.train import optim
 from dspark_jax.train.config import TrainConfig
@@ -353,7 +353,7 @@ class _Log:
         self.history.append(row)
         self.tokens += int(metrics["tokens"])
         if self.run.is_main:
-            self.file.write(json.dumps(row) + "\n")
+            self.file.write(dumps(row) + "\n")
             self.file.flush()
             if step % self.run.cfg.log_every == 0:
                 for k, v in metrics.items():

@@ -108,6 +108,9 @@ def main(argv=None) -> int:
     except DSparkError as e:
         print(f"dspark-jax data regenerate: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

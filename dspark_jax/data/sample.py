@@ -103,6 +103,9 @@ def main(argv=None) -> int:
     except DSparkError as e:
         print(f"{ap.prog}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

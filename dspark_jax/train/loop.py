@@ -42,6 +42,7 @@ from dspark_jax.data import chat, pipeline, reference_cache, sources
 from dspark_jax import families
 from dspark_jax.errors import CheckpointError, ConfigError, DSparkError, InputError
 from dspark_jax.fileio import atomic_open, check_output, dumps, write_json
+from dspark_jax.interrupt import deferred_sigint
 from dspark_jax.tokenizer import load_tokenizer
 from dspark_jax.train import optim
 from dspark_jax.train.config import TrainConfig
@@ -403,8 +404,9 @@ def _save(run: Run, mgr, step: int, state, data_iter, log: "_Log") -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def iterate(run: Run, state, start: int, mgr, data_iter, log: _Log):
-    """Run steps ``start+1 .. total_steps``; returns the final state. Stops on a non-finite loss."""
+def iterate(run: Run, state, start: int, mgr, data_iter, log: _Log, stop=None):
+    """Run steps ``start+1 .. total_steps``; returns the final state. Stops on a non-finite loss;
+    ``stop.check()`` (``interrupt.deferred_sigint``) runs after each step's checkpoint."""
     for it in range(start, run.total_steps):
         host = next(data_iter)
         indices = host.pop("index")
@@ -419,6 +421,8 @@ def iterate(run: Run, state, start: int, mgr, data_iter, log: _Log):
             raise _non_finite(run, mgr, it + 1, metrics)
         log.add(it + 1, metrics, row)
         _save(run, mgr, it + 1, state, data_iter, log)
+        if stop is not None:
+            stop.check()
     mgr.wait_until_finished()
     return state
 
@@ -463,10 +467,11 @@ def train(cfg: TrainConfig, *, fast_compile: bool | None = None, force_resume: b
     mgr = checkpoint_manager(run)
     log = None
     try:
-        state, start = restore_or_init(run, mgr, data_iter)
-        log = _Log(run, start)
-        t_loop = time.time()
-        state = iterate(run, state, start, mgr, data_iter, log)
+        with deferred_sigint() as stop:  # Ctrl-C ends the run between steps, not inside XLA/orbax
+            state, start = restore_or_init(run, mgr, data_iter)
+            log = _Log(run, start)
+            t_loop = time.time()
+            state = iterate(run, state, start, mgr, data_iter, log, stop)
     finally:
         if log:
             log.close()

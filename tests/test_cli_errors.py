@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from dspark_jax import cli
@@ -307,6 +308,28 @@ CASES = {
     ("sample", "out-inside-target-force"): (
         lambda d: ["--target", str(_copy(d, TARGET, "t")), "--out", str(d / "t" / "s.jsonl"), "--force"],
         "lies inside the input --target"),
+    # ---- non-finite models and numbers, truncated files, unwritable destinations (issue 27)
+    ("generate", "truncated-target-weights"): (
+        lambda d: ["generate", "--target", str(_truncated(d, TARGET, "t")), "--prompts", str(_prompts(d)),
+                   "--out", str(d / "o.jsonl")], "model.safetensors"),
+    ("generate", "temperature-nan"): (
+        lambda d: G("--prompts", str(_prompts(d)), "--out", str(d / "o.jsonl"), "--temperature", "nan"),
+        "temperature"),
+    ("calibrate", "holdout-nan"): (
+        lambda d: ["calibrate", "--logs", str(_logs(d)), "--out", str(d / "sts"), "--holdout", "nan"], "--holdout"),
+    ("profile-sps", "min-seconds-nan"): (
+        lambda d: ["profile-sps", "--target", str(TARGET), "--out", str(d / "s.json"), "--min-seconds", "nan"],
+        "--min-seconds"),
+    ("convert", "inf-weight"): (
+        lambda d: ["convert", str(_nan_model(d, DRAFT, "src", np.inf)), str(d / "dst")], "--allow-nonfinite"),
+    ("export", "dst-unwritable"): (
+        lambda d: ["export", str(DRAFT), "/proc/nope/d", "--engine", "deepspec"], "not writable"),
+    ("train", "output-dir-unwritable"): (
+        lambda d: (_tokens(d), ["train", "--config", str(_config(d, output_dir="/proc/nope/run"))])[1],
+        "not writable"),
+    ("cache", "out-unwritable"): (
+        lambda d: ["cache", "--target", str(TARGET), "--data", str(_tokens(d)), "--out", "/proc/nope/c",
+                   "--layer-ids", "0,2"], "not writable"),
     # ---- data.sample (python -m dspark_jax.data.sample)
     ("sample", "bad-target"): (lambda d: ["--target", str(d / "nowhere"), "--out", str(d / "s.jsonl")], "nowhere"),
     ("sample", "num-0"): (lambda d: ["--target", str(TARGET), "--out", str(d / "s.jsonl"), "--num", "0"], "--num"),
@@ -330,6 +353,23 @@ def _copy(d: Path, src: Path, name: str) -> Path:
     import shutil
     shutil.copytree(src, d / name)
     return d / name
+
+
+def _nan_model(d: Path, src: Path, name: str, value=float("nan")) -> Path:
+    """A copy of the checkpoint ``src`` with ``value`` in every float tensor."""
+    from safetensors.numpy import load_file, save_file
+    out = _copy(d, src, name)
+    tensors = {k: np.full_like(v, value) if v.dtype.kind == "f" else v
+               for k, v in load_file(out / "model.safetensors").items()}
+    save_file(tensors, out / "model.safetensors")
+    return out
+
+
+def _truncated(d: Path, src: Path, name: str) -> Path:
+    out = _copy(d, src, name)
+    f = out / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-1000])
+    return out
 
 
 def _symlink(link: Path, to: Path) -> Path:
@@ -452,3 +492,16 @@ def test_local_launcher_echoes_process_0_and_tails_the_failure(tmp_path):
     assert "hello from 0" in r.stdout and "hello from 1" not in r.stdout
     assert "process 1 failed first (exit code 3)" in r.stderr and "| hello from 1" in r.stderr
     assert (tmp_path / "logs/process_1.log").read_text() == "hello from 1\n"
+
+
+def test_nan_target_is_an_error_not_a_result(tmp_path, capsys):
+    """A target with NaN weights: found by the decode (its logits), after the progress bar started,
+    so the error is the LAST line; exit 2, no traceback, no output file, inputs untouched."""
+    argv = ["generate", "--target", str(_nan_model(tmp_path, TARGET, "t")), "--prompts", str(_prompts(tmp_path)),
+            "--out", str(tmp_path / "o.jsonl")]
+    before = snapshot(tmp_path)
+    capsys.readouterr()
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "not finite" in err.strip().splitlines()[-1], err
+    assert snapshot(tmp_path) == before

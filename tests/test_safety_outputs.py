@@ -106,3 +106,17 @@ def test_truncated_cache_shard_is_named(tmp_path, victim):
     f.write_bytes(f.read_bytes()[:-7])
     with pytest.raises(CheckpointError, match=f"{victim}.*(truncated|holds)"):
         FeatureCache(d)
+
+
+def test_rerun_after_a_killed_convert_removes_its_temporary(tmp_path, capsys):
+    from pathlib import Path
+
+    from dspark_jax import cli
+
+    draft = Path(__file__).parent / "fixtures/dspark_qwen3_tiny/draft"
+    stale = tmp_path / ".dst.tmp-999999999-deadbeef"  # what a SIGKILLed convert leaves (its pid is gone)
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"torn")
+    assert cli.main(["convert", str(draft), str(tmp_path / "dst")]) == 0
+    assert "incomplete output of an interrupted earlier run" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]

@@ -55,20 +55,22 @@ def generate(target, prompts_file, out, *, draft=None, options: DecodeOptions = 
     common = dict(max_cache_len=max_cache_len, progress=report, mesh=mesh,
                   batching=options.batching)
     block = None
-    if draft:
-        dcfg, dparams = load_draft(draft, dtype)
-        block = dcfg.block_size
-        for message in advisories(options, settings.policy, block):
-            warn(message)
-        if settings.sts_from_drafter:
-            log(f"generate: STS temperatures from the drafter's extras: {settings.confidence_temperatures}")
-        results = speculative_generate(tcfg, tparams, dcfg, dparams, prompts,
-                                       **settings.decode_kwargs(options), **common)
-    else:
-        results = autoregressive_generate(tcfg, tparams, prompts,
-                                          **settings.decode_kwargs(options, speculative=False), **common)
-    for bar in bars:
-        bar.close()
+    try:
+        if draft:
+            dcfg, dparams = load_draft(draft, dtype)
+            block = dcfg.block_size
+            for message in advisories(options, settings.policy, block):
+                warn(message)
+            if settings.sts_from_drafter:
+                log(f"generate: STS temperatures from the drafter's extras: {settings.confidence_temperatures}")
+            results = speculative_generate(tcfg, tparams, dcfg, dparams, prompts,
+                                           **settings.decode_kwargs(options), **common)
+        else:
+            results = autoregressive_generate(tcfg, tparams, prompts,
+                                              **settings.decode_kwargs(options, speculative=False), **common)
+    finally:  # an error's line comes after the bar, not inside it
+        for bar in bars:
+            bar.close()
 
     lines = []
     for (rec, _), res in zip(records, results):

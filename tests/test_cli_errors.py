@@ -293,6 +293,9 @@ CASES = {
     ("train", "output-dir-is-data-dir"): (
         lambda d: (_tokens(d / "run"), ["train", "--config", str(_config(d, data=str(d / "run" / "data.jsonl")))])[1],
         "contains the input data"),
+    ("train", "export-dir-is-target"): (
+        lambda d: (_tokens(d), ["train", "--config", str(_config(d, export_dir=str(TARGET)))])[1],
+        "export_dir"),
     ("train", "output-dir-foreign"): (
         lambda d: (_tokens(d), _w(d / "run" / "notes.txt", "mine"), _w(d / "run" / "metrics.jsonl", "{}\n"),
                    ["train", "--config", str(_config(d))])[3], "not one of ours"),

@@ -41,7 +41,7 @@ from dspark_jax.convert.identity import target_identity
 from dspark_jax.data import chat, pipeline, reference_cache, sources
 from dspark_jax import families
 from dspark_jax.errors import CheckpointError, ConfigError, DSparkError, InputError
-from dspark_jax.fileio import atomic_open, check_output, dumps, write_json
+from dspark_jax.fileio import atomic_open, check_not_input, check_output, dumps, write_json
 from dspark_jax.interrupt import deferred_sigint
 from dspark_jax.tokenizer import load_tokenizer
 from dspark_jax.train import optim
@@ -230,9 +230,12 @@ def _write_run_record(out: Path, record: dict, is_main: bool) -> None:
 def setup(cfg: TrainConfig, *, fast_compile: bool = False, force_resume: bool = False) -> Run:
     """Load target, drafter and data, check the run directory, build the train program, place
     the frozen weights, and write ``run.json``. A finished run raises ``RunFinished``."""
+    inputs = ({f: getattr(cfg, f) for f in ("target", "draft_init", "data", "tokenizer")}
+              | {"cache_dir": cfg.cache_dir if cfg.features == "cache" else None})
     check_output(cfg.output_dir, kind="dir", flag="output_dir", marker=("run.json", "checkpoints"),
-                 inputs={f: getattr(cfg, f) for f in ("target", "draft_init", "data", "tokenizer")}
-                 | {"cache_dir": cfg.cache_dir if cfg.features == "cache" else None})
+                 inputs=inputs)
+    if cfg.export_dir:  # replaced at the end of the run: never an input
+        check_not_input(cfg.export_dir, inputs, flag="export_dir")
     target_cfg, target_params = ckpt_io.load_target(cfg.target)
     draft_cfg, params = load_drafter(cfg, target_cfg, target_params)
     if jax.process_index() == 0:

@@ -508,3 +508,15 @@ def test_nan_target_is_an_error_not_a_result(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "Traceback" not in err and "not finite" in err.strip().splitlines()[-1], err
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["-n", "0", "--", sys.executable, "-c", "pass"], "--processes must be >= 1"),
+    (["-n", "2", "--", "no-such-binary-xyz"], "'no-such-binary-xyz' not found"),
+], ids=["n-0", "missing-binary"])
+def test_local_launcher_refuses_in_one_line(argv, expected, tmp_path):
+    r = subprocess.run([sys.executable, str(REPO / "launch/local.py"), *argv], capture_output=True, text=True,
+                       timeout=60, cwd=tmp_path)
+    errors = [line for line in r.stderr.splitlines() if "error:" in line]  # after argparse's usage
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert len(errors) == 1 and expected in errors[0] and r.stderr.strip().endswith(errors[0]), r.stderr

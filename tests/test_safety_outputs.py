@@ -120,3 +120,23 @@ def test_rerun_after_a_killed_convert_removes_its_temporary(tmp_path, capsys):
     assert cli.main(["convert", str(draft), str(tmp_path / "dst")]) == 0
     assert "incomplete output of an interrupted earlier run" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]
+
+
+def test_sts_temperatures_at_the_search_bound_warn(tmp_path, capsys):
+    """Confidence logits that do not rank acceptance (independent of it): STS flattens them to the
+    grid's largest temperature, which is said, not silently saved."""
+    import json
+
+    import numpy as np
+
+    from dspark_jax import cli
+
+    rng = np.random.default_rng(0)
+    rows = [{"confidence_logits": (4 * rng.standard_normal(2)).tolist(), "accepted": int(rng.integers(0, 3)),
+             "proposal": 2} for _ in range(400)]
+    logs = tmp_path / "logs.jsonl"
+    logs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert cli.main(["calibrate", "--logs", str(logs), "--out", str(tmp_path / "sts")]) == 0
+    cap = capsys.readouterr()
+    assert "sits at the search bound" in cap.err, cap.err
+    assert 20.0 in json.loads(cap.out.strip().splitlines()[-1])["temperatures"]

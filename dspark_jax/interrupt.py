@@ -25,10 +25,10 @@ class _Stop:
 
 
 @contextlib.contextmanager
-def deferred_sigint() -> Iterator[_Stop]:
-    """Defer SIGINT to ``check()`` points (main thread only; elsewhere a no-op)."""
+def deferred_sigint(enabled: bool = True) -> Iterator[_Stop]:
+    """Defer SIGINT to ``check()`` points (main thread only; elsewhere, or not ``enabled``, a no-op)."""
     stop = _Stop()
-    if threading.current_thread() is not threading.main_thread():
+    if not enabled or threading.current_thread() is not threading.main_thread():
         yield stop
         return
 

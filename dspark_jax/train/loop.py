@@ -470,7 +470,9 @@ def train(cfg: TrainConfig, *, fast_compile: bool | None = None, force_resume: b
     mgr = checkpoint_manager(run)
     log = None
     try:
-        with deferred_sigint() as stop:  # Ctrl-C ends the run between steps, not inside XLA/orbax
+        # Ctrl-C ends a single-process run between steps, not inside XLA/orbax work (several
+        # processes would stop at different steps and hang in a collective: there it raises)
+        with deferred_sigint(enabled=jax.process_count() == 1) as stop:
             state, start = restore_or_init(run, mgr, data_iter)
             log = _Log(run, start)
             t_loop = time.time()

@@ -53,3 +53,26 @@ def test_sigint_in_training_stops_between_steps_and_the_rerun_resumes(tmp_path, 
     assert cli.main(["train", "--config", str(_config(tmp_path, out))]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["resumed_from"] == 2 and summary["final"]["step"] == 4
+
+
+def test_ctrl_c_in_cache_leaves_nothing_and_the_rerun_writes_it(tmp_path, capsys, monkeypatch):
+    from dspark_jax.data import cache as cache_lib
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": [1, 2, 3, 4, 5, 6]}) + "\n" for _ in range(4)))
+    argv = ["cache", "--target", str(TARGET), "--data", str(data), "--out", str(tmp_path / "c"), "--layer-ids",
+            "0,2", "--batch-size", "2", "--max-length", "8", "--quiet"]
+    save = np.save
+
+    def interrupted_save(*a, **kw):  # Ctrl-C while the first array is written
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cache_lib.np, "save", interrupted_save)
+    capsys.readouterr()
+    assert cli.main(argv) == 130
+    assert [line for line in capsys.readouterr().err.splitlines() if line.strip()][-1] == "interrupted"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.jsonl"]  # no --out, no temporary
+    monkeypatch.setattr(cache_lib.np, "save", save)
+    assert cli.main(argv) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "data.jsonl"]
+    assert cache_lib.FeatureCache(tmp_path / "c").manifest["num_tokens"] == 24

@@ -305,6 +305,10 @@ CASES = {
     ("demo", "out-contains-target"): (
         lambda d: ["demo", "--quick", "--out", str(d), "--target", str(_copy(d, TARGET, "t"))],
         "contains the input --target"),
+    ("data-regenerate", "journal-is-data"): (
+        lambda d: ["data", "regenerate", "--target", str(TARGET), "--data",
+                   str(_w(d / "o.jsonl.partial", '{"prompt": "hi"}\n')), "--out", str(d / "o.jsonl")],
+        "(its journal o.jsonl.partial)"),
     ("data-inspect", "json-is-file-force"): (
         lambda d: ["data", "inspect", str(_tokens(d)), "--json", str(d / "data.jsonl"), "--force"],
         "is the input FILE"),

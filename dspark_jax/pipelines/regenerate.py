@@ -41,7 +41,7 @@ import numpy as np
 from dspark_jax.data.formats import Conversation, read_conversations
 from dspark_jax.data.sources import reply_record
 from dspark_jax.errors import InputError, warn
-from dspark_jax.fileio import check_output, dumps, write_json, write_jsonl
+from dspark_jax.fileio import check_not_input, check_output, dumps, write_json, write_jsonl
 
 TURNS = ("last", "all")
 DEFAULT_TEMPERATURE = 1.0   # no generation config: sample the target's own distribution
@@ -347,6 +347,7 @@ def regenerate(target, data, out, *, fmt: str = "auto", turns: str = "last", thi
     check_output(files["out"], force=force, inputs=inputs)
     check_output(files["summary"], force=force, flag="--out (its summary)", inputs=inputs)
     for key in ("journal", "meta"):
+        check_not_input(files[key], inputs, flag=f"--out (its {key} {files[key].name})")
         if files[key].is_dir():
             raise InputError(f"{files[key]} (the resume journal of --out) is a directory")
 

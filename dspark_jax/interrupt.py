@@ -1,10 +1,15 @@
-"""Ctrl-C at safe points: a SIGINT during XLA work is deferred to the next step boundary.
+"""Ctrl-C, cleanly: "interrupted" and exit code 130, never a swallowed or a mid-XLA interrupt.
 
-A KeyboardInterrupt raised while JAX/XLA or orbax's background threads are mid-operation can
-crash the interpreter on the way out (the demo's train stage segfaulted). Long loops run
-inside ``deferred_sigint()`` and call ``check()`` between steps: the first Ctrl-C only sets a
-flag (``check`` then raises KeyboardInterrupt there, after the step finished); a second one
-raises at once. The CLI turns KeyboardInterrupt into "interrupted", exit code 130.
+Two ways a plain KeyboardInterrupt goes wrong: raised inside a callback whose exceptions
+Python ignores (JAX's garbage-collection callback), it is lost and the command runs on to
+exit 0; raised while XLA or orbax's background threads are mid-operation, it can crash the
+interpreter on the way out (the demo's train stage segfaulted). So:
+
+- ``sigint_recorded()`` (around a whole command, in ``cli.main``): every SIGINT is recorded;
+  ``requested()`` then tells the CLI to end with 130 even if the KeyboardInterrupt was lost.
+- ``deferred_sigint()`` (around a step loop): the first Ctrl-C only sets the flag; the loop
+  calls ``check()`` between steps, which raises KeyboardInterrupt there. A second Ctrl-C
+  raises at once.
 """
 
 from __future__ import annotations
@@ -14,31 +19,56 @@ import signal
 import threading
 from typing import Iterator
 
+_state = {"requested": False, "defer": 0, "installed": False}
 
-class _Stop:
-    requested = False
 
-    def check(self) -> None:
-        """KeyboardInterrupt when a SIGINT arrived since the loop started."""
-        if self.requested:
-            raise KeyboardInterrupt
+def _handler(signum, frame):
+    first = not _state["requested"]
+    _state["requested"] = True
+    if _state["defer"] and first:
+        return  # deferred to the loop's next check()
+    raise KeyboardInterrupt
+
+
+def requested() -> bool:
+    """A SIGINT arrived while ``sigint_recorded`` / ``deferred_sigint`` was active."""
+    return _state["requested"]
+
+
+def check() -> None:
+    """KeyboardInterrupt when a SIGINT arrived (the step loops' safe point)."""
+    if _state["requested"]:
+        raise KeyboardInterrupt
 
 
 @contextlib.contextmanager
-def deferred_sigint(enabled: bool = True) -> Iterator[_Stop]:
-    """Defer SIGINT to ``check()`` points (main thread only; elsewhere, or not ``enabled``, a no-op)."""
-    stop = _Stop()
-    if not enabled or threading.current_thread() is not threading.main_thread():
-        yield stop
+def _installed() -> Iterator[None]:
+    """Our handler for the duration (main thread only; nested uses share the outer one)."""
+    if _state["installed"] or threading.current_thread() is not threading.main_thread():
+        yield
         return
-
-    def handler(signum, frame):
-        if stop.requested:  # a second Ctrl-C: now
-            raise KeyboardInterrupt
-        stop.requested = True
-
-    previous = signal.signal(signal.SIGINT, handler)
+    _state.update(requested=False, installed=True)
+    previous = signal.signal(signal.SIGINT, _handler)
     try:
-        yield stop
+        yield
     finally:
         signal.signal(signal.SIGINT, previous)
+        _state["installed"] = False
+
+
+@contextlib.contextmanager
+def sigint_recorded() -> Iterator[None]:
+    """Record every SIGINT (``requested()``); it still raises KeyboardInterrupt at once."""
+    with _installed():
+        yield
+
+
+@contextlib.contextmanager
+def deferred_sigint(enabled: bool = True) -> Iterator[None]:
+    """Defer the first SIGINT to the next ``check()`` (not ``enabled``: raise at once as usual)."""
+    with _installed():
+        _state["defer"] += bool(enabled)
+        try:
+            yield
+        finally:
+            _state["defer"] -= bool(enabled)

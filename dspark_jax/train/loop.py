@@ -39,10 +39,9 @@ from dspark_jax.convert import checkpoint as ckpt_io
 from dspark_jax.convert import engines
 from dspark_jax.convert.identity import target_identity
 from dspark_jax.data import chat, pipeline, reference_cache, sources
-from dspark_jax import families
+from dspark_jax import families, interrupt
 from dspark_jax.errors import CheckpointError, ConfigError, DSparkError, InputError
 from dspark_jax.fileio import atomic_open, check_not_input, check_output, dumps, write_json
-from dspark_jax.interrupt import deferred_sigint
 from dspark_jax.tokenizer import load_tokenizer
 from dspark_jax.train import optim
 from dspark_jax.train.config import TrainConfig
@@ -407,9 +406,9 @@ def _save(run: Run, mgr, step: int, state, data_iter, log: "_Log") -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def iterate(run: Run, state, start: int, mgr, data_iter, log: _Log, stop=None):
-    """Run steps ``start+1 .. total_steps``; returns the final state. Stops on a non-finite loss;
-    ``stop.check()`` (``interrupt.deferred_sigint``) runs after each step's checkpoint."""
+def iterate(run: Run, state, start: int, mgr, data_iter, log: _Log):
+    """Run steps ``start+1 .. total_steps``; returns the final state. Stops on a non-finite loss,
+    and after a step's checkpoint when Ctrl-C was pressed (``interrupt.check``)."""
     for it in range(start, run.total_steps):
         host = next(data_iter)
         indices = host.pop("index")
@@ -424,8 +423,7 @@ def iterate(run: Run, state, start: int, mgr, data_iter, log: _Log, stop=None):
             raise _non_finite(run, mgr, it + 1, metrics)
         log.add(it + 1, metrics, row)
         _save(run, mgr, it + 1, state, data_iter, log)
-        if stop is not None:
-            stop.check()
+        interrupt.check()
     mgr.wait_until_finished()
     return state
 
@@ -472,11 +470,11 @@ def train(cfg: TrainConfig, *, fast_compile: bool | None = None, force_resume: b
     try:
         # Ctrl-C ends a single-process run between steps, not inside XLA/orbax work (several
         # processes would stop at different steps and hang in a collective: there it raises)
-        with deferred_sigint(enabled=jax.process_count() == 1) as stop:
+        with interrupt.deferred_sigint(enabled=jax.process_count() == 1):
             state, start = restore_or_init(run, mgr, data_iter)
             log = _Log(run, start)
             t_loop = time.time()
-            state = iterate(run, state, start, mgr, data_iter, log, stop)
+            state = iterate(run, state, start, mgr, data_iter, log)
     finally:
         if log:
             log.close()

@@ -111,7 +111,7 @@ def decode_summary(results, block_size: int | None = None, *, calibration: bool 
 
 def write_json_atomic(path, data) -> Path:
     """Write ``data`` as indented JSON via a temp file next to ``path`` and a rename."""
-    return write_json(path, json_safe(data), indent=1)
+    return write_json(path, data, indent=1)  # strict JSON: NaN -> null
 
 
 def write_results_jsonl(path, results, extra: Sequence[Mapping] | None = None) -> Path:

@@ -73,8 +73,9 @@ def test_verify_rejects_a_non_finite_draft_row_and_stops_at_non_finite_target_lo
     d[0, 1, :] = np.nan                                   # ...except row 0's drafter is NaN at position 1
     t[1, 2, :] = np.nan                                   # row 1's target is NaN at position 2
     drafts = np.full((3, g), 2, np.int32)
-    verdict = rejection_sample(jax.random.PRNGKey(0), t, d, drafts, np.array([3, 3, 3], np.int32),
-                               1.0, greedy, np.array([-1], np.int32))
+    verify = jax.jit(rejection_sample, static_argnames=("greedy",))  # one compile beats eager op by op
+    verdict = verify(jax.random.PRNGKey(0), t, d, drafts, np.array([3, 3, 3], np.int32), 1.0,
+                     greedy=greedy, stop_ids=np.array([-1], np.int32))
     accepted, nxt = np.asarray(verdict.accepted), np.asarray(verdict.next_token)
     assert accepted[0] == 0 and nxt[0] == 2              # all drafts rejected; the target's token
     assert accepted[1] == 2 and nxt[1] == sampling.NONFINITE  # cut where the target broke

@@ -38,7 +38,7 @@ def describe_draft(path) -> dict:
         if (p / name).is_file():
             sidecars[name] = str(p / name)
     per_engine = {}
-    for engine in engines.ENGINES:
+    for engine in engines.TARGETS:
         why = engines.check(cfg, engine)
         notes = [w for rule, w in engines.violations(cfg, engine, "warning")]
         per_engine[engine] = {"loadable": why is None, "why_not": why, "notes": notes,

@@ -5,7 +5,10 @@ Every rule names the engine file it was read from (the engines' public repositor
 family-independent facts of a drafter config) that returns ``None`` when the engine can load
 the drafter, else one line saying why not.
 
-Engines: ``deepspec`` (the PyTorch reference), ``vllm``, ``sglang``, ``sglang-jax``.
+Engines: ``deepspec`` (the PyTorch reference), ``vllm``, ``sglang``, ``sglang-jax``; trainers
+(exports back, convert/foreign.py layouts): ``speculators``, ``specforge``. ``CHECKED`` names
+the releases whose own loaders tests/test_interop_*.py run; each rule says whether it was
+checked against one (``Rule.checked``) or read from the source.
 Families: ``qwen3`` and ``gemma4`` (``draft.gemma4.Gemma4DraftConfig``; its family is read from
 ``architectures`` and ``attention_k_eq_v`` from its text config). Both are tested against
 checkers written from the engines' loaders (tests/test_serving.py).
@@ -23,11 +26,14 @@ from typing import Any, Callable, Mapping, Sequence
 from dspark_jax.errors import ConfigError
 
 ENGINES = ("deepspec", "vllm", "sglang", "sglang-jax")
+# Other trainers an export can go back to (convert/foreign.py writes their layout).
+TRAINERS = ("speculators", "specforge")
+TARGETS = ENGINES + TRAINERS
 
 # The engine releases whose own loaders tests/test_interop_*.py drive (pinned in
 # .ci/interop-requirements.txt); a rule with ``checked=CHECKED[engine]`` is asserted against
 # that running code, the others are as read from the engine's source (``checked="read"``).
-CHECKED = {"vllm": "vllm 0.33.0"}
+CHECKED = {"vllm": "vllm 0.33.0", "speculators": "speculators 0.9.0", "specforge": "specforge 0.2.0"}
 
 # architectures[0] each engine selects its DSpark drafter class by, per family.
 ARCHITECTURES: dict[str, dict[str, str]] = {
@@ -43,6 +49,10 @@ ARCHITECTURES: dict[str, dict[str, str]] = {
     # python/sgl_jax/srt/models/dspark.py: EntryClass = Qwen3DSparkModel (DFlashDraftModel
     # backbone); no Gemma4 DSpark class in python/sgl_jax/srt/models/ (gemma4_mtp.py is MTP).
     "sglang-jax": {"qwen3": "Qwen3DSparkModel"},
+    # speculators src/speculators/models/dspark/core.py and SpecForge
+    # specforge/modeling/draft/dspark.py: DSparkDraftModel over a Qwen3 backbone only.
+    "speculators": {"qwen3": "DSparkDraftModel"},
+    "specforge": {"qwen3": "DSparkDraftModel"},
 }
 
 
@@ -299,14 +309,19 @@ RULES: tuple[Rule, ...] = (
     Rule("sglang-jax", "block_size>1", "python/sgl_jax/srt/speculative/dflash_util.py "
          "(parse_dflash_draft_config)", lambda f: None if f.block_size > 1 else
          f"sglang-jax needs block_size > 1, got {f.block_size}"),
+    # ---------------------------------------------------------------- trainers (run: interop tests)
+    Rule("speculators", "family", "src/speculators/models/dspark/core.py (DSparkDraftModel: Qwen3 layers)",
+         _family_supported("speculators"), checked=CHECKED["speculators"]),
+    Rule("specforge", "family", "specforge/modeling/draft/dspark.py (DSparkDraftModel: Qwen3 layers)",
+         _family_supported("specforge"), checked=CHECKED["specforge"]),
     Rule("sglang-jax", "confidence-ignored", "python/sgl_jax/srt/speculative/dspark_worker.py "
          "(SERVING.md)", _ignored_confidence("sglang-jax"), severity="warning"),
 )
 
 
 def _engine(engine: str) -> str:
-    if engine not in ENGINES:
-        raise ConfigError(f"engine {engine!r} is unknown; expected one of {list(ENGINES)}")
+    if engine not in TARGETS:
+        raise ConfigError(f"engine {engine!r} is unknown; expected one of {list(TARGETS)}")
     return engine
 
 
@@ -476,7 +491,7 @@ def export_draft(src, dst, engine: str, *, force: bool = False, sps=None) -> dic
     import jax
     import numpy as np
 
-    from dspark_jax.convert import checkpoint, mapping, safetensors_io
+    from dspark_jax.convert import checkpoint, foreign, mapping, safetensors_io
 
     _engine(engine)
     src = Path(src)
@@ -493,7 +508,11 @@ def export_draft(src, dst, engine: str, *, force: bool = False, sps=None) -> dic
     sts = sts_sidecar(temps, extras.get("sts_report")) if temps is not None else None
     host = jax.tree.map(np.asarray, params)
     tensors = mapping.draft_to_torch(cfg, host)
-    hf = export_config(cfg.to_hf(), cfg, engine)
+    if engine in TRAINERS:  # back to another trainer: its own config layout and tensor names
+        tensors = foreign.foreign_tensors(tensors, engine)
+        hf = foreign.foreign_config(cfg.to_hf(), engine)
+    else:
+        hf = export_config(cfg.to_hf(), cfg, engine)
     dtype = next(iter({np.dtype(t.dtype).name for t in tensors.values()}))
     hf["dtype"] = hf["torch_dtype"] = dtype
     if extras:  # as checkpoint.save_draft does: STS temperatures survive a re-export / inspect

@@ -689,6 +689,7 @@ def test_gemma4_export_reloads_and_cli(tmp_path, g4_good_exports, g4_drafters, c
     assert info["family"] == "gemma4" and info["architecture"] == "Gemma4DSparkModel" and info["head"] == "gated"
     assert info["tensors"] == 37 and info["engines"]["deepspec"]["loadable"]
     assert not info["engines"]["vllm"]["loadable"] and "silently skips" in info["engines"]["vllm"]["why_not"]
+    assert info["engines"]["vllm"]["checked"] == ["read"]  # only Qwen3 drafters run through vLLM
     assert cli_main(["inspect", str(G4)]) == 0
     text = capsys.readouterr().out
     assert "family gemma4 (Gemma4DSparkModel)" in text and len(text.splitlines()) <= 24

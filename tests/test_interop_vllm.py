@@ -179,3 +179,65 @@ def test_rule_table_agrees_with_vllm(vllm_env, tmp_path, head):
     warned = [r.name for r, _ in engines.violations(cfg, "vllm", "warning")]
     assert (m.model.confidence_head is None) == ("confidence-optional" in warned)
     assert (cfg.markov_rank == 0) == ("markov-rank-0" in warned)
+
+
+# --------------------------------------------------------------------------- Gemma4
+
+G4 = Path(__file__).parent / "fixtures" / "dspark_gemma4_tiny"
+
+
+def vllm_load_gemma4(draft: Path):
+    """vLLM's Gemma4DSparkForCausalLM for ``draft`` (the Gemma4 fixture target), its own
+    load_weights over the export; returns (model, the names it reports loaded)."""
+    from vllm.model_executor.models.gemma4_dspark import Gemma4DSparkForCausalLM
+
+    target = ModelConfig(model=str(G4 / "target"), dtype="float32", skip_tokenizer_init=True)
+    vc = VllmConfig(model_config=target, device_config=DeviceConfig(device="cpu"))
+    vc.speculative_config = spec_config(target, draft, json.loads((draft / "config.json").read_text())["block_size"])
+    with set_current_vllm_config(vc), torch.device("cpu"):
+        m = Gemma4DSparkForCausalLM(vllm_config=vc)
+        tensors = load_file(str(draft / "model.safetensors"))
+        loaded = m.load_weights((k, torch.from_numpy(v)) for k, v in tensors.items())
+    return m, loaded
+
+
+def test_gemma4_load_weights_every_tensor_lands(vllm_env, tmp_path):
+    """The Gemma4 drafter builds on CPU; every exported tensor lands equal (gate/up fused),
+    the confidence head included (vllm 0.33.0 loads it: no 'drops' warning in our rules)."""
+    dst = tmp_path / "vllm"
+    engines.export_draft(G4 / "draft", dst, "vllm")
+    cfg, _ = checkpoint.load_draft(G4 / "draft")
+    assert engines.violations(cfg, "vllm", "warning") == []
+    tensors = load_file(str(dst / "model.safetensors"))
+    m, loaded = vllm_load_gemma4(dst)
+    state = {**dict(m.named_parameters()), **dict(m.named_buffers())}
+    want = {}
+    for k, v in tensors.items():
+        want[k if k.startswith("lm_head") else "model." + k] = v
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}.mlp."
+        want[p + "gate_up_proj.weight"] = np.concatenate([want.pop(p + "gate_proj.weight"),
+                                                          want.pop(p + "up_proj.weight")], 0)
+    assert loaded == set(want)
+    for k, v in want.items():
+        np.testing.assert_array_equal(state[k].detach().numpy().reshape(v.shape), v, err_msg=k)
+    assert m.model.confidence_head is not None
+
+
+def test_gemma4_gated_head_is_silently_dropped(vllm_env, tmp_path):
+    """Why our rule refuses a gated Gemma4 head for vLLM: its loader takes the checkpoint but
+    leaves markov_head.gate_proj.* unloaded (a vanilla head would draft in its place)."""
+    from dspark_jax.draft import gemma4 as g4_draft
+
+    cfg, _ = checkpoint.load_draft(G4 / "draft")
+    gated = cfg.replace(markov_head_type="gated")
+    assert "silently skips" in engines.check(gated, "vllm")
+    host = jax.tree.map(np.asarray, g4_draft.init_params(gated, jax.random.key(4)))
+    dst = tmp_path / "naive"
+    dst.mkdir()
+    tensors = mapping.draft_to_torch(gated, host)
+    safetensors_io.write_tensors(dst, tensors)
+    (dst / "config.json").write_text(json.dumps(engines.export_config(gated.to_hf(), gated, "vllm")))
+    _, loaded = vllm_load_gemma4(dst)
+    gate = {k for k in tensors if k.startswith("markov_head.gate_proj")}
+    assert gate and not any(k.removeprefix("model.") in gate for k in loaded)

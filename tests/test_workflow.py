@@ -7,6 +7,8 @@ tests/test_train_parallel.py and `plan` by tests/test_plan.py (full-size compile
 
 import json
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -70,3 +72,41 @@ def test_readme_workflow(tmp_path, monkeypatch, capsys):
     run("generate", "--target", f"{tiny}/target", "--draft", "runs/sts/draft", "--prompts", "prompts.jsonl",
         "--out", "sched.jsonl", "--max-new-tokens", "8", "--verify", "scheduler", "--sps", "sps.json")
     assert len(Path("sched.jsonl").read_text().splitlines()) == 4
+
+
+HEAVY = ("jax", "jaxlib", "chex", "flax", "optax", "orbax", "torch", "transformers", "matplotlib")
+PARSE_ONLY = """
+import contextlib, io, json, sys
+from dspark_jax import cli
+parser = cli.build_parser()
+codes = {}
+for argv in ARGVS:
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            parser.parse_args(argv)
+        except SystemExit as e:
+            codes[" ".join(argv)] = e.code
+heavy = sorted({m.split(".")[0] for m in sys.modules} & set(HEAVY))
+print(json.dumps({"codes": codes, "heavy": heavy}))
+"""
+
+
+def test_help_and_argument_errors_import_no_jax():
+    """`dspark-jax COMMAND --help` and argparse errors answer before jax (4+ s of imports) is loaded:
+    importing the CLI and parsing every subcommand's --help (and a bad flag) imports none of HEAVY.
+    A fresh interpreter: this test process has jax loaded already (conftest)."""
+    parser = cli.build_parser()
+    commands = [[name] for name in parser._subparsers._group_actions[0].choices]
+    commands += [["data", "inspect"], ["data", "regenerate"]]
+    argvs = [c + ["--help"] for c in commands] + [["generate", "--no-such-flag"], ["--help"]]
+    code = f"ARGVS = {argvs!r}\nHEAVY = {HEAVY!r}\n" + PARSE_ONLY
+    env = {k: v for k, v in __import__("os").environ.items()}
+    env["PYTHONPATH"] = str(REPO)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["heavy"] == [], f"parsing imported {result['heavy']}"
+    assert len(result["codes"]) == len(argvs)
+    assert all(c == 0 for a, c in result["codes"].items() if a.endswith("--help")), result["codes"]
+    assert result["codes"]["generate --no-such-flag"] == 2

@@ -41,11 +41,21 @@ def main(argv=None) -> int:
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
+        _end_progress_bars()
         print("interrupted", file=sys.stderr)
         return 130
     except DSparkError as e:
-        print(f"dspark-jax {args.command}: error: {e}", file=sys.stderr)
+        _end_progress_bars()
+        name = " ".join(filter(None, (args.command, getattr(args, "data_command", None))))
+        print(f"dspark-jax {name}: error: {e}", file=sys.stderr)
         return 2
+
+
+def _end_progress_bars() -> None:
+    """Close the progress bars an error left open, so the message starts on a clean line."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
+        bar.close()
 
 
 if __name__ == "__main__":

@@ -110,3 +110,67 @@ def test_help_and_argument_errors_import_no_jax():
     assert len(result["codes"]) == len(argvs)
     assert all(c == 0 for a, c in result["codes"].items() if a.endswith("--help")), result["codes"]
     assert result["codes"]["generate --no-such-flag"] == 2
+
+
+TINY = REPO / "tests/fixtures/dspark_qwen3_tiny"
+
+
+def _pickle_target(tmp_path):
+    d = tmp_path / "pickled"
+    shutil.copytree(TINY / "target", d)
+    for f in d.glob("*.safetensors"):
+        f.unlink()
+    (d / "pytorch_model.bin").write_bytes(b"not read")
+    return ["--target", str(d)]
+
+
+# (argv after the command's fixed part, words the one-line message must hold)
+MESSAGES = {
+    "threshold range": (["--verify", "threshold", "--confidence-threshold", "2"],
+                        ["--confidence-threshold must be in [0, 1]", "got 2.0"]),
+    "threshold spec": (["--verify", "threshold:x"], ["--verify threshold:x", "[0, 1]", "threshold:0.5"]),
+    "draft is a file": (["--draft", str(TINY / "draft/config.json")], ["is a file", "pass its directory"]),
+    "too few devices": (["--mesh", "data=16"], ["needs 16 devices but 8",
+                                               "XLA_FLAGS=--xla_force_host_platform_device_count=16",
+                                               "launch/local.py"]),
+    "batch vs data axis": (["--mesh", "data=2,tensor=2"],
+                           ["--batch-size 1 is not a multiple", "pass e.g. --batch-size 2"]),
+    "pickle": (_pickle_target, ["pickles", "dspark-jax convert", "--allow-pickle", "and use OUT"]),
+}
+
+
+@pytest.mark.parametrize("case", list(MESSAGES))
+def test_messages_name_the_flag_range_and_fix(case, tmp_path, capsys):
+    """A newcomer's first mistakes get one line naming the flag, its range and the fix."""
+    extra, words = MESSAGES[case]
+    extra = extra(tmp_path) if callable(extra) else extra
+    (tmp_path / "p.jsonl").write_text('{"prompt_ids": [1, 2, 3]}\n')
+    argv = ["generate", "--target", str(TINY / "target"), "--draft", str(TINY / "draft"),
+            "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "o.jsonl")]
+    assert cli.main(argv + extra) == 2
+    err = capsys.readouterr().err
+    # one line, on a clean line of its own (after any progress bar the error closed)
+    line = err.rstrip("\n").rpartition("\n")[2]
+    assert line.startswith("dspark-jax generate: error: ") and "Traceback" not in err, err
+    err = line
+    for word in words:
+        assert word in err, (word, err)
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_small_parsing_and_prefix_fixes(tmp_path, capsys):
+    """--layer-ids -1,2 is a value; data regenerate's errors carry its name; an error closes an
+    open progress bar first, so the message starts on a clean line."""
+    from tqdm import tqdm
+
+    args = cli.build_parser().parse_args(["cache", "--layer-ids", "-1,2"])
+    assert args.layer_ids == [-1, 2]
+    assert cli.main(["data", "regenerate", "--target", str(tmp_path / "nope"), "--data", "x.jsonl",
+                     "--out", str(tmp_path / "r.jsonl")]) == 2
+    assert capsys.readouterr().err.startswith("dspark-jax data regenerate: error: --target")
+    bar = tqdm(total=3, desc="half done")
+    bar.update(1)
+    cli._end_progress_bars()
+    print("dspark-jax x: error: y", file=sys.stderr)
+    err = capsys.readouterr().err
+    assert "half done" in err and "\ndspark-jax x: error: y\n" in err

@@ -345,6 +345,11 @@ def regenerate(target, data, out, *, fmt: str = "auto", turns: str = "last", thi
         raise InputError(f"--data {str(data)!r} does not exist or is not a file")
     if files["out"].resolve() == data_path.resolve():
         raise InputError(f"--out {str(out)!r} is the input file; choose another destination")
+    if not force and files["out"].is_file() and files["summary"].is_file():
+        raise InputError(f"--out {str(out)!r} is a finished run (its summary is "
+                         f"{str(files['summary'])!r}): nothing to do. A rerun resumes only an "
+                         "interrupted run; to regenerate from scratch pass --force (replaces both), "
+                         "or choose another --out")
     check_output(files["out"], force=force)
     check_output(files["summary"], force=force, flag="--out (its summary)")
     for key in ("journal", "meta"):

@@ -121,7 +121,8 @@ class DemoConfig:
 
 
 def quick_config(out: str = "runs/demo-quick", **changes) -> DemoConfig:
-    """An end-to-end run in well under a minute for tests and smoke checks (numbers are meaningless)."""
+    """An end-to-end run at tiny sizes for tests and smoke checks (numbers are meaningless; about
+    77 s of CPU time, mostly compilation)."""
     base = dict(out=out, num_train_prompts=16, prompt_min_bytes=16, prompt_max_bytes=48,
                 continuation_tokens=16, sample_batch_size=16, steps=3, batch_size=8, max_length=80,
                 num_draft_layers=1, block_size=4, num_anchors=4, markov_rank=16, fast_compile=True,

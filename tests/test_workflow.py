@@ -29,8 +29,9 @@ SMALL_TRAIN = ["steps=2", "batch_size=4", "progress=False", "checkpoint.every=1"
                "num_devices=1"]
 # command prefix -> arguments appended (the smallest settings that still run every stage)
 SMALLEST = {
-    ("demo",): ["--quick", "--out", "runs/demo", "--steps", "2", "--num-eval-prompts", "2",
-                "--no-progress"],
+    # the demo: its report stage, on a copy of the session's quick demo (conftest: quick_demo_run;
+    # tests/test_demo.py runs every stage of it)
+    ("demo",): ["--quick", "--out", "runs/demo", "--stage", "report", "--force", "--no-progress"],
     ("train",): SMALL_TRAIN,
     ("cache",): ["--quiet"],
     ("generate",): ["--max-new-tokens", "8"],
@@ -105,7 +106,7 @@ def _run_one(command: str, capsys) -> str:
 
 
 @pytest.mark.slow
-def test_readme_commands(tmp_path, monkeypatch, capsys):
+def test_readme_commands(tmp_path, monkeypatch, capsys, quick_demo_run):
     """Every README command runs as written (smallest settings for the long ones) on a directory
     laid out like a fresh clone, and writes under runs/ only."""
     (tmp_path / "tests").mkdir()
@@ -116,6 +117,7 @@ def test_readme_commands(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("DSPARK_FAST_COMPILE", "1")
     before = sorted(p.name for p in tmp_path.iterdir())
+    shutil.copytree(quick_demo_run[0].out, tmp_path / "runs" / "demo")
     commands = readme_commands((REPO / "README.md").read_text())
     assert len(commands) >= 30, commands
     ran = 0

@@ -38,7 +38,8 @@ def register(subparsers) -> None:
                    help="comma-separated sizes to measure (default: 1..16, then x1.25 steps to max)")
     p.add_argument("--layout", choices=("rows", "block"), default="rows",
                    help="rows: B requests x 1 token (default); block: 1 request x B tokens")
-    p.add_argument("--warmup", type=int, default=2, help="untimed calls per size (default 2; >= 0: the call that compiles is never timed)")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed calls per size (default 2; >= 0: the call that compiles is never timed)")
     p.add_argument("--iters", type=int, default=5, help="minimum timed calls per size")
     p.add_argument("--min-seconds", type=float, default=0.2, help="minimum timed seconds per size")
     p.add_argument("--repeats", type=int, default=3,

@@ -43,20 +43,30 @@ def main(argv=None) -> int:
             if not getattr(args, "func", None):
                 parser.print_help()
                 return 2
-            command = args.command
+            command = " ".join(filter(None, (args.command, getattr(args, "data_command", None))))
             code = int(args.func(args) or 0)
             if interrupt.requested():  # a Ctrl-C that a callback swallowed: still interrupted
                 raise KeyboardInterrupt
             return code
     except KeyboardInterrupt:
+        _end_progress_bars()
         print("interrupted", file=sys.stderr)
         return 130
     except DSparkError as e:
+        _end_progress_bars()
         print(f"dspark-jax {command}: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # the environment refused (read-only or missing path, full disk): one line
+        _end_progress_bars()
         print(f"dspark-jax {command}: error: {os_error_line(e)}", file=sys.stderr)
         return 2
+
+
+def _end_progress_bars() -> None:
+    """Close the progress bars an error left open, so the message starts on a clean line."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
+        bar.close()
 
 
 if __name__ == "__main__":

@@ -75,9 +75,16 @@ def make_mesh(spec: str | Mapping[str, int] | None = None, devices: Sequence | N
         sizes[free[0]] = len(devices) // fixed
     total = math.prod(sizes.values())
     if total != len(devices):
-        raise ConfigError(f"mesh {sizes} needs {total} devices but {len(devices)} are available")
+        raise ConfigError(too_few_devices(sizes, total, len(devices)))
     arr = np.asarray(devices, dtype=object).reshape([sizes[a] for a in MESH_AXES])
     return Mesh(arr, MESH_AXES)
+
+
+def too_few_devices(mesh, need: int, have: int) -> str:
+    """The message for a mesh that needs more devices than exist, with the CPU fix."""
+    return (f"mesh {mesh} needs {need} devices but {have} are available; on a CPU, simulate them "
+            f"with XLA_FLAGS=--xla_force_host_platform_device_count={need} (set before the command "
+            "starts), or run several processes with launch/local.py")
 
 
 def logical_to_spec(axes: Sequence[str | None], rules: Mapping[str, object] = DEFAULT_RULES,

@@ -61,3 +61,14 @@ def _release_compiled_programs():
     if _memory_maps() > _max_memory_maps() // 2:
         jax.clear_caches()
         gc.collect()
+
+
+@pytest.fixture(scope="session")
+def quick_demo_run(tmp_path_factory):
+    """One quick demo per session, shared by tests/test_demo.py and the README test: (cfg, info, logs)."""
+    from dspark_jax.pipelines.demo import quick_config, run_demo
+
+    cfg = quick_config(str(tmp_path_factory.mktemp("demo") / "quick"))
+    logs = []
+    info = run_demo(cfg, progress=False, log=logs.append)
+    return cfg, info, logs

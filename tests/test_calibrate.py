@@ -128,6 +128,8 @@ def test_reliability_plot_says_held_out_or_in_sample(tmp_path):
     assert any(lab.startswith("STS held out (fit on 200 other rounds)") for lab in labels)
     assert any(lab.startswith("raw ECE") for lab in labels)
     assert "rounds per bin (raw, right axis)" in labels and "perfect calibration" in labels
+    assert "rounds per bin (STS, right axis)" in labels
+    assert f"hollow: bin of < {C.MIN_BIN_ROUNDS} rounds (not joined)" in labels
     assert info["histogram"] == "rounds per bin (raw)"
     assert (tmp_path / "held.png").read_bytes()[:4] == b"\x89PNG"
     info = C.reliability_plot(few, tmp_path / "few.png")

@@ -220,3 +220,32 @@ def test_bfloat16_cache_round_trip_and_older_bfloat16_caches(cache_dir, data_fil
             np.save(shard / f"{k}.npy", bits.view(ml_dtypes.bfloat16))
     assert np.load(older / "shard_00000" / "features.npy", mmap_mode="r").dtype.kind == "V"
     check(cache_lib.FeatureCache(older))
+
+
+def test_cache_runs_each_batch_at_its_rows_bucket_with_the_padded_features(data_file, target, tmp_path,
+                                                                          monkeypatch):
+    """`cache` pads a batch to the power-of-two bucket of its longest row, not to --max-length:
+    rows of 20..32 tokens with --max-length 64 run at width 32, and every stored feature equals
+    the target's on the row padded to max_length (causal: padding after a token cannot change it)."""
+    tcfg, tparams = target
+    widths = []
+    feature_fn = cache_lib._feature_fn
+
+    def spy(*args):
+        run = feature_fn(*args)
+        return lambda params, tokens: (widths.append(tokens.shape), run(params, tokens))[1]
+
+    monkeypatch.setattr(cache_lib, "_feature_fn", spy)
+    out = tmp_path / "bucketed"
+    assert cli_main(["cache", "--target", str(TARGET), "--data", str(data_file), "--out", str(out),
+                     "--layer-ids", "-1,2", "--max-length", "64", "--batch-size", "16", "--quiet"]) == 0
+    assert widths == [(16, 32)]
+    cache = cache_lib.FeatureCache(out)
+    src = sources.read_token_jsonl(data_file, 64)
+    padded = np.stack([src[i]["input_ids"] for i in range(len(src))])
+    feats, last, _ = jax.device_get(target_features(tparams, tcfg, (-1, 2), padded))
+    for i in range(len(src)):
+        n = len(src.raw(i)[0])
+        rec = cache[i]
+        np.testing.assert_allclose(rec["features"][:n], feats[i, :n], rtol=0, atol=1e-6)
+        np.testing.assert_allclose(rec["last_hidden"][:n], last[i, :n], rtol=0, atol=1e-6)

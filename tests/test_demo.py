@@ -13,12 +13,8 @@ from dspark_jax.errors import ConfigError, InputError
 
 
 @pytest.fixture(scope="module")
-def quick_demo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("demo") / "quick"
-    cfg = quick_config(str(out))
-    logs = []
-    info = run_demo(cfg, progress=False, log=logs.append)
-    return cfg, info, logs
+def quick_demo(quick_demo_run):
+    return quick_demo_run  # conftest: one run per session, the README test reuses it
 
 
 def test_quick_demo_outputs(quick_demo):

@@ -232,3 +232,29 @@ def test_default_datasets_of_the_embedded_target(drafter, tmp_path, monkeypatch,
     assert list(json.loads((tmp_path / "e" / "eval.json").read_text())["datasets"]) == ["stdlib-heldout"]
     rc = cli.main(["eval", "--target", str(FIXTURE / "target"), "--draft", str(FIXTURE / "draft")])
     assert rc == 2 and "--datasets is required" in capsys.readouterr().err
+
+
+def test_acceptance_plot_marks_degenerate_outputs_and_names_the_temperature(monkeypatch, tmp_path):
+    """Loops inflate the acceptance curves: the label counts them and the curves without them are
+    drawn dashed; the temperature is in the title; the legend is below the panels, off the data."""
+    import matplotlib.pyplot as plt
+
+    import dspark_jax.pipelines.evaluate as E
+
+    figures = []
+    close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: (figures.append(fig), close(fig)))
+    prompts = [list(b"LOOP"), list(b"def a"), list(b"LOOP"), list(b"def b")]
+    results = _fake_decode(b"LOOP")(None, None, prompts, max_new_tokens=24)
+    summary = E.decode_summary(results, calibration=False)
+    path = E.plot_acceptance({"dspark": summary}, tmp_path / "a.png", title="gsm8k", temperature=0.7,
+                             results={"dspark": results})
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    fig = figures[-1]
+    assert fig._suptitle.get_text() == "gsm8k, temperature 0.7"
+    (legend,) = fig.legends
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert labels[0].startswith("dspark (tau ") and "2/4 outputs degenerate" in labels[0]
+    assert labels[1].startswith("dspark without the degenerate outputs") and "2 outputs" in labels[1]
+    assert all(ax.get_legend() is None for ax in fig.axes)
+    assert legend.get_window_extent().y1 <= min(ax.get_window_extent().y0 for ax in fig.axes)

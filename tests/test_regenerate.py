@@ -218,7 +218,7 @@ def test_sigkill_mid_run_then_resume(work, reference_run):
 def test_refusals_before_loading(work, reference_run, tmp_path):
     out, _ = reference_run
     before = out.read_bytes()
-    with pytest.raises(InputError, match="already exists"):
+    with pytest.raises(InputError, match="finished run.*--force"):
         R.regenerate(TARGET, work / "chats.jsonl", out, **SETTINGS)
     assert out.read_bytes() == before
     # a journal written with other arguments: refused without --force, untouched

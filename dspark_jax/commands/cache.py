@@ -58,6 +58,8 @@ def _layer_ids(text: str) -> list[int]:
 
 
 def register(subparsers) -> None:
+    import re
+
     p = subparsers.add_parser(
         "cache", help="write a target-feature cache for training",
         description="Run the frozen target over tokenized data and store, per token, the raw outputs "
@@ -73,11 +75,15 @@ def register(subparsers) -> None:
     p.add_argument("--tokenizer", default="", help="tokenizer directory for chat data (default: the target's)")
     p.add_argument("--out", help="output cache directory")
     p.add_argument("--layer-ids", type=_layer_ids, default=None,
-                   help="comma-separated target layer ids (default: the config's drafter)")
+                   help="comma-separated target layer ids, -1 = the embeddings, e.g. -1,2 "
+                        "(default: the config's drafter)")
     p.add_argument("--max-length", type=int, default=4096)
     p.add_argument("--overlong", default="truncate", choices=["truncate", "refuse"])
     p.add_argument("--batch-size", type=int, default=8, help="sequences per target forward")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="stored dtype")
     p.add_argument("--force", action="store_true", help="replace an existing cache")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    # "-1,2" is a value (--layer-ids -1,2), not an unknown flag: argparse's test for a negative
+    # number, widened to anything starting with one (this parser has no flag that looks like one).
+    p._negative_number_matcher = re.compile(r"^-\.?\d")
     p.set_defaults(func=run)

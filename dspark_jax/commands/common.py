@@ -13,7 +13,8 @@ DECODE_FLAGS = {
     "max_new_tokens": ("--max-new-tokens", dict(
         type=int, default=_D.max_new_tokens, help=f"new tokens per prompt (default {_D.max_new_tokens})")),
     "temperature": ("--temperature", dict(
-        type=float, default=_D.temperature, help="sampling temperature; 0 = greedy")),
+        type=float, default=_D.temperature,
+        help=f"sampling temperature; 0 = greedy (default {_D.temperature:g})")),
     "verify": ("--verify", dict(
         default=_D.verify, metavar="POLICY",
         help="verification policy: full | threshold[:C] | fixed:K | scheduler | scheduler-async "

@@ -13,6 +13,7 @@ import argparse
 def run_inspect(args) -> int:
     import json
     import sys
+    from pathlib import Path
 
     from dspark_jax.data.inspect import inspect_data, report
     from dspark_jax.errors import InputError, require_positive_int
@@ -28,7 +29,11 @@ def run_inspect(args) -> int:
                      inputs={"FILE": args.file, "--tokenizer": args.tokenizer, "--target": args.target})
     tokenizer = None
     if args.tokenizer or args.target:
-        tokenizer = load_tokenizer(args.tokenizer or args.target, required=True)
+        source = args.tokenizer or args.target
+        if not Path(source).is_dir():
+            flag = "--tokenizer" if args.tokenizer else "--target"
+            raise InputError(f"{flag} {str(source)!r} does not exist or is not a directory")
+        tokenizer = load_tokenizer(source, required=True)
     info = inspect_data(args.file, tokenizer=tokenizer, fmt=args.format, thinking=args.thinking,
                         max_length=args.max_length, sample_rows=args.rows)
     print(report(info, color=sys.stdout.isatty()))

@@ -25,7 +25,8 @@ on the Python standard library; no download), the demo
               TensorBoard scalars under --out.
 Finished stages are reused (an interrupted demo resumes); --stage runs one stage alone (re-run
 it with --force). A finished demo is not overwritten without --force. The default run takes a
-few minutes on 2 CPU cores; --quick runs end to end in under a minute with meaningless numbers.
+few minutes on 2 idle CPU cores (206 s of CPU time); --quick runs every stage at tiny sizes
+with meaningless numbers (77 s of CPU time, mostly compilation).
 The report lists the equivalent `dspark-jax train` / `dspark-jax eval` commands.
 """
 
@@ -42,7 +43,9 @@ def register(subparsers) -> None:
                    help="run one stage only (its inputs must exist); default: all, resuming")
     p.add_argument("--force", action="store_true",
                    help="replace a finished demo (with --stage: re-run that stage)")
-    p.add_argument("--quick", action="store_true", help="tiny sizes: end to end in under a minute (for tests)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny sizes, every stage, meaningless numbers (77 s of CPU time; for tests "
+                        "and smoke checks)")
     p.add_argument("--target", default="", metavar="DIR",
                    help="target checkpoint directory with a tokenizer (default: the embedded default)")
     p.add_argument("--steps", type=int, default=None, help=f"training steps per drafter (default {d.steps})")

@@ -53,6 +53,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    options = decode_options(args)  # flag errors before the heavy imports
     from dspark_jax.commands.train import maybe_initialize_distributed
     from dspark_jax.fileio import check_output
     from dspark_jax.pipelines.evaluate import evaluate
@@ -68,7 +69,7 @@ def run(args) -> int:
         from dspark_jax.embedded.default import default_target_dir
         target = default_target_dir()
     evaluate(target, args.draft, args.datasets, data_dir=args.data_dir, max_samples=args.max_samples,
-             options=decode_options(args), baseline=args.baseline, out=args.out, force=args.force,
+             options=options, baseline=args.baseline, out=args.out, force=args.force,
              progress=not args.no_progress, printer=lambda s: print(s, file=sys.stdout))
     if args.out:
         print(f"wrote {args.out}/eval.json")

@@ -42,13 +42,14 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    options = decode_options(args)  # flag errors before the heavy imports
     from dspark_jax.commands.train import maybe_initialize_distributed
     from dspark_jax.pipelines.generate import generate
 
     maybe_initialize_distributed()  # under launch/ (multi-process --mesh); no-op otherwise
 
     summary = generate(args.target, args.prompts, args.out, draft=args.draft,
-                       options=decode_options(args), dtype=args.dtype,
+                       options=options, dtype=args.dtype,
                        max_cache_len=args.max_cache_len, force=args.force,
                        log=lambda s: print(s, file=sys.stderr))
     from dspark_jax.fileio import dumps

@@ -38,7 +38,8 @@ def register(subparsers) -> None:
                    help="comma-separated sizes to measure (default: 1..16, then x1.25 steps to max)")
     p.add_argument("--layout", choices=("rows", "block"), default="rows",
                    help="rows: B requests x 1 token (default); block: 1 request x B tokens")
-    p.add_argument("--warmup", type=int, default=2, help="untimed calls per size after compiling")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed calls per size (default 2; >= 0: the call that compiles is never timed)")
     p.add_argument("--iters", type=int, default=5, help="minimum timed calls per size")
     p.add_argument("--min-seconds", type=float, default=0.2, help="minimum timed seconds per size")
     p.add_argument("--repeats", type=int, default=3,
@@ -75,8 +76,10 @@ def run(args) -> int:
                         ("--iters", args.iters), ("--repeats", args.repeats)):
         if value < 1:
             raise InputError(f"{flag} must be >= 1, got {value}")
-    if args.warmup < 0 or not args.min_seconds >= 0:
-        raise InputError("--warmup and --min-seconds must be >= 0")
+    if args.warmup < 0:
+        raise InputError(f"--warmup must be >= 0 (untimed calls per size), got {args.warmup}")
+    if not args.min_seconds >= 0:
+        raise InputError(f"--min-seconds must be >= 0, got {args.min_seconds}")
     if args.batch_sizes:
         try:
             sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]

@@ -97,6 +97,9 @@ def _family_of_hf(hf: Mapping[str, Any], where: str) -> Family:
 def detect_format(path) -> str:
     """'jax' (``dspark_jax.json`` present) or 'torch' (``config.json`` + weights)."""
     p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise CheckpointError(f"{p}: is a file; a checkpoint is a directory (config.json + weights, "
+                              f"or {META_NAME} + params/): pass its directory")
     if not p.is_dir():
         raise CheckpointError(f"{p}: checkpoint directory does not exist")
     if (p / META_NAME).is_file():

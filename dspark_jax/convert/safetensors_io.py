@@ -124,8 +124,9 @@ class TensorReader:
             if not allow_pickle:
                 raise CheckpointError(
                     f"{d}: weights are PyTorch pickles ({', '.join(p.name for p in files)}); pickles can run "
-                    "code when loaded, so they are refused. Convert them to safetensors, or pass "
-                    "--allow-pickle (allow_pickle=True) to read them with torch.load(weights_only=True)")
+                    "code when loaded, so they are refused. Convert them once with "
+                    f"`dspark-jax convert {d} OUT --allow-pickle` (read with "
+                    "torch.load(weights_only=True); Python: allow_pickle=True) and use OUT")
             self.files = files
             self._pickled = _load_pickles(files)
             self.infos = {k: TensorInfo(tuple(v.shape), v.dtype, files[0].name) for k, v in self._pickled.items()}

@@ -42,6 +42,7 @@ FORMAT = "dspark-feature-cache"
 VERSION = 1
 ARRAYS = ("tokens", "loss_mask", "features", "last_hidden")
 FEATURE_ARRAYS = ("features", "last_hidden")
+MIN_BUCKET = 16  # shortest padded length a batch is run at
 
 
 def storage_dtype(dtype) -> np.dtype:
@@ -62,6 +63,15 @@ def as_feature_dtype(array: np.ndarray, dtype, where: str) -> np.ndarray:
         raise CheckpointError(f"{where}: stored dtype {array.dtype} does not hold the manifest's "
                               f"feature_dtype {dtype.name}")
     return array.view(dtype)
+
+
+def bucket_length(longest: int, max_length: int) -> int:
+    """The padded length a batch whose longest row has ``longest`` tokens runs at: the smallest
+    power of two >= ``longest`` (at least ``MIN_BUCKET``), capped at ``max_length``. The target is
+    causal, so a real token's features do not depend on the padding after it; buckets keep the
+    number of compiled shapes at about log2(max_length / MIN_BUCKET) + 1."""
+    size = max(MIN_BUCKET, 1 << max(int(longest) - 1, 0).bit_length())
+    return min(size, max_length)
 
 
 def _feature_fn(config: TargetConfig, layer_ids, compute_dtype):
@@ -115,10 +125,10 @@ def _write_cache_into(tmp: Path, target_config: TargetConfig, target_params, lay
 
     for start in tqdm(range(0, n, batch_size), desc="cache", unit="batch", disable=not progress):
         idx = list(range(start, min(start + batch_size, n)))
-        recs = [data[i] for i in idx]
-        tokens = np.stack([r["input_ids"] for r in recs])
+        width = bucket_length(max(len(data.raw(i)[0]) for i in idx), s)  # not every row to s
+        tokens = np.stack([data[i]["input_ids"][:width] for i in idx])
         if len(idx) < batch_size:  # static shapes: pad the last batch
-            tokens = np.concatenate([tokens, np.zeros((batch_size - len(idx), s), np.int32)])
+            tokens = np.concatenate([tokens, np.zeros((batch_size - len(idx), width), np.int32)])
         taps, last = jax.device_get(run(target_params, jnp.asarray(tokens)))
         for row, i in enumerate(idx):
             ids, mask = data.raw(i)

@@ -91,7 +91,9 @@ class ThresholdPolicy:
 
     def __post_init__(self):
         if not 0.0 <= float(self.threshold) <= 1.0:
-            raise ConfigError(f"confidence threshold must be in [0, 1], got {self.threshold}")
+            raise ConfigError(f"--confidence-threshold (or --verify threshold:C) must be in [0, 1] "
+                              f"(a draft token is verified while its confidence is >= C), "
+                              f"got {self.threshold}")
 
     def init_state(self, batch_size: int, block_size: int):
         return ()
@@ -148,7 +150,8 @@ def parse_policy(spec: str, *, confidence_threshold: float | None = None, sps_ta
         try:
             return ThresholdPolicy(float(value))
         except ValueError:
-            raise ConfigError(f"bad threshold in policy {spec!r}") from None
+            raise ConfigError(f"--verify {spec}: C in threshold:C must be a number in [0, 1], "
+                              f"e.g. --verify threshold:0.5") from None
     if name == "fixed":
         try:
             k = int(arg)

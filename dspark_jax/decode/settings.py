@@ -44,6 +44,10 @@ class DecodeOptions:
         require_positive_int(self.batch_size, "batch_size")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
             raise InputError(f"seed must be an int in [0, 2**32), got {self.seed!r}")
+        c = self.confidence_threshold
+        if c is not None and not (isinstance(c, (int, float)) and 0 <= c <= 1):
+            raise InputError(f"--confidence-threshold must be in [0, 1] (a draft token is verified "
+                             f"while its confidence is >= C), got {c!r}")
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not (t >= 0 and math.isfinite(t)):
             raise InputError(f"temperature must be a finite number >= 0, got {t!r}")

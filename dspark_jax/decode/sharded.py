@@ -132,8 +132,8 @@ def check_mesh(mesh: Mesh | None, target_cfg, draft_cfg, batch_size: int,
                                   f"the {who}'s {field} = {size}")
     dp = batch_multiple(mesh, rules)
     if batch_size % dp:
-        raise ConfigError(f"mesh {dict(mesh.shape)}: batch size {batch_size} is not a multiple of "
-                          f"the data-parallel size {dp}")
+        raise ConfigError(f"mesh {dict(mesh.shape)}: --batch-size {batch_size} is not a multiple of the "
+                          f"data-parallel size {dp}; pass e.g. --batch-size {dp * -(-batch_size // dp)}")
 
 
 def param_shardings(config, mesh: Mesh, rules: Mapping[str, object] = DECODE_RULES):
@@ -165,7 +165,7 @@ def make_decode_mesh(spec: str | None) -> Mesh | None:
     need = math.prod(sizes.values())
     have = jax.devices()
     if need > len(have):
-        raise ConfigError(f"mesh {spec!r} needs {need} devices but {len(have)} are available")
+        raise ConfigError(sharding.too_few_devices(repr(spec), need, len(have)))
     return sharding.make_mesh(spec, have[:need])
 
 

@@ -295,14 +295,19 @@ def fit_sts(rounds: Rounds, grid=None, n_bins: int = DEFAULT_BINS, min_count: in
 # ----------------------------------------------------------------------------- plot
 
 
+MIN_BIN_ROUNDS = 10  # a reliability bin with fewer rounds is drawn hollow, off the curve
+
+
 def reliability_diagram(rounds: Rounds, temperatures, path, n_bins: int = DEFAULT_BINS,
                         title: str = "", sts_label: str = "STS") -> dict:
     """PNG: one panel per position, observed prefix acceptance vs cumulative confidence,
-    before (raw) and after STS, with the rounds per confidence bin (raw) as grey bars behind
-    (right axis). ``sts_label`` names the STS curve, saying whether its temperatures were
-    fitted on these rounds ("in-sample") or on others ("held out"); the legend sits below
-    each panel so it hides no curve. Returns ``{"title", "legend": [labels of panel 1],
-    "histogram": right-axis label}``."""
+    before (raw) and after STS, with the rounds per confidence bin behind (right axis: raw as
+    grey bars, STS as a blue outline). A bin with fewer than ``MIN_BIN_ROUNDS`` rounds is a
+    hollow marker off the line (a handful of rounds says little), the others are joined;
+    ECE weighs the bins by their rounds. ``sts_label`` names the STS curve, saying whether its
+    temperatures were fitted on these rounds ("in-sample") or on others ("held out"); the
+    legend sits below each panel so it hides no curve. Returns ``{"title", "legend": [labels
+    of panel 1], "histogram": right-axis label}``."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -311,7 +316,7 @@ def reliability_diagram(rounds: Rounds, temperatures, path, n_bins: int = DEFAUL
     g = rounds.block_size
     cols = min(g, 4)
     rows = -(-g // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols, 4.1 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols, 4.6 * rows), squeeze=False)
     ver, surv = rounds.verified(), rounds.survived()
     edges = np.linspace(0, 1, n_bins + 1)
     centers = 0.5 * (edges[1:] + edges[:-1])
@@ -328,17 +333,24 @@ def reliability_diagram(rounds: Rounds, temperatures, path, n_bins: int = DEFAUL
             b = np.minimum((p * n_bins).astype(int), n_bins - 1)
             cnt = np.bincount(b, minlength=n_bins)
             acc = np.bincount(b, y.astype(float), n_bins) / np.maximum(cnt, 1)
-            ok = cnt > 0
+            full, few = cnt >= MIN_BIN_ROUNDS, (cnt > 0) & (cnt < MIN_BIN_ROUNDS)
             if temps is None:
                 ax2 = ax.twinx()
                 ax2.bar(centers, cnt, width=1 / n_bins, color="0.85", zorder=0)
-                ax2.set_ylabel("rounds per bin (raw)", fontsize=7, color="0.45")
+                ax2.set_ylabel("rounds per bin", fontsize=7, color="0.45")
                 ax2.tick_params(axis="y", labelsize=6, colors="0.45")
                 ax.set_zorder(ax2.get_zorder() + 1)
                 ax.patch.set_visible(False)
                 handles.append(Patch(color="0.85", label="rounds per bin (raw, right axis)"))
-            handles += ax.plot(centers[ok], acc[ok], marker="o", ms=3, color=color,
+            else:
+                ax2.stairs(cnt, edges, color=color, lw=0.8, alpha=0.6)
+                handles += ax2.plot([], [], color=color, lw=0.8, alpha=0.6,
+                                    label="rounds per bin (STS, right axis)")
+            handles += ax.plot(centers[full], acc[full], marker="o", ms=3, color=color,
                                label=f"{label} ECE {100 * ece(p, y, n_bins):.1f}%")
+            ax.plot(centers[few], acc[few], ls="none", marker="o", ms=3, mfc="none", color=color)
+        handles += ax.plot([], [], ls="none", marker="o", ms=3, mfc="none", color="0.3",
+                           label=f"hollow: bin of < {MIN_BIN_ROUNDS} rounds (not joined)")
         handles += ax.plot([0, 1], [0, 1], color="0.6", lw=1, ls="--", label="perfect calibration")
         ax.set_title(f"position {k + 1} (n={int(m.sum())})", fontsize=9)
         ax.set_xlim(0, 1)

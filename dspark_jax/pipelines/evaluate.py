@@ -140,28 +140,51 @@ def read_results_jsonl(path) -> list:
     return out
 
 
-def plot_acceptance(curves: Mapping[str, Mapping[str, Sequence]], path, title: str = "") -> Path:
+def plot_acceptance(curves: Mapping[str, Mapping[str, Sequence]], path, title: str = "", *,
+                    temperature: float, results: Mapping[str, Sequence] | None = None) -> Path:
     """PNG with two panels over block positions k = 1..G: accept_rate@k (prefix survival) and
-    conditional acceptance, one line per label. ``curves``: {label: decode_summary dict}."""
+    conditional acceptance, one line per label. ``curves``: {label: decode_summary dict}.
+
+    The title ends with the decode ``temperature``. Degenerate outputs (loops, whose drafts the
+    target accepts whole) inflate both curves: each label says how many of its outputs are
+    degenerate, and with ``results`` ({label: Result list}) the curves over the other outputs
+    are drawn dashed beside them. The legend sits below the panels, off the data."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for label, summ in curves.items():
+    from dspark_jax import degeneracy
+    from dspark_jax.decode import summarize
+
+    def draw(summ, label, color=None, **style):
+        lines = []
         for ax, key in zip(axes, ("accept_rate", "conditional_accept")):
             vals = [np.nan if v is None else v for v in summ.get(key, [])]
             if vals:
-                ax.plot(np.arange(1, len(vals) + 1), vals, marker="o", label=f"{label} (tau {summ['tau']:.2f})")
+                lines += ax.plot(np.arange(1, len(vals) + 1), vals, marker="o", color=color,
+                                 label=label, **style)
+        return lines
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.6))
+    for label, summ in curves.items():
+        d = summ.get("degeneracy") or {}
+        loops = (f", {d['num_degenerate']}/{d['num_outputs']} outputs degenerate"
+                 if d.get("num_degenerate") else "")
+        lines = draw(summ, f"{label} (tau {summ['tau']:.2f}{loops})")
+        clean = [r for r in (results or {}).get(label, ()) if not degeneracy.is_degenerate(r.output_ids)]
+        if lines and loops and clean:
+            rest = summarize(clean)
+            draw(rest, f"{label} without the degenerate outputs (tau {rest['tau']:.2f}, "
+                       f"{len(clean)} outputs)", lines[0].get_color(), ls="--", mfc="none")
     for ax, name in zip(axes, ("accept_rate@k (prefix survival)", "conditional acceptance at k")):
         ax.set_xlabel("block position k")
         ax.set_ylabel(name)
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=1, frameon=False)
+    fig.suptitle(f"{title}, temperature {temperature:g}" if title else f"temperature {temperature:g}")
+    fig.tight_layout(rect=(0, 0.06 + 0.045 * len(labels), 1, 1))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -322,9 +345,12 @@ def _write_outputs(out: Path, report: dict, all_results: Mapping, prompts_by_ds:
     for name, results in all_results.items():
         extra = [{"dataset": name, "index": p.index, "line": p.line} for p in prompts_by_ds[name]]
         write_results_jsonl(out / "results" / f"{name}.jsonl", results, extra)
-        files[f"acceptance_{name}"] = str(plot_acceptance({name: report["datasets"][name]},
-                                                          out / f"acceptance_{name}.png", title=name))
-        rel = plot_reliability(results, out / f"reliability_{name}.png", title=f"{name}: confidence")
+        temperature = report["config"]["temperature"]
+        files[f"acceptance_{name}"] = str(plot_acceptance(
+            {name: report["datasets"][name]}, out / f"acceptance_{name}.png", title=name,
+            temperature=temperature, results={name: results}))
+        rel = plot_reliability(results, out / f"reliability_{name}.png",
+                               title=f"{name}: confidence (temperature {temperature:g})")
         if rel is not None:
             files[f"reliability_{name}"] = str(rel)
     tensorboard_scalars(out / "tb", report["datasets"])

@@ -343,6 +343,11 @@ def regenerate(target, data, out, *, fmt: str = "auto", turns: str = "last", thi
     data_path = Path(data)
     if not data_path.is_file():
         raise InputError(f"--data {str(data)!r} does not exist or is not a file")
+    if not force and files["out"].is_file() and files["summary"].is_file():
+        raise InputError(f"--out {str(out)!r} is a finished run (its summary is "
+                         f"{str(files['summary'])!r}): nothing to do. A rerun resumes only an "
+                         "interrupted run; to regenerate from scratch pass --force (replaces both), "
+                         "or choose another --out")
     inputs = {"--target": target, "--data": data, "--draft": draft}
     check_output(files["out"], force=force, inputs=inputs)
     check_output(files["summary"], force=force, flag="--out (its summary)", inputs=inputs)

@@ -362,7 +362,7 @@ class _Log:
                 for k, v in metrics.items():
                     self.writer.add_scalar(f"train/{k}", v, step)
             self.bar.set_postfix(loss=f"{metrics['loss']:.4f}",
-                                 tau=f"{metrics.get('expected_accept_length', float('nan')):.3f}")
+                                 exp_accept_len=f"{metrics.get('expected_accept_length', float('nan')):.3f}")
         self.bar.update(1)
 
     def flush(self) -> None:
@@ -491,6 +491,9 @@ def train(cfg: TrainConfig, *, fast_compile: bool | None = None, force_resume: b
         "num_processes": jax.process_count(), "num_devices": jax.device_count(),
         "mesh": dict(run.program.mesh.shape),
     }
+    if summary["final"] and "expected_accept_length" in summary["final"]:
+        from dspark_jax.train.loss import EXPECTED_ACCEPT_LENGTH_NOTE
+        summary["note"] = EXPECTED_ACCEPT_LENGTH_NOTE
     if run.is_main:
         write_json(run.out / "summary.json", summary, indent=1)
     return dict(summary, history=history, params=params)

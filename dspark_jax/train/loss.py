@@ -26,6 +26,13 @@ def decay_weights(eval_mask: jax.Array, loss_decay_gamma: float) -> jax.Array:
     return eval_mask.astype(jnp.float32) * jnp.exp(-jnp.arange(g, dtype=jnp.float32) / loss_decay_gamma)
 
 
+EXPECTED_ACCEPT_LENGTH_NOTE = (
+    "expected_accept_length is a training-batch estimate, 1 + sum_k prod_{i<=k} (1 - TV(draft_i, "
+    "target_i)) at temperature 1 on the last step's training rows with the true tokens in each "
+    "block's context; eval's tau is measured by decoding held-out prompts at their --temperature, "
+    "each round conditioned on the drafter's own samples, so tau is usually lower")
+
+
 def accept_rate_targets(draft_logits: jax.Array, target_logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(c* = clamp(1 - TV, 0, 1), L1 distance) per position, both [B, N, G] float32."""
     p = jax.nn.softmax(draft_logits.astype(jnp.float32), axis=-1)

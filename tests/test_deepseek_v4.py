@@ -1,0 +1,171 @@
+"""DeepSeek-V4 target: config from both layouts, declaration, forward parity, causality, conversion.
+
+Fixture: tests/fixtures/deepseek_v4_tiny (made with transformers' DeepseekV4ForCausalLM; see
+its README section in the golden set): ``target/`` upstream layout, ``target_hf/`` transformers'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax import families
+from dspark_jax import params as params_lib
+from dspark_jax.convert import checkpoint
+from dspark_jax.errors import CheckpointError, ConfigError
+from dspark_jax.target import deepseek_v4 as v4
+from dspark_jax.target.deepseek_v4 import DeepseekV4Config
+
+FIX = Path(__file__).parent / "fixtures" / "deepseek_v4_tiny"
+LAYOUTS = ("target", "target_hf")
+
+
+def _hf(layout: str) -> dict:
+    return json.loads((FIX / layout / "config.json").read_text())
+
+
+@functools.lru_cache(maxsize=None)
+def _reference():
+    return dict(np.load(FIX / "forward.npz"))
+
+
+@functools.partial(jax.jit, static_argnums=(1,), static_argnames=("taps",))
+def _run(params, cfg, tokens, taps=()):
+    hidden, features, _ = v4.forward(params, cfg, tokens, None, taps=taps)
+    return v4.compute_logits(params, cfg, hidden), hidden, features
+
+
+def _rel(a, b) -> float:
+    return float(np.abs(np.asarray(a, np.float32) - b).max() / np.abs(b).max())
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def test_config_reads_both_layouts_the_same():
+    up, hf = (DeepseekV4Config.from_hf(_hf(x)) for x in LAYOUTS)
+    assert up == hf
+    assert up.layer_types[:3] == ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+    assert up.mlp_layer_types == ("hash_moe",) * 2 + ("moe",) * 4
+    assert up.qk_rope_head_dim == 8 and up.yarn == (16.0, 256, 32.0, 1.0)
+    assert DeepseekV4Config.from_hf(up.to_hf()) == up
+    assert families.for_hf(_hf("target")).name == "deepseek_v4"
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"compress_ratios": [0, 4, 128, 8, 128, 0]}, "compress_ratios"),
+    ({"layer_types": ["sliding_attention"] * 5 + ["full_attention"]}, "attention type"),
+    ({"scoring_func": "softmax"}, "scoring_func"),
+    ({"expert_dtype": "int4"}, "expert_dtype"),
+    ({"n_shared_experts": 2}, "n_shared_experts"),
+    ({"quantization_config": {"quant_method": "awq"}}, "quant_method"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "rope_type"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 256,
+                       "attention_factor": 1.277}}, "attention_factor"),
+])
+def test_config_refuses_what_is_not_implemented_by_name(change, field):
+    hf = dict(_hf("target"), **change)
+    with pytest.raises(ConfigError, match=field) as e:
+        DeepseekV4Config.from_hf(hf)
+    assert "\n" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------- declaration
+
+
+def test_declaration_names_every_fixture_tensor_once():
+    from safetensors import safe_open
+    cfg = DeepseekV4Config.from_hf(_hf("target"))
+    specs = v4.declare(cfg)
+    names = [n for s in specs.values() for n in s.torch_names()]
+    assert len(names) == len(set(names))
+    for layout in LAYOUTS:
+        with safe_open(str(FIX / layout / "model.safetensors"), "np") as f:
+            stored = list(f.keys())
+        assert sorted(v4.source_names(_hf(layout), stored)) == sorted(names)
+    experts = specs[("layers", "experts_w1")]
+    assert experts.shape == (6, 8, 64, 32) and experts.torch_names()[9] == "layers.1.ffn.experts.1.w1.weight"
+    assert v4.hf_name("layers.3.attn.indexer.compressor.ape") == \
+        "model.layers.3.self_attn.compressor.indexer.position_bias"
+    assert v4.hf_name("layers.0.ffn.shared_experts.w3.weight") == "model.layers.0.mlp.shared_experts.up_proj.weight"
+
+
+# ----------------------------------------------------------------------------- forward parity
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_forward_matches_transformers_fixture(layout):
+    cfg, params = checkpoint.load_target(FIX / layout)
+    ref = _reference()
+    logits, hidden, features = _run(params, cfg, jnp.asarray(ref["input_ids"]), taps=tuple(range(6)))
+    assert _rel(logits, ref["logits"]) < 1e-4
+    assert _rel(hidden, ref["last_hidden"]) < 1e-4
+    means = np.asarray(features).reshape(2, 160, 6, 64).transpose(2, 0, 1, 3)
+    for i in range(6):
+        assert _rel(means[i], ref["layer_mean"][i]) < 1e-4, i
+
+
+def _small(**kw) -> DeepseekV4Config:
+    base = dict(vocab_size=64, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=3,
+                num_attention_heads=2, head_dim=16, q_lora_rank=16, qk_rope_head_dim=8, o_groups=2,
+                o_lora_rank=8, layer_types=("compressed_sparse_attention", "heavily_compressed_attention",
+                                            "sliding_attention"),
+                mlp_layer_types=("hash_moe", "moe", "moe"), n_routed_experts=4, num_experts_per_tok=2,
+                index_n_heads=2, index_head_dim=8, index_topk=2, sliding_window=8, hca_ratio=8,
+                yarn=(16.0, 256, 32.0, 1.0))
+    base.update(kw)
+    return DeepseekV4Config(**base)
+
+
+def _random_params(cfg, seed=0):
+    """Every leaf random (incl. the zero-initialised sinks, ape, biases), tid2eid random experts."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for path, s in v4.declare(cfg).items():
+        if s.dtype == "int32":
+            out[path] = rng.integers(0, cfg.n_routed_experts, s.shape).astype(np.int32)
+        else:
+            out[path] = ((1.0 if s.init == "ones" else 0.0) + 0.3 * rng.standard_normal(s.shape)).astype(np.float32)
+    from flax import traverse_util
+    return jax.tree.map(jnp.asarray, traverse_util.unflatten_dict(out))
+
+
+def test_csa_top_k_is_causal():
+    """index_topk (2) < entries (12 at 48 tokens): a prefix's logits do not change when tokens are
+    appended, and the top-k does select (a larger top-k gives other logits)."""
+    cfg = _small(num_hidden_layers=2, layer_types=("compressed_sparse_attention", "heavily_compressed_attention"),
+                 mlp_layer_types=("hash_moe", "moe"))
+    params = _random_params(cfg)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 48)), jnp.int32)
+    full = np.asarray(_run(params, cfg, tokens)[0])
+    prefix = np.asarray(_run(params, cfg, tokens[:, :29])[0])
+    assert _rel(prefix, full[:, :29]) < 2e-5
+    wide = np.asarray(_run(params, dataclasses.replace(cfg, index_topk=64), tokens)[0])
+    assert np.abs(wide - full).max() > 1e-3
+
+
+# ----------------------------------------------------------------------------- conversion
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_round_trip_is_byte_exact_in_upstream_names(layout, tmp_path):
+    from safetensors import safe_open
+    checkpoint.convert(FIX / layout, tmp_path / "jax")
+    checkpoint.convert(tmp_path / "jax", tmp_path / "torch", to="torch")
+    with safe_open(str(FIX / layout / "model.safetensors"), "np") as a, \
+            safe_open(str(tmp_path / "torch" / "model.safetensors"), "np") as b:
+        names = v4.source_names(_hf(layout), list(a.keys()))
+        assert sorted(b.keys()) == sorted(names)
+        for declared, stored in names.items():
+            x, y = a.get_tensor(stored), b.get_tensor(declared)
+            assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), declared
+    written = json.loads((tmp_path / "torch" / "config.json").read_text())
+    assert written["compress_ratios"] == [0, 4, 128, 4, 128, 0] and written.get("layer_types") is None
+    assert DeepseekV4Config.from_hf(written) == DeepseekV4Config.from_hf(_hf(layout))

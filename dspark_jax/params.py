@@ -308,6 +308,7 @@ def shardings(specs: Specs, mesh, rules=None) -> dict:
 
     from dspark_jax import sharding as sharding_lib
     rules = sharding_lib.DEFAULT_RULES if rules is None else rules
+    sharding_lib.check_expert_axis([s.axes for s in specs.values()], mesh)
     return _unflatten({path: NamedSharding(mesh, sharding_lib.logical_to_spec(s.axes, rules, s.shape, mesh))
                        for path, s in specs.items()})
 

@@ -169,3 +169,80 @@ def test_round_trip_is_byte_exact_in_upstream_names(layout, tmp_path):
     written = json.loads((tmp_path / "torch" / "config.json").read_text())
     assert written["compress_ratios"] == [0, 4, 128, 4, 128, 0] and written.get("layer_types") is None
     assert DeepseekV4Config.from_hf(written) == DeepseekV4Config.from_hf(_hf(layout))
+
+
+# ----------------------------------------------------------------------------- transformers, other shapes
+
+
+WIDE_MIX = ("compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention",
+            "compressed_sparse_attention")
+
+
+def _hf_model(tmp_path, index_topk: int, layer_types=WIDE_MIX):
+    """A transformers DeepseekV4ForCausalLM of other shapes than the fixture (16 experts top-4, HCA
+    ratio 8, window 8 < the prompt, CSA / HCA / sliding mix), every weight random, saved to disk."""
+    torch = pytest.importorskip("torch")
+    from transformers import DeepseekV4Config as HFConfig, DeepseekV4ForCausalLM
+    hfc = HFConfig(
+        vocab_size=64, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=4, num_attention_heads=2,
+        head_dim=16, q_lora_rank=16, partial_rotary_factor=0.5, o_groups=2, o_lora_rank=8,
+        layer_types=list(layer_types),
+        mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        n_routed_experts=16, num_experts_per_tok=4, index_n_heads=2, index_head_dim=8, index_topk=index_topk,
+        sliding_window=8, max_position_embeddings=1024,
+        rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 64,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "rope_theta": 10000.0})
+    torch.manual_seed(0)
+    model = DeepseekV4ForCausalLM(hfc).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if name.endswith("norm.weight") else 0.0))
+        for name, b in model.named_buffers():
+            if name.endswith("tid2eid"):
+                b.copy_(torch.randint(0, 16, b.shape, generator=g))
+            elif name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=g) * 0.3)
+    model.save_pretrained(tmp_path)
+    tokens = torch.randint(0, 64, (2, 40), generator=g)
+    return model, tokens
+
+
+@pytest.mark.slow
+def test_matches_transformers_built_in_the_test(tmp_path):
+    """Logits equal transformers' at every position where its CSA is causal-equivalent (top-k >=
+    entries; bfloat16 as accurate as transformers' bfloat16); with top-k < entries at the last
+    position of each prompt when the only CSA layer is the last layer (no future entries exist
+    for that query, and no earlier position's non-causal top-k feeds it), where transformers'
+    full-sequence top-k is right (elsewhere it is not causal: see test_csa_top_k_is_causal)."""
+    import torch
+    model, tokens = _hf_model(tmp_path / "wide", index_topk=16)
+    with torch.no_grad():
+        ref = model(tokens).logits.numpy()
+    cfg, params = checkpoint.load_target(tmp_path / "wide")
+    assert cfg.n_routed_experts == 16 and cfg.hca_ratio == 8 and cfg.index_topk == 16
+    ids = jnp.asarray(tokens.numpy(), jnp.int32)
+    assert _rel(_run(params, cfg, ids)[0], ref) < 1e-4
+
+    from transformers import DeepseekV4ForCausalLM
+    bf16 = DeepseekV4ForCausalLM.from_pretrained(tmp_path / "wide", dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        ref16 = bf16(tokens).logits.float().numpy()
+    cfg16, params16 = checkpoint.load_target(tmp_path / "wide", dtype="bfloat16")
+    assert params16["layers"]["hc_attn_fn"].dtype == jnp.float32 and params16["embed"].dtype == jnp.bfloat16
+    ours16 = np.asarray(_run(params16, cfg16, ids)[0])
+    # bfloat16 noise (amplified by these random weights' routing flips) is compared with transformers'
+    # own: our bf16 logits are about as far from the float32 truth as transformers' bf16 logits are
+    err = lambda x: float(np.abs(x - ref).mean() / np.abs(ref).mean())  # noqa: E731
+    assert err(ours16) < 1.5 * err(ref16) and err(ours16) < 0.15, (err(ours16), err(ref16))
+    assert (ours16.argmax(-1) == ref.argmax(-1)).mean() > 0.9
+
+    model, tokens = _hf_model(tmp_path / "narrow", index_topk=3,  # 10 CSA entries at 40 tokens
+                              layer_types=WIDE_MIX[1:3] + ("heavily_compressed_attention", WIDE_MIX[0]))
+    cfg, params = checkpoint.load_target(tmp_path / "narrow")
+    ids = jnp.asarray(tokens.numpy(), jnp.int32)
+    for n in (40, 29):
+        with torch.no_grad():
+            last = model(tokens[:, :n]).logits[:, -1].numpy()
+        assert _rel(_run(params, cfg, ids[:, :n])[0][:, -1], last) < 1e-4, n

@@ -168,8 +168,10 @@ def is_hf_layout(hf: dict) -> bool:
 
 
 def source_names(hf: dict, names) -> dict[str, str]:
-    """{declared (upstream) name: stored name} of a checkpoint's tensor ``names`` in either layout
-    (transformers' names start with ``model.``; ``head.weight`` and ``mtp.*`` are the same in both)."""
+    """{declared (upstream) name: stored name} of a checkpoint's tensor ``names`` in any layout:
+    upstream, transformers' (``model.layers.{i}.self_attn.q_a_proj.weight``, ...) or what
+    transformers 5.24's ``save_pretrained`` writes (upstream names under ``model.``, the attention's
+    ``kv_norm`` as ``norm``); ``head.weight`` and ``mtp.*`` are the same in all."""
     return {to_upstream(n): n for n in names}
 
 
@@ -196,4 +198,4 @@ def to_upstream(name: str) -> str:
     for up in candidates:
         if hf_name(up) == name:
             return up
-    return name
+    return re.sub(r"^(layers\.\d+\.attn)\.norm\.", r"\1.kv_norm.", name[len("model."):])

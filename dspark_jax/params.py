@@ -177,6 +177,9 @@ class Family:
                    reading renames them, writing always uses the declared names.
     source_names:  ``(hf config dict, stored names) -> {declared name: stored name}``, for layouts
                    that rename more than a prefix (DeepSeek-V4: upstream vs transformers names).
+    aside_tensors: torch-name prefixes of tensors this family does not read but conversion keeps:
+                   copied byte for byte into ``aside.safetensors`` next to the converted model
+                   (DeepSeek-V4's in-checkpoint DSpark module, ``mtp.*``).
     """
 
     name: str
@@ -191,6 +194,7 @@ class Family:
     pairs_with: str | None = None
     source_prefixes: Any = None
     source_names: Any = None
+    aside_tensors: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.kind not in KINDS:

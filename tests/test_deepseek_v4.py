@@ -246,3 +246,31 @@ def test_matches_transformers_built_in_the_test(tmp_path):
         with torch.no_grad():
             last = model(tokens[:, :n]).logits[:, -1].numpy()
         assert _rel(_run(params, cfg, ids[:, :n])[0][:, -1], last) < 1e-4, n
+
+
+@pytest.mark.parametrize("name, sizes", [
+    ("deepseek-ai/DeepSeek-V4-Flash", dict(H=4096, L=43, nh=64, q=1024, g=8, o=1024, E=256, I=2048)),
+    ("deepseek-ai/DeepSeek-V4-Pro", dict(H=7168, L=61, nh=128, q=1536, g=16, o=1024, E=384, I=3072)),
+])
+def test_presets_match_the_documented_sizes(name, sizes):
+    """The declaration of the V4-Flash / V4-Pro presets against the sizes in DEEPSEEK_V4.md, and
+    its parameter count against one written out here from those sizes (Flash 284.3B, Pro 1.573T)."""
+    import math
+    from dspark_jax import presets
+    cfg = presets.TARGETS[name]
+    specs = v4.declare(cfg)
+    H, L, nh, q, g, o, E, I = (sizes[k] for k in ("H", "L", "nh", "q", "g", "o", "E", "I"))
+    V, D, N, ih, idim = 129280, 512, 4, 64, 128
+    assert specs[("layers", "wq_b")].torch_shape == (nh * D, q)
+    assert specs[("layers", "wo_a")].torch_shape == (g * o, nh * D // g)
+    assert specs[("layers", "experts_w1")].shape == (L, E, H, I)
+    assert specs[("hash", "tid2eid")].shape == (3, V, 6)
+    mix = (2 + N) * N
+    per_layer = (H * q + q + q * nh * D + H * D + D + nh * D * o + g * o * H + nh + 2 * H
+                 + 2 * (mix * N * H + mix + 3) + H * E + 3 * H * I + E * 3 * H * I)
+    csa = 2 * H * 2 * D + 4 * 2 * D + D + 2 * H * 2 * idim + 4 * 2 * idim + idim + q * ih * idim + H * ih
+    hca = 2 * H * D + 128 * D + D
+    n_csa, n_hca = len(cfg.layer_ids("compressed_sparse_attention")), len(cfg.layer_ids("heavily_compressed_attention"))
+    total = (2 * V * H + H + N * N * H + N + 1 + L * per_layer + 3 * V * 6 + (L - 3) * E
+             + n_csa * csa + n_hca * hca)
+    assert sum(math.prod(s.shape) for s in specs.values()) == total

@@ -142,3 +142,55 @@ def test_bad_checkpoints_are_one_line_exit_2(tmp_path, capsys):
     _convert_fails(_copy_fixture(tmp_path / "ed", expert_dtype="int4"), tmp_path / "o3", capsys, "expert_dtype")
     _convert_fails(_copy_fixture(tmp_path / "at", compress_ratios=[0, 4, 128, 16, 128, 0]), tmp_path / "o4",
                    capsys, "compress_ratios")
+
+
+def test_mtp_tensors_are_kept_aside_byte_for_byte(tmp_path, capsys):
+    """``mtp.*`` (the in-checkpoint DSpark module, read by the next issue) is not part of the target
+    model; conversion keeps it, unchanged (float8 included), in aside.safetensors both ways."""
+    torch = pytest.importorskip("torch")
+    from safetensors import safe_open
+    from safetensors.numpy import load_file
+    from safetensors.torch import save_file
+    src = tmp_path / "src"
+    shutil.copytree(FIX / "target", src)
+    tensors = {k: torch.from_numpy(v) for k, v in load_file(str(src / "model.safetensors")).items()}
+    mtp = {"mtp.0.main_proj.weight": torch.randn(64, 192).to(torch.float8_e4m3fn),
+           "mtp.0.main_proj.scale": torch.ones(1, 2).to(torch.float8_e8m0fnu),
+           "mtp.2.markov_head.markov_w1": torch.randn(512, 16)}
+    save_file({**tensors, **mtp}, str(src / "model.safetensors"))
+    assert cli.main(["convert", str(src), str(tmp_path / "jax")]) == 0
+    assert "mtp." in capsys.readouterr().err
+    assert cli.main(["convert", str(tmp_path / "jax"), str(tmp_path / "torch"), "--to", "torch"]) == 0
+    for out in ("jax", "torch"):
+        with safe_open(str(tmp_path / out / checkpoint.ASIDE_NAME), "pt") as f:
+            assert sorted(f.keys()) == sorted(mtp)
+            for k, v in mtp.items():
+                assert f.get_tensor(k).dtype == v.dtype and torch.equal(f.get_tensor(k).view(torch.uint8),
+                                                                         v.view(torch.uint8)), k
+    checkpoint.load_target(tmp_path / "torch")  # the target itself is unaffected
+
+
+def test_stream_load_dequantizes_onto_an_expert_mesh(tmp_path):
+    """convert/streaming.py reads a quantized V4 checkpoint slice by slice onto an expert=4 x
+    tensor=2 mesh (each device's experts only), equal to the whole-checkpoint loader; the
+    transformers layout streams too."""
+    from dspark_jax import sharding
+    from dspark_jax.convert import streaming
+    from dspark_jax.target.deepseek_v4 import DeepseekV4Config
+    _write_quantized(tmp_path / "q")
+    _, want = checkpoint.load_target(tmp_path / "q")
+    mesh = sharding.make_mesh("expert=4,tensor=2")
+    cfg = DeepseekV4Config.from_hf(json.loads((tmp_path / "q" / "config.json").read_text()))
+    got = streaming.stream_load(tmp_path / "q", cfg, mesh)
+    assert got["layers"]["experts_w2"].sharding.spec[1] == "expert"
+    for path, leaf in jax_leaves(got).items():
+        np.testing.assert_array_equal(np.asarray(leaf), np.asarray(jax_leaves(want)[path]), err_msg=path)
+    hf_cfg, hf_want = checkpoint.load_target(FIX / "target_hf")
+    hf_got = streaming.stream_load(FIX / "target_hf", hf_cfg, mesh)
+    for path, leaf in jax_leaves(hf_got).items():
+        np.testing.assert_array_equal(np.asarray(leaf), np.asarray(jax_leaves(hf_want)[path]), err_msg=path)
+
+
+def jax_leaves(tree) -> dict:
+    from flax import traverse_util
+    return {"/".join(k): v for k, v in traverse_util.flatten_dict(tree).items()}

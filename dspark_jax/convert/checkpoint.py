@@ -45,7 +45,8 @@ META_NAME = "dspark_jax.json"
 PARAMS_DIR = "params"
 FORMAT_VERSION = 1
 # Files copied alongside the weights when converting (tokenizer, generation defaults).
-SIDECAR_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
+ASIDE_NAME = "aside.safetensors"  # tensors a family keeps but does not read (``Family.aside_tensors``)
+SIDECAR_FILES = (ASIDE_NAME, "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
                  "tokenizer.model", "chat_template.jinja", "chat_template.json")
 _DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
@@ -214,13 +215,10 @@ def _load_torch(kind: str, p: Path, *, allow_pickle: bool):
     specs = families.declare(cfg)
     names = family.stored_names(hf, reader.infos)  # declared -> stored (multimodal layouts)
     infos = mapping.checkpoint_tensors(cfg, {d: reader.infos[s] for d, s in names.items()}, what)
-    infos, stored = quant.logical_infos(params_lib.quantized(specs), infos, what,
-                                        lambda shape, dtype, info: dataclasses.replace(info, shape=shape, dtype=dtype))
     fixed = params_lib.fixed_dtypes(specs)
-    plain = {np.dtype(i.dtype) for k, i in infos.items() if k not in fixed and k not in stored}
-    if stored:  # dequantized tensors take the checkpoint's plain float dtype
-        infos = {k: dataclasses.replace(i, dtype=max(plain, key=lambda d: d.itemsize)) if k in stored else i
-                 for k, i in infos.items()}
+    infos, stored = quant.logical_infos(params_lib.quantized(specs), infos, what,
+                                        lambda shape, dtype, info: dataclasses.replace(info, shape=shape, dtype=dtype),
+                                        fixed)
     mapping.check_tensors(infos, params_lib.torch_shapes(specs), what, fixed=fixed)  # headers only: no data read yet
     tensors = {}
     for d in infos:
@@ -228,9 +226,9 @@ def _load_torch(kind: str, p: Path, *, allow_pickle: bool):
         if d in stored:
             scale = reader.get(names[stored[d].scale])
             tensors[d] = quant.dequantize(tensors[d], scale, stored[d].quant).astype(infos[d].dtype)
-    if stored:  # written back unquantized (``cfg.dequantized()``)
+    if params_lib.quantized(specs):  # the params are unquantized: so is the config written back
         hf = {k: v for k, v in hf.items() if k not in ("quantization_config", "expert_dtype")}
-    cfg = cfg.dequantized() if stored else cfg
+        cfg = cfg.dequantized()
     return cfg, _text_config(hf), mapping.from_torch(cfg, tensors)
 
 
@@ -380,6 +378,7 @@ def _save(kind, path, config, params, *, format, force, extras, max_shard_size, 
         else:
             _write_jax(tmp, kind, config, params, hf_base=hf_base, extras=extras)
         if copy_from is not None:
+            _write_aside(tmp, Path(copy_from), family)
             for name in SIDECAR_FILES:
                 if (Path(copy_from) / name).is_file():
                     shutil.copy2(Path(copy_from) / name, tmp / name)
@@ -426,6 +425,19 @@ def convert(src, dst, *, to: str | None = None, force: bool = False, allow_pickl
     _save(kind, dst_p, cfg, params, format=to, force=force, extras=extras,
           max_shard_size=max_shard_size, hf_base=hf, copy_from=src_p)
     return to
+
+
+def _write_aside(tmp: Path, src: Path, family: Family) -> None:
+    """A torch source's ``family.aside_tensors`` copied byte for byte into ``tmp / ASIDE_NAME``."""
+    if not family.aside_tensors or detect_format(src) != "torch" or not any(
+            (src / n).is_file() for n in (safetensors_io.WEIGHTS_NAME, safetensors_io.INDEX_NAME)):
+        return
+    names = [n for n in safetensors_io.TensorReader(src).infos if n.startswith(family.aside_tensors)]
+    if names:
+        count = safetensors_io.copy_raw(src, names, tmp / ASIDE_NAME)
+        from dspark_jax.errors import warn
+        warn(f"{src}: {count} tensor(s) under {', '.join(family.aside_tensors)} are not part of the "
+             f"{family.name} model; kept unchanged in {ASIDE_NAME}")
 
 
 def _warn_non_finite(params, where) -> None:

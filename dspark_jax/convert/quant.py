@@ -41,11 +41,13 @@ def _is_float(dtype) -> bool:
     return dtype in (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 
 
-def logical_infos(quantized: Mapping[str, Quant], infos: Mapping, what: str, make_info: Callable):
-    """(infos with quantized tensors at their dequantized shape and float32 dtype and the scale
-    tensors removed, {name: Stored} of the quantized ones). CheckpointError names a tensor
-    whose dtype is neither a float nor its declared format, a missing scale or one whose block
-    count is wrong."""
+def logical_infos(quantized: Mapping[str, Quant], infos: Mapping, what: str, make_info: Callable,
+                  fixed: Mapping[str, str] = {}):
+    """(infos with quantized tensors at their dequantized shape and the scale tensors removed,
+    {name: Stored} of the quantized ones). Dequantized tensors take the checkpoint's widest plain
+    float dtype (tensors with a ``fixed`` dtype aside; float32 when there is none). CheckpointError
+    names a tensor whose dtype is neither a float nor its declared format, a missing scale or one
+    whose block count is wrong."""
     out = dict(infos)
     stored = {}
     for name, q in quantized.items():
@@ -68,7 +70,9 @@ def logical_infos(quantized: Mapping[str, Quant], infos: Mapping, what: str, mak
         out[name] = make_info(shape, np.dtype(np.float32), info)
         del out[scale]
         stored[name] = Stored(q, scale)
-    return out, stored
+    plain = [np.dtype(i.dtype) for k, i in out.items() if k not in stored and k not in fixed and _is_float(i.dtype)]
+    dtype = max(plain, key=lambda d: d.itemsize) if plain else np.dtype(np.float32)
+    return {k: make_info(tuple(i.shape), dtype, i) if k in stored else i for k, i in out.items()}, stored
 
 
 def scale_values(scale: np.ndarray) -> np.ndarray:

@@ -79,11 +79,11 @@ def stream_load(directory, config, mesh: Mesh, *, dtype=None,
     names = families.for_config(config).stored_names(hf, reader.infos)  # declared -> stored
     infos = mapping.checkpoint_tensors(config, {d: reader.infos[s] for d, s in names.items()},
                                        f"checkpoint {directory}")
+    fixed = params_lib.fixed_dtypes(specs)
     infos, stored = quant.logical_infos(params_lib.quantized(specs), infos, f"checkpoint {directory}",
-                                        lambda shape, dt, info: _ShapeOnly(shape, dt))
+                                        lambda shape, dt, info: _ShapeOnly(shape, dt), fixed)
     mapping.check_tensors({k: _ShapeOnly(v.shape, v.dtype) for k, v in infos.items()},
-                          params_lib.torch_shapes(specs), f"checkpoint {directory}",
-                          fixed=params_lib.fixed_dtypes(specs))
+                          params_lib.torch_shapes(specs), f"checkpoint {directory}", fixed=fixed)
     flat: dict = {}
     with contextlib.ExitStack() as stack:
         slices = _SliceReader(reader, stack, names, stored)

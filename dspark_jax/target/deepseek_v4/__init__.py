@@ -31,4 +31,4 @@ def lm_head_kernel(params: dict) -> jax.Array:
 FAMILY = params_lib.Family(
     name="deepseek_v4", kind="target", architectures=(ARCHITECTURE,), model_types=("deepseek_v4",),
     config_cls=DeepseekV4Config, declare=declare, forward=__name__,
-    ignored_tensors=("mtp.",), source_names=source_names)
+    ignored_tensors=("mtp.",), aside_tensors=("mtp.",), source_names=source_names)

@@ -45,12 +45,6 @@ class Quant:
         if self.fmt not in QUANT_FORMATS:
             raise ValueError(f"unknown quantized format {self.fmt!r}; known {QUANT_FORMATS}")
 
-    def stored_shape(self, torch_shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The stored tensor's shape (fp4 packs two values per byte along the last dim)."""
-        if self.fmt == "fp4":
-            return (*torch_shape[:-1], torch_shape[-1] // 2)
-        return tuple(torch_shape)
-
     def scale_shape(self, torch_shape: tuple[int, ...]) -> tuple[int, ...]:
         """One scale per block (partial blocks at the edges count)."""
         return (*torch_shape[:-2], *(math.ceil(n / b) for n, b in zip(torch_shape[-2:], self.block)))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,8 +44,8 @@ def test_expert_parallel_forward_equals_one_device():
     params = _random_params(cfg, seed=3)
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 24)), jnp.int32)
 
-    def run(p, t):
-        hidden, _, _ = v4.forward(p, cfg, t, None)
+    def run(p, t, mesh=None):
+        hidden, _, _ = v4.forward(p, cfg, t, None, ctx=types.SimpleNamespace(mesh=mesh))
         return v4.compute_logits(p, cfg, hidden)
 
     one = np.asarray(jax.jit(run)(params, tokens))
@@ -55,5 +58,5 @@ def test_expert_parallel_forward_equals_one_device():
         assert experts[1] == "expert", (spec, experts)
         t = jax.device_put(tokens, NamedSharding(mesh, sharding.logical_to_spec(("batch", None), mesh=mesh,
                                                                                   shape=tokens.shape)))
-        out = np.asarray(jax.jit(run)(placed, t))
+        out = np.asarray(jax.jit(functools.partial(run, mesh=mesh))(placed, t))  # EP constraints in the MoE
         np.testing.assert_allclose(out, one, rtol=0, atol=2e-5 * np.abs(one).max(), err_msg=spec)

@@ -30,10 +30,10 @@ FP8_MAX = 448.0
 
 @dataclasses.dataclass(frozen=True)
 class Stored:
-    """How one declared tensor is stored: its quantized format and scale tensor name (or plain)."""
+    """How one quantized tensor is stored: its format and its scale tensor's name."""
 
-    quant: Quant | None
-    scale: str | None
+    quant: Quant
+    scale: str
 
 
 def _is_float(dtype) -> bool:
@@ -49,7 +49,7 @@ def logical_infos(quantized: Mapping[str, Quant], infos: Mapping, what: str, mak
     names a tensor whose dtype is neither a float nor its declared format, a missing scale or one
     whose block count is wrong."""
     out = dict(infos)
-    stored = {}
+    stored, shapes = {}, {}
     for name, q in quantized.items():
         if name not in infos:
             continue
@@ -67,12 +67,11 @@ def logical_infos(quantized: Mapping[str, Quant], infos: Mapping, what: str, mak
         if tuple(infos[scale].shape) != want_scale:
             raise CheckpointError(f"{what}: scale {scale!r} has shape {tuple(infos[scale].shape)}, expected "
                                   f"{want_scale} (one per {q.block[0]}x{q.block[1]} block of {shape})")
-        out[name] = make_info(shape, np.dtype(np.float32), info)
         del out[scale]
-        stored[name] = Stored(q, scale)
+        stored[name], shapes[name] = Stored(q, scale), shape
     plain = [np.dtype(i.dtype) for k, i in out.items() if k not in stored and k not in fixed and _is_float(i.dtype)]
     dtype = max(plain, key=lambda d: d.itemsize) if plain else np.dtype(np.float32)
-    return {k: make_info(tuple(i.shape), dtype, i) if k in stored else i for k, i in out.items()}, stored
+    return {k: make_info(shapes[k], dtype, i) if k in stored else i for k, i in out.items()}, stored
 
 
 def scale_values(scale: np.ndarray) -> np.ndarray:

@@ -207,15 +207,20 @@ class TensorReader:
         return dict(iter(self))
 
 
-def _read_raw(file: Path, name: str, info: TensorInfo) -> np.ndarray:
-    """One tensor's bytes straight from a safetensors file (8-byte header size, JSON header with
-    ``data_offsets`` relative to the data section), viewed as ``info.dtype``."""
+def _raw_entry(file: Path, name: str) -> tuple[dict, bytes]:
+    """(header entry, bytes) of one tensor straight from a safetensors file (8-byte header size,
+    JSON header whose ``data_offsets`` are relative to the data section): any dtype, float8 too."""
     with open(file, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
-        start, end = json.loads(f.read(n))[name]["data_offsets"]
+        entry = json.loads(f.read(n))[name]
+        start, end = entry["data_offsets"]
         f.seek(8 + n + start)
-        raw = f.read(end - start)
-    return np.frombuffer(raw, np.uint8).view(info.dtype).reshape(info.shape).copy()
+        return entry, f.read(end - start)
+
+
+def _read_raw(file: Path, name: str, info: TensorInfo) -> np.ndarray:
+    """One tensor (a dtype safetensors' numpy reader lacks), viewed as ``info.dtype``."""
+    return np.frombuffer(_raw_entry(file, name)[1], np.uint8).view(info.dtype).reshape(info.shape).copy()
 
 
 def copy_raw(directory, names, dst: Path) -> int:
@@ -224,15 +229,10 @@ def copy_raw(directory, names, dst: Path) -> int:
     reader = TensorReader(directory)
     header, chunks, offset = {}, [], 0
     for name in names:
-        file = reader.directory / reader.infos[name].file
-        with open(file, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            entry = json.loads(f.read(n))[name]
-            start, end = entry["data_offsets"]
-            f.seek(8 + n + start)
-            chunks.append(f.read(end - start))
-        header[name] = {"dtype": entry["dtype"], "shape": entry["shape"], "data_offsets": [offset, offset + end - start]}
-        offset += end - start
+        entry, data = _raw_entry(reader.directory / reader.infos[name].file, name)
+        chunks.append(data)
+        header[name] = {"dtype": entry["dtype"], "shape": entry["shape"], "data_offsets": [offset, offset + len(data)]}
+        offset += len(data)
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     with open(dst, "wb") as f:

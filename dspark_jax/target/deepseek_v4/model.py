@@ -229,12 +229,10 @@ def attention(cfg: DeepseekV4Config, lp: dict, cp: dict | None, kind: str, x: ja
 
 # ----------------------------------------------------------------------------- MoE
 
-def swiglu(cfg, x, w1, w3, w2, spec: str = "...h,hi->...i", out_spec: str = "...i,ih->...h"):
-    """Clamped SwiGLU: silu(min(x w1, limit)) * clip(x w3, ±limit), then w2."""
+def swiglu(cfg, x, w1, w3, w2):
+    """Clamped SwiGLU (the shared expert): silu(min(x w1, limit)) * clip(x w3, ±limit), then w2."""
     lim = cfg.swiglu_limit
-    gate = jnp.minimum(jnp.einsum(spec, x, w1), lim)
-    up = jnp.clip(jnp.einsum(spec, x, w3), -lim, lim)
-    return jnp.einsum(out_spec, jax.nn.silu(gate) * up, w2)
+    return (jax.nn.silu(jnp.minimum(x @ w1, lim)) * jnp.clip(x @ w3, -lim, lim)) @ w2
 
 
 def route(cfg, lp: dict, x: jax.Array, tokens: jax.Array, tid2eid: jax.Array | None,
@@ -253,10 +251,30 @@ def route(cfg, lp: dict, x: jax.Array, tokens: jax.Array, tid2eid: jax.Array | N
     return jnp.einsum("bsk,bske->bse", chosen, onehot)
 
 
-def moe(cfg, lp: dict, x: jax.Array, combine: jax.Array) -> jax.Array:
-    """Dense dispatch (module docstring): every expert on every token, weighted by ``combine``."""
-    per_expert = swiglu(cfg, x, lp["experts_w1"], lp["experts_w3"], lp["experts_w2"],
-                        spec="bsh,ehi->bsei", out_spec="bsei,eih->bseh")
+def constrain(x: jax.Array, axes: tuple, ctx: Any) -> jax.Array:
+    """``x`` sharded by logical ``axes`` on ``ctx.mesh`` (through ``ctx.rules``, default rules);
+    unchanged without a mesh."""
+    mesh = getattr(ctx, "mesh", None) if ctx is not None else None
+    if mesh is None:
+        return x
+    from jax.sharding import NamedSharding
+
+    from dspark_jax import sharding
+    rules = getattr(ctx, "rules", None) or sharding.DEFAULT_RULES
+    return jax.lax.with_sharding_constraint(
+        x, NamedSharding(mesh, sharding.logical_to_spec(axes, rules, x.shape, mesh)))
+
+
+def moe(cfg, lp: dict, x: jax.Array, combine: jax.Array, ctx: Any = None) -> jax.Array:
+    """Dense dispatch (module docstring): every expert on every token, weighted by ``combine``;
+    on a mesh the per-expert activations [B, S, E, H] stay sharded over the ``expert`` axis (each
+    device its own experts) until the combine sums them."""
+    lim = cfg.swiglu_limit
+    gate = jnp.minimum(jnp.einsum("bsh,ehi->bsei", x, lp["experts_w1"]), lim)
+    up = jnp.clip(jnp.einsum("bsh,ehi->bsei", x, lp["experts_w3"]), -lim, lim)
+    hidden = constrain(jax.nn.silu(gate) * up, ("batch", None, "expert", "mlp"), ctx)
+    per_expert = constrain(jnp.einsum("bsei,eih->bseh", hidden, lp["experts_w2"]),
+                           ("batch", None, "expert", None), ctx)
     routed = jnp.einsum("bseh,bse->bsh", per_expert, combine.astype(per_expert.dtype))
     return routed + swiglu(cfg, x, lp["shared_w1"], lp["shared_w3"], lp["shared_w2"])
 
@@ -268,7 +286,7 @@ def _take(tree: dict, k: int) -> dict:
 
 
 def layer(cfg: DeepseekV4Config, params: dict, i: int, streams: jax.Array, tokens: jax.Array,
-          positions: jax.Array) -> jax.Array:
+          positions: jax.Array, ctx: Any = None) -> jax.Array:
     """Decoder layer ``i``: streams [B,S,N,H] -> [B,S,N,H]."""
     lp = _take(params["layers"], i)
     kind = cfg.layer_types[i]
@@ -283,7 +301,7 @@ def layer(cfg: DeepseekV4Config, params: dict, i: int, streams: jax.Array, token
         combine = route(cfg, lp, x, tokens, params["hash"]["tid2eid"][cfg.mlp_ids(HASH_MOE).index(i)], None)
     else:
         combine = route(cfg, lp, x, tokens, None, params["moe"]["bias"][cfg.mlp_ids("moe").index(i)])
-    return expand(post, comb, moe(cfg, lp, x, combine), streams)
+    return expand(post, comb, moe(cfg, lp, x, combine, ctx), streams)
 
 
 def _compute_dtype(params, ctx):
@@ -298,7 +316,8 @@ def forward(params: dict, cfg: DeepseekV4Config, tokens: jax.Array, cache=None, 
     ``features``: for each layer in ``taps`` the mean over its output's N streams (what V4's DSpark
     reads), concatenated [B, S, len(taps) * H] (None without taps). ``delta`` is None: only the
     ``cache=None`` path exists (the decode cache belongs to the runtime protocol). ``ctx``
-    (optional) carries ``compute_dtype``; ``span`` is accepted for the protocol and unused here.
+    (optional, any object) carries ``compute_dtype`` and ``mesh`` / ``rules`` (expert-parallel
+    sharding constraints in the MoE); ``span`` is accepted for the protocol and unused here.
     """
     if cache is not None:
         raise NotImplementedError("DeepSeek-V4: only the cache=None (prefill) forward exists so far")
@@ -310,7 +329,7 @@ def forward(params: dict, cfg: DeepseekV4Config, tokens: jax.Array, cache=None, 
     taps = tuple(taps)
     tapped = {}
     for i in range(cfg.num_hidden_layers):
-        streams = layer(cfg, params, i, streams, tokens, positions)
+        streams = layer(cfg, params, i, streams, tokens, positions, ctx)
         if i in taps:
             tapped[i] = streams.astype(jnp.float32).mean(axis=2).astype(dtype)
     hidden = rms_norm(hc_head(cfg, params, streams), params["norm"], cfg.rms_norm_eps)

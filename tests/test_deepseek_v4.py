@@ -17,9 +17,8 @@ import numpy as np
 import pytest
 
 from dspark_jax import families
-from dspark_jax import params as params_lib
 from dspark_jax.convert import checkpoint
-from dspark_jax.errors import CheckpointError, ConfigError
+from dspark_jax.errors import ConfigError
 from dspark_jax.target import deepseek_v4 as v4
 from dspark_jax.target.deepseek_v4 import DeepseekV4Config
 
@@ -65,6 +64,7 @@ def test_config_reads_both_layouts_the_same():
     ({"scoring_func": "softmax"}, "scoring_func"),
     ({"expert_dtype": "int4"}, "expert_dtype"),
     ({"n_shared_experts": 2}, "n_shared_experts"),
+    ({"attention_bias": True}, "attention_bias"),
     ({"quantization_config": {"quant_method": "awq"}}, "quant_method"),
     ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "rope_type"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 256,

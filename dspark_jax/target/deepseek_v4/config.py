@@ -142,10 +142,13 @@ class DeepseekV4Config:
         _require(get("hidden_act", "silu") == "silu",
                  f"config.json: hidden_act {hf.get('hidden_act')!r} is not implemented (silu)")
         _require(not get("tie_word_embeddings", False), "config.json: tie_word_embeddings=true is not implemented")
+        for key in ("attention_bias", "mlp_bias"):
+            _require(not get(key, False), f"config.json: {key}=true is not implemented")
         _require(get("topk_method", "noaux_tc") in ("noaux_tc",) and not get("n_group"),
                  "config.json: grouped expert routing (n_group/topk_group) is not implemented")
         n = get("num_hidden_layers")
-        _require(isinstance(n, int) and n > 0, "config.json: field 'num_hidden_layers' is missing or not a positive int")
+        _require(isinstance(n, int) and n > 0,
+                 "config.json: field 'num_hidden_layers' is missing or not a positive int")
         rates = dict(get("compress_rates") or {})
         csa_ratio = int(rates.get(CSA, get("compress_rate_csa", 4)))
         hca_ratio = int(rates.get(HCA, get("compress_rate_hca", 128)))

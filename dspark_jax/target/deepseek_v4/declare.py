@@ -180,7 +180,8 @@ _LAYER_LEAVES = tuple(
     [f"hc_{s}_{k}" for s in ("attn", "ffn") for k in ("fn", "base", "scale")]
     + ["attn_norm.weight", "ffn_norm.weight", "attn.attn_sink", "attn.q_norm.weight", "attn.kv_norm.weight"]
     + [f"attn.{w}.{k}" for w in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b") for k in ("weight", "scale")]
-    + [f"attn.{c}compressor.{w}" for c in ("", "indexer.") for w in ("wkv.weight", "wgate.weight", "ape", "norm.weight")]
+    + [f"attn.{c}compressor.{w}" for c in ("", "indexer.")
+       for w in ("wkv.weight", "wgate.weight", "ape", "norm.weight")]
     + ["attn.indexer.wq_b.weight", "attn.indexer.weights_proj.weight"]
     + ["ffn.gate.weight", "ffn.gate.bias", "ffn.gate.tid2eid"]
     + [f"ffn.shared_experts.{w}.{k}" for w in ("w1", "w2", "w3") for k in ("weight", "scale")]

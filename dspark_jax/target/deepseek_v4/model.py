@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.target.deepseek_v4.config import CSA, HASH_MOE, HCA, SLIDING, DeepseekV4Config
+from dspark_jax.target.deepseek_v4.config import CSA, HASH_MOE, HCA, MOE, SLIDING, DeepseekV4Config
 
 NEG_INF = -jnp.inf
 
@@ -300,7 +300,7 @@ def layer(cfg: DeepseekV4Config, params: dict, i: int, streams: jax.Array, token
     if cfg.mlp_layer_types[i] == HASH_MOE:
         combine = route(cfg, lp, x, tokens, params["hash"]["tid2eid"][cfg.mlp_ids(HASH_MOE).index(i)], None)
     else:
-        combine = route(cfg, lp, x, tokens, None, params["moe"]["bias"][cfg.mlp_ids("moe").index(i)])
+        combine = route(cfg, lp, x, tokens, None, params["moe"]["bias"][cfg.mlp_ids(MOE).index(i)])
     return expand(post, comb, moe(cfg, lp, x, combine, ctx), streams)
 
 

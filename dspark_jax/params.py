@@ -74,6 +74,7 @@ class ParamSpec:
     torch_dtype: the dtype written to a PyTorch checkpoint when it differs from ``dtype``
                (an ``int64`` table held as ``int32``).
     quant:     the quantized companion a checkpoint may store this tensor with (``Quant``).
+    bound:     an integer table's values must lie in ``[0, bound)`` (expert ids), checked on load.
     frozen:    never trained (embedding and LM head shared with the target).
     rng_path:  how ``init_params`` derives this leaf's key from the model key: each ``(n, i)``
                is ``key = jax.random.split(key, n)[i]``, outermost first. ``None`` (the
@@ -94,6 +95,7 @@ class ParamSpec:
     dtype: str | None = None
     torch_dtype: str | None = None
     quant: Quant | None = None
+    bound: int | None = None
 
     def __post_init__(self):
         if len(self.shape) != len(self.axes):
@@ -382,8 +384,17 @@ def from_torch(specs: Specs, tensors: Mapping[str, np.ndarray]) -> dict:
             leaf = leaf.reshape(s.shape)
         else:
             leaf = np.ascontiguousarray(_fix(np.asarray(tensors[s.torch]), s.transpose))
-        flat[path] = _as_dtype(leaf, s.dtype, s.torch)
+        flat[path] = check_bound(s, _as_dtype(leaf, s.dtype, s.torch))
     return _unflatten(flat)
+
+
+def check_bound(spec: ParamSpec, a: np.ndarray) -> np.ndarray:
+    """``a`` (some or all of ``spec``'s values); CheckpointError when ``spec.bound`` is set and a
+    value lies outside ``[0, bound)``."""
+    if spec.bound is not None and a.size and not (0 <= a.min() and a.max() < spec.bound):
+        raise CheckpointError(f"tensor {spec.torch!r}: values must lie in [0, {spec.bound}), "
+                              f"found {a.min()}..{a.max()}")
+    return a
 
 
 def iter_torch(specs: Specs, params: Mapping, to_host=np.asarray):

@@ -131,6 +131,10 @@ def test_bad_checkpoints_are_one_line_exit_2(tmp_path, capsys):
     t["layers.0.ffn.gate.tid2eid"] = t["layers.0.ffn.gate.tid2eid"][:-1]
     save_file(t, str(bad / "model.safetensors"))
     _convert_fails(bad, tmp_path / "o1", capsys, "layers.0.ffn.gate.tid2eid")
+    # a tid2eid naming an expert that does not exist (8 experts)
+    t["layers.0.ffn.gate.tid2eid"] = np.full((512, 2), 8, np.int64)
+    save_file(t, str(bad / "model.safetensors"))
+    _convert_fails(bad, tmp_path / "o1", capsys, "[0, 8)")
     # a tid2eid of floats
     t["layers.0.ffn.gate.tid2eid"] = np.zeros((512, 2), np.float32)
     save_file(t, str(bad / "model.safetensors"))

@@ -106,11 +106,13 @@ class _ShapeOnly:
 def _make_callback(slices: _SliceReader, spec: ParamSpec, out_dtype: np.dtype) -> Callable:
     def callback(index):
         if not spec.stacked:
-            return slices.read(spec.torch, index, spec.transpose).astype(out_dtype, copy=False)
-        n = len(spec.stacks)  # leading stacking axes (layers, then experts)
-        names = np.asarray(spec.torch_names(), dtype=object).reshape(spec.stack_shape)[tuple(index[:n])]
-        blocks = [slices.read(name, index[n:], spec.transpose) for name in names.reshape(-1)]
-        return np.stack(blocks).reshape(*names.shape, *blocks[0].shape).astype(out_dtype, copy=False)
+            block = slices.read(spec.torch, index, spec.transpose)
+        else:
+            n = len(spec.stacks)  # leading stacking axes (layers, then experts)
+            names = np.asarray(spec.torch_names(), dtype=object).reshape(spec.stack_shape)[tuple(index[:n])]
+            blocks = [slices.read(name, index[n:], spec.transpose) for name in names.reshape(-1)]
+            block = np.stack(blocks).reshape(*names.shape, *blocks[0].shape)
+        return params_lib.check_bound(spec, block).astype(out_dtype, copy=False)
     return callback
 
 

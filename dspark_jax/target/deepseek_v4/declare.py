@@ -90,7 +90,7 @@ def declare(cfg: DeepseekV4Config) -> dict[tuple, ParamSpec]:
     hashed, scored = cfg.mlp_ids(HASH_MOE), cfg.mlp_ids(MOE)
     if hashed:
         decl[("hash", "tid2eid")] = stack(hashed, (v, cfg.num_experts_per_tok), ("vocab", None), "ffn.gate.tid2eid",
-                                          init="zeros", dtype="int32", torch_dtype="int64")
+                                          init="zeros", dtype="int32", torch_dtype="int64", bound=e)
     if scored:
         decl[("moe", "bias")] = stack(scored, (e,), (None,), "ffn.gate.bias", init="zeros", dtype=F32)
 

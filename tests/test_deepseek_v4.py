@@ -226,6 +226,12 @@ def test_matches_transformers_built_in_the_test(tmp_path):
     assert _rel(_run(params, cfg, ids)[0], ref) < 1e-4
 
     from transformers import DeepseekV4ForCausalLM
+    checkpoint.convert(tmp_path / "wide", tmp_path / "jax")  # written back in the upstream layout:
+    checkpoint.convert(tmp_path / "jax", tmp_path / "upstream", to="torch")  # transformers reads it
+    with torch.no_grad():
+        again = DeepseekV4ForCausalLM.from_pretrained(tmp_path / "upstream", dtype=torch.float32).eval()(tokens)
+    np.testing.assert_array_equal(again.logits.numpy(), ref)
+
     bf16 = DeepseekV4ForCausalLM.from_pretrained(tmp_path / "wide", dtype=torch.bfloat16).eval()
     with torch.no_grad():
         ref16 = bf16(tokens).logits.float().numpy()

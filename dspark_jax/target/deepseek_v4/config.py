@@ -269,8 +269,9 @@ class DeepseekV4Config:
         n_hash = hf["num_hash_layers"]
         if self.mlp_layer_types != (HASH_MOE,) * n_hash + (MOE,) * (self.num_hidden_layers - n_hash):
             hf["mlp_layer_types"] = list(self.mlp_layer_types)
-        if (self.csa_ratio, self.hca_ratio) != (4, 128):
+        if (self.csa_ratio, self.hca_ratio) != (4, 128):  # transformers maps only 0 / 4 / 128 ratios
             hf["compress_rates"] = {CSA: self.csa_ratio, HCA: self.hca_ratio}
+            hf["layer_types"] = list(self.layer_types)
         if self.yarn is not None:
             hf["rope_scaling"] = dict(zip(_YARN_KEYS, self.yarn), rope_type="yarn")
         if self.quant:

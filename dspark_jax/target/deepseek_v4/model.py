@@ -185,9 +185,9 @@ def index_select(cfg, x, q_residual, p, positions, cos, sin) -> jax.Array:
     k = min(cfg.index_topk, t)
     if k == t:
         return jnp.broadcast_to(visible, total.shape)
-    _, idx = jax.lax.top_k(jnp.where(visible, total, NEG_INF), k)
-    chosen = jax.nn.one_hot(idx, t, dtype=jnp.int32).sum(-2) > 0
-    return chosen & visible
+    _, idx = jax.lax.top_k(jnp.where(visible, total, NEG_INF), k)  # [B, S, k]
+    chosen = jnp.zeros((b, s, t), bool).at[jnp.arange(b)[:, None, None], jnp.arange(s)[None, :, None], idx].set(True)
+    return chosen & visible  # fewer than k visible: the -inf picks are dropped here
 
 
 # ----------------------------------------------------------------------------- attention

@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from dspark_jax.errors import DSparkError
+from dspark_jax.errors import DSparkError, os_error_line
 
 # Subcommand modules, in the order --help lists them.
 COMMANDS = (
@@ -33,18 +33,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
+    from dspark_jax import interrupt
+
+    command = "?"
     try:
-        return int(args.func(args) or 0)
+        with interrupt.sigint_recorded():  # from the start: imports run JAX's gc callbacks too
+            parser = build_parser()
+            args = parser.parse_args(argv)
+            if not getattr(args, "func", None):
+                parser.print_help()
+                return 2
+            command = args.command
+            code = int(args.func(args) or 0)
+            if interrupt.requested():  # a Ctrl-C that a callback swallowed: still interrupted
+                raise KeyboardInterrupt
+            return code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
     except DSparkError as e:
-        print(f"dspark-jax {args.command}: error: {e}", file=sys.stderr)
+        print(f"dspark-jax {command}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the environment refused (read-only or missing path, full disk): one line
+        print(f"dspark-jax {command}: error: {os_error_line(e)}", file=sys.stderr)
         return 2
 
 

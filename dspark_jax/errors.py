@@ -24,6 +24,13 @@ def require_positive_int(value, what: str, error: type[DSparkError] = InputError
     return value
 
 
+def os_error_line(e: OSError) -> str:
+    """One line for an OSError the environment raised: the path(s), the reason, the errno."""
+    paths = " -> ".join(repr(str(p)) for p in (e.filename, e.filename2) if p is not None)
+    reason = e.strerror or str(e)
+    return f"{paths + ': ' if paths else ''}{reason}" + (f" (errno {e.errno})" if e.errno else "")
+
+
 def warn(message: str) -> None:
     """One ``dspark-jax: warning: <message>`` line on stderr (a choice the user may not expect)."""
     import sys

@@ -14,6 +14,21 @@ import jax.numpy as jnp
 GREEDY_EPS = 1e-5  # temperatures below this decode greedily (the reference's rule)
 
 
+NONFINITE = -2  # token id of a draw from non-finite target logits: the host raises on it
+
+
+def well_defined(logits: jax.Array) -> jax.Array:
+    """[..., V] logits -> [...] bool: a distribution can be drawn from them (no NaN, no +inf, not
+    all -inf; single -inf entries are a zero probability and fine)."""
+    return ~jnp.any(jnp.isnan(logits) | (logits == jnp.inf), axis=-1) & jnp.any(logits > -jnp.inf, axis=-1)
+
+
+def guard(tokens: jax.Array, logits: jax.Array) -> jax.Array:
+    """``tokens`` [...] drawn from ``logits`` [..., V], with ``NONFINITE`` where those logits
+    are not ``well_defined`` (a broken target: the host names it instead of emitting garbage)."""
+    return jnp.where(well_defined(logits), tokens, NONFINITE)
+
+
 def is_greedy(temperature: float) -> bool:
     return float(temperature) < GREEDY_EPS
 

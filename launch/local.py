@@ -47,6 +47,30 @@ def _pump(stream, log, echo, tail: collections.deque) -> None:
         log.close()
 
 
+def _wait(children, deadline) -> tuple[int, int | None]:
+    """(exit code, first failing process or None): poll until all exit; the first failure
+    terminates the others; past ``deadline`` all are killed (code 124)."""
+    code, first_bad = 0, None
+    while True:
+        states = [c.poll() for c in children]
+        bad = [(i, s) for i, s in enumerate(states) if s not in (None, 0)]
+        if bad and code == 0:
+            first_bad, code = bad[0]
+            for c in children:
+                if c.poll() is None:
+                    c.terminate()
+        if all(s is not None for s in states):
+            break
+        if deadline and time.time() > deadline:
+            for c in children:
+                if c.poll() is None:
+                    c.kill()
+            code = 124
+            break
+        time.sleep(0.2)
+    return code, first_bad
+
+
 def launch(command: list[str], processes: int, devices_per_process: int, log_dir: str | None = None,
            port: int | None = None, env: dict | None = None, timeout: float | None = None,
            tail_lines: int = 20) -> int:
@@ -72,24 +96,19 @@ def launch(command: list[str], processes: int, devices_per_process: int, log_dir
         pumps[-1].start()
         children.append(child)
     deadline = None if timeout is None else time.time() + timeout
-    code, first_bad = 0, None
-    while True:
-        states = [c.poll() for c in children]
-        bad = [(i, s) for i, s in enumerate(states) if s not in (None, 0)]
-        if bad and code == 0:
-            first_bad, code = bad[0]
-            for c in children:
-                if c.poll() is None:
-                    c.terminate()
-        if all(s is not None for s in states):
-            break
-        if deadline and time.time() > deadline:
-            for c in children:
-                if c.poll() is None:
-                    c.kill()
-            code = 124
-            break
-        time.sleep(0.2)
+    try:
+        code, first_bad = _wait(children, deadline)
+    except KeyboardInterrupt:  # Ctrl-C: the children got it too; end them all, then say so
+        for c in children:
+            if c.poll() is None:
+                c.terminate()
+        for c in children:
+            try:
+                c.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                c.kill()
+        print("interrupted", file=sys.stderr)
+        return 130
     for c in children:
         c.wait()
     for t in pumps:
@@ -116,6 +135,12 @@ def main(argv=None) -> int:
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not cmd:
         ap.error("give the command after --")
+    for flag, value in (("--processes", args.processes), ("--devices-per-process", args.devices_per_process)):
+        if value < 1:
+            ap.error(f"{flag} must be >= 1, got {value}")
+    import shutil
+    if shutil.which(cmd[0]) is None:
+        ap.error(f"command {cmd[0]!r} not found (not an executable on PATH)")
     return launch(cmd, args.processes, args.devices_per_process, args.log_dir, args.port)
 
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from dspark_jax import cli
@@ -104,6 +105,16 @@ CASES = {
     ("generate", "negative-temperature"): (
         lambda d: G("--prompts", str(_prompts(d)), "--out", str(d / "o.jsonl"), "--temperature", "-1"),
         "temperature"),
+    ("generate", "seed-negative"): (
+        lambda d: G("--prompts", str(_prompts(d)), "--out", str(d / "o.jsonl"), "--seed", "-1"), "seed"),
+    ("generate", "batch-size-beyond-memory"): (
+        lambda d: G("--prompts", str(_prompts(d)), "--out", str(d / "o.jsonl"), "--batch-size", "100000000"),
+        "GiB"),
+    ("generate", "max-cache-len-beyond-context"): (
+        lambda d: G("--prompts", str(_prompts(d)), "--out", str(d / "o.jsonl"), "--max-cache-len", "100000000"),
+        "max_position_embeddings"),
+    ("generate", "out-parent-missing-unwritable"): (
+        lambda d: G("--prompts", str(_prompts(d)), "--out", "/proc/nope/o.jsonl"), "not writable"),
     # ---- eval
     ("eval", "out-is-file"): (
         lambda d: ["eval", "--target", str(TARGET), "--draft", str(DRAFT), "--datasets", "gsm8k",
@@ -173,6 +184,14 @@ CASES = {
         "--holdout"),
     ("calibrate", "write-draft-without-draft"): (
         lambda d: ["calibrate", "--logs", str(_logs(d)), "--out", str(d / "sts"), "--write-draft"], "--draft"),
+    ("calibrate", "nan-confidence-logit"): (
+        lambda d: ["calibrate", "--logs", str(_logs(d, '{"confidence_logits": [[0.1, NaN]], "accepted_drafts": [1], '
+                                                       '"proposal_lengths": [2]}\n')), "--out", str(d / "sts")],
+        "logs.jsonl:1: confidence logit 1"),
+    ("calibrate", "inf-confidence-logit"): (
+        lambda d: ["calibrate", "--logs", str(_logs(d, '{"confidence_logits": [-Infinity, 0.2], "accepted": 1, '
+                                                       '"proposal": 2}\n')), "--out", str(d / "sts")],
+        "logs.jsonl:1: confidence logit 0"),
     # ---- cache
     ("cache", "batch-size-0"): (
         lambda d: ["cache", "--target", str(TARGET), "--data", str(_tokens(d)), "--out", str(d / "c"),
@@ -199,7 +218,7 @@ CASES = {
     ("convert", "dst-is-src"): (
         lambda d: ["convert", str(_copy_draft(d)), str(d / "src"), "--force"], "src"),
     ("convert", "dst-parent-of-src"): (
-        lambda d: ["convert", str(_copy_draft(d)), str(d), "--force"], "contains it"),
+        lambda d: ["convert", str(_copy_draft(d)), str(d), "--force"], "contains the input SRC"),
     ("convert", "dst-exists"): (
         lambda d: ["convert", str(_copy_draft(d)), str((d / "dst").mkdir() or d / "dst")], "--force"),
     ("convert", "dst-is-file"): (
@@ -221,6 +240,15 @@ CASES = {
     ("train", "bad-record-line"): (
         lambda d: (_w(d / "data.jsonl", '{"input_ids": [1, 2]}\n{"input_ids": [1], "loss_mask": [1, 1]}\n'),
                    ["train", "--config", str(_config(d))])[1], "data.jsonl:2"),
+    ("train", "max-length-1"): (
+        lambda d: (_tokens(d), ["train", "--config", str(_config(d)), "max_length=1"])[1], "max_length"),
+    ("train", "loss-mask-2"): (
+        lambda d: (_tokens(d, mask=2), ["train", "--config", str(_config(d))])[1], "data.jsonl:1: 'loss_mask' value 2"),
+    ("train", "loss-mask-half"): (
+        lambda d: (_tokens(d, mask=0.5), ["train", "--config", str(_config(d))])[1], "not 0 or 1"),
+    ("cache", "max-length-negative"): (
+        lambda d: ["cache", "--target", str(TARGET), "--data", str(_tokens(d)), "--out", str(d / "c"),
+                   "--layer-ids", "0,2", "--max-length", "-3"], "--max-length"),
     ("train", "output-dir-is-file"): (
         lambda d: (_tokens(d), ["train", "--config", str(_config(d, output_dir=str(_w(d / "run", "x"))))])[1],
         "is a file"),
@@ -228,6 +256,87 @@ CASES = {
     ("demo", "out-is-file"): (lambda d: ["demo", "--quick", "--out", str(_w(d / "demo", "x"))], "is a file"),
     ("demo", "target-missing"): (
         lambda d: ["demo", "--quick", "--out", str(d / "demo"), "--target", str(d / "nowhere")], "nowhere"),
+    # ---- inputs are sacred: an output that is, contains or lies inside an input is refused even
+    # with --force, naming both (issue 27); the snapshot shows the input untouched
+    ("cache", "out-is-target-force"): (
+        lambda d: ["cache", "--target", str(_copy(d, TARGET, "t")), "--data", str(_tokens(d)), "--out", str(d / "t"),
+                   "--layer-ids", "0,2", "--force"], "is the input --target"),
+    ("cache", "out-contains-data-force"): (
+        lambda d: ["cache", "--target", str(TARGET), "--data", str(_tokens(d / "c")), "--out", str(d / "c"),
+                   "--layer-ids", "0,2", "--force"], "contains the input --data"),
+    ("export", "dst-contains-draft-force"): (
+        lambda d: ["export", str(_copy(d / "p", DRAFT, "d")), str(d / "p"), "--engine", "deepspec", "--force"],
+        "contains the input DRAFT"),
+    ("export", "dst-is-draft-force"): (
+        lambda d: ["export", str(_copy(d, DRAFT, "d")), str(d / "d"), "--engine", "deepspec", "--force"],
+        "is the input DRAFT"),
+    ("calibrate", "out-contains-logs-force"): (
+        lambda d: ["calibrate", "--logs", str(_logs(d / "x")), "--out", str(d / "x"), "--force"],
+        "contains the input --logs"),
+    ("calibrate", "out-contains-draft-force"): (
+        lambda d: ["calibrate", "--logs", str(_logs(d)), "--out", str(d / "x"), "--draft", str(_copy(d / "x", DRAFT, "d")),
+                   "--write-draft", "--force"], "contains the input --draft"),
+    ("profile-sps", "out-inside-target-force"): (
+        lambda d: ["profile-sps", "--target", str(_copy(d, TARGET, "t")), "--out", str(d / "t" / "config.json"),
+                   "--force"], "lies inside the input --target"),
+    ("generate", "out-is-prompts-force"): (
+        lambda d: G("--prompts", str(_prompts(d)), "--out", str(d / "prompts.jsonl"), "--force"),
+        "is the input --prompts"),
+    ("generate", "out-is-prompts-symlink-force"): (
+        lambda d: G("--prompts", str(_prompts(d)), "--out", str(_symlink(d / "o.jsonl", d / "prompts.jsonl")),
+                    "--force"), "is the input --prompts"),
+    ("eval", "out-inside-draft"): (
+        lambda d: ["eval", "--target", str(TARGET), "--draft", str(_copy(d, DRAFT, "d")), "--datasets", "gsm8k",
+                   "--out", str(d / "d" / "ev")], "lies inside the input --draft"),
+    ("convert", "dst-inside-src-force"): (
+        lambda d: ["convert", str(_copy_draft(d)), str(d / "src" / "sub"), "--force"], "lies inside the input SRC"),
+    ("train", "output-dir-is-data-dir"): (
+        lambda d: (_tokens(d / "run"), ["train", "--config", str(_config(d, data=str(d / "run" / "data.jsonl")))])[1],
+        "contains the input data"),
+    ("train", "export-dir-is-target"): (
+        lambda d: (_tokens(d), ["train", "--config", str(_config(d, export_dir=str(TARGET)))])[1],
+        "export_dir"),
+    ("train", "output-dir-foreign"): (
+        lambda d: (_tokens(d), _w(d / "run" / "notes.txt", "mine"), _w(d / "run" / "metrics.jsonl", "{}\n"),
+                   ["train", "--config", str(_config(d))])[3], "not one of ours"),
+    ("data-regenerate", "out-is-data-force"): (
+        lambda d: ["data", "regenerate", "--target", str(TARGET), "--data", str(_w(d / "chat.jsonl", '{"prompt": "hi"}\n')),
+                   "--out", str(d / "chat.jsonl"), "--force"], "is the input --data"),
+    ("demo", "out-contains-target"): (
+        lambda d: ["demo", "--quick", "--out", str(d), "--target", str(_copy(d, TARGET, "t"))],
+        "contains the input --target"),
+    ("data-regenerate", "journal-is-data"): (
+        lambda d: ["data", "regenerate", "--target", str(TARGET), "--data",
+                   str(_w(d / "o.jsonl.partial", '{"prompt": "hi"}\n')), "--out", str(d / "o.jsonl")],
+        "(its journal o.jsonl.partial)"),
+    ("data-inspect", "json-is-file-force"): (
+        lambda d: ["data", "inspect", str(_tokens(d)), "--json", str(d / "data.jsonl"), "--force"],
+        "is the input FILE"),
+    ("sample", "out-inside-target-force"): (
+        lambda d: ["--target", str(_copy(d, TARGET, "t")), "--out", str(d / "t" / "s.jsonl"), "--force"],
+        "lies inside the input --target"),
+    # ---- non-finite models and numbers, truncated files, unwritable destinations (issue 27)
+    ("generate", "truncated-target-weights"): (
+        lambda d: ["generate", "--target", str(_truncated(d, TARGET, "t")), "--prompts", str(_prompts(d)),
+                   "--out", str(d / "o.jsonl")], "model.safetensors"),
+    ("generate", "temperature-nan"): (
+        lambda d: G("--prompts", str(_prompts(d)), "--out", str(d / "o.jsonl"), "--temperature", "nan"),
+        "temperature"),
+    ("calibrate", "holdout-nan"): (
+        lambda d: ["calibrate", "--logs", str(_logs(d)), "--out", str(d / "sts"), "--holdout", "nan"], "--holdout"),
+    ("profile-sps", "min-seconds-nan"): (
+        lambda d: ["profile-sps", "--target", str(TARGET), "--out", str(d / "s.json"), "--min-seconds", "nan"],
+        "--min-seconds"),
+    ("convert", "inf-weight"): (
+        lambda d: ["convert", str(_nan_model(d, DRAFT, "src", np.inf)), str(d / "dst")], "--allow-nonfinite"),
+    ("export", "dst-unwritable"): (
+        lambda d: ["export", str(DRAFT), "/proc/nope/d", "--engine", "deepspec"], "not writable"),
+    ("train", "output-dir-unwritable"): (
+        lambda d: (_tokens(d), ["train", "--config", str(_config(d, output_dir="/proc/nope/run"))])[1],
+        "not writable"),
+    ("cache", "out-unwritable"): (
+        lambda d: ["cache", "--target", str(TARGET), "--data", str(_tokens(d)), "--out", "/proc/nope/c",
+                   "--layer-ids", "0,2"], "not writable"),
     # ---- data.sample (python -m dspark_jax.data.sample)
     ("sample", "bad-target"): (lambda d: ["--target", str(d / "nowhere"), "--out", str(d / "s.jsonl")], "nowhere"),
     ("sample", "num-0"): (lambda d: ["--target", str(TARGET), "--out", str(d / "s.jsonl"), "--num", "0"], "--num"),
@@ -245,6 +354,34 @@ CASES = {
         lambda d: ["--target", str(TARGET), "--out", str((d / "sd").mkdir() or d / "sd"), "--force"],
         "is a directory"),
 }
+
+
+def _copy(d: Path, src: Path, name: str) -> Path:
+    import shutil
+    shutil.copytree(src, d / name)
+    return d / name
+
+
+def _nan_model(d: Path, src: Path, name: str, value=float("nan")) -> Path:
+    """A copy of the checkpoint ``src`` with ``value`` in every float tensor."""
+    from safetensors.numpy import load_file, save_file
+    out = _copy(d, src, name)
+    tensors = {k: np.full_like(v, value) if v.dtype.kind == "f" else v
+               for k, v in load_file(out / "model.safetensors").items()}
+    save_file(tensors, out / "model.safetensors")
+    return out
+
+
+def _truncated(d: Path, src: Path, name: str) -> Path:
+    out = _copy(d, src, name)
+    f = out / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-1000])
+    return out
+
+
+def _symlink(link: Path, to: Path) -> Path:
+    link.symlink_to(to)
+    return link
 
 
 def _copy_draft(d: Path) -> Path:
@@ -333,7 +470,7 @@ def test_advisories():
     assert advisories(o, parse_policy("scheduler", sps_table=good)) == []
 
 
-def test_non_finite_weights_warn_on_convert(tmp_path, capsys):
+def test_non_finite_weights_refused_by_convert_unless_allowed(tmp_path, capsys):
     import numpy as np
     from safetensors.numpy import load_file, save_file
 
@@ -343,7 +480,12 @@ def test_non_finite_weights_warn_on_convert(tmp_path, capsys):
     tensors[name] = tensors[name].copy()
     tensors[name].flat[0] = np.nan
     save_file(tensors, src / "model.safetensors")
-    assert cli.main(["convert", str(src), str(tmp_path / "dst")]) == 0
+    capsys.readouterr()
+    assert cli.main(["convert", str(src), str(tmp_path / "dst")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "confidence_head/bias" in err[0] and "--allow-nonfinite" in err[0], err
+    assert not (tmp_path / "dst").exists() and not list(tmp_path.glob(".dst.tmp-*"))
+    assert cli.main(["convert", str(src), str(tmp_path / "dst"), "--allow-nonfinite"]) == 0
     err = capsys.readouterr().err
     assert "warning" in err and "NaN" in err
 
@@ -357,3 +499,28 @@ def test_local_launcher_echoes_process_0_and_tails_the_failure(tmp_path):
     assert "hello from 0" in r.stdout and "hello from 1" not in r.stdout
     assert "process 1 failed first (exit code 3)" in r.stderr and "| hello from 1" in r.stderr
     assert (tmp_path / "logs/process_1.log").read_text() == "hello from 1\n"
+
+
+def test_nan_target_is_an_error_not_a_result(tmp_path, capsys):
+    """A target with NaN weights: found by the decode (its logits), after the progress bar started,
+    so the error is the LAST line; exit 2, no traceback, no output file, inputs untouched."""
+    argv = ["generate", "--target", str(_nan_model(tmp_path, TARGET, "t")), "--prompts", str(_prompts(tmp_path)),
+            "--out", str(tmp_path / "o.jsonl")]
+    before = snapshot(tmp_path)
+    capsys.readouterr()
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "not finite" in err.strip().splitlines()[-1], err
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["-n", "0", "--", sys.executable, "-c", "pass"], "--processes must be >= 1"),
+    (["-n", "2", "--", "no-such-binary-xyz"], "'no-such-binary-xyz' not found"),
+], ids=["n-0", "missing-binary"])
+def test_local_launcher_refuses_in_one_line(argv, expected, tmp_path):
+    r = subprocess.run([sys.executable, str(REPO / "launch/local.py"), *argv], capture_output=True, text=True,
+                       timeout=60, cwd=tmp_path)
+    errors = [line for line in r.stderr.splitlines() if "error:" in line]  # after argparse's usage
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert len(errors) == 1 and expected in errors[0] and r.stderr.strip().endswith(errors[0]), r.stderr

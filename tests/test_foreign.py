@@ -327,4 +327,5 @@ def test_train_warns_for_engines_that_cannot_serve(tmp_path, capsys):
         json.dumps({"input_ids": list(range(i, i + 20)), "loss_mask": [1] * 20}) + "\n" for i in range(8)))
     loop.setup(cfg)
     err = capsys.readouterr().err
-    assert "cannot be served by vllm" in err and "cannot be served by sglang" in err
+    # vllm 0.33.0 loads a rank-0 head (empty Markov head): a limitation, not a refusal
+    assert "vllm will load it with a limitation" in err and "cannot be served by sglang" in err

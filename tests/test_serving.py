@@ -74,7 +74,7 @@ def check_backbone(hf, shapes, engine):
 def checker_vllm(d: Path):
     """vllm/model_executor/models/qwen3_dspark.py (Qwen3DSparkModel, load_weights via
     AutoWeightsLoader: unknown tensors raise), vllm/config/speculative.py (architecture,
-    tapped layers +1, n_predict), eagle3_utils.py (aux capture adds the residual: no -1)."""
+    tapped layers +1, n_predict), eagle3_utils.py (aux capture at id+1; point 0 is the embedding, so -1 is served)."""
     check_files_readable(d)
     hf, shapes = read_export(d)
     need("Qwen3DSparkModel" in hf.get("architectures", []), "vllm: architectures lacks Qwen3DSparkModel")
@@ -82,13 +82,16 @@ def checker_vllm(d: Path):
               "intermediate_size", "vocab_size", "mask_token_id", "markov_rank"):
         need(k in hf, f"vllm: config lacks {k}")
     need(hf.get("n_predict") == hf["block_size"], "vllm: n_predict missing (num_speculative_tokens)")
-    aux = [i + 1 for i in tapped_ids(hf)]
-    need(min(aux) >= 1, "vllm: aux capture point 0 (layer id -1) has no residual")
+    aux = [i + 1 for i in tapped_ids(hf)]  # point 0 (id -1) is the embedding (vllm 0.33.0, run)
+    need(0 <= min(aux) and max(aux) <= hf["num_target_layers"], "vllm: aux capture point out of range")
     v, h, r = hf["vocab_size"], hf["hidden_size"], hf["markov_rank"]
-    need(r > 0, "vllm: DSparkMarkovHead is always built (markov_rank > 0)")
+    need(r >= 0, "vllm: DSparkMarkovHead is always built (rank 0: empty, vllm 0.33.0 run)")
     check_backbone(hf, shapes, "vllm")
-    need(shapes.get("markov_head.markov_w1.weight") == (v, r), "vllm: markov_w1 missing/wrong shape")
-    need(shapes.get("markov_head.markov_w2.weight") == (v, r), "vllm: markov_w2 missing/wrong shape")
+    if r > 0:
+        need(shapes.get("markov_head.markov_w1.weight") == (v, r), "vllm: markov_w1 missing/wrong shape")
+        need(shapes.get("markov_head.markov_w2.weight") == (v, r), "vllm: markov_w2 missing/wrong shape")
+    else:
+        need(not any(k.startswith("markov_head.") for k in shapes), "vllm: markov tensors for an empty head")
     allowed = {"fc.weight", "hidden_norm.weight", "norm.weight", "markov_head.markov_w1.weight",
                "markov_head.markov_w2.weight", "embed_tokens.weight", "lm_head.weight", "d2t", "t2d",
                "confidence_head.proj.weight", "confidence_head.proj.bias"}
@@ -234,7 +237,7 @@ def test_export_passes_checker_or_is_refused(tmp_path, drafters, engine, head):
 
 
 EXPECTED = {  # (engine, head) pairs refused, from the engines' code (see the checkers)
-    ("vllm", "gated"), ("vllm", "rnn"), ("vllm", "dflash"), ("vllm", "tap_minus_1"),
+    ("vllm", "gated"), ("vllm", "rnn"),
     ("sglang", "dflash"), ("sglang", "no_confidence"), ("sglang", "tap_minus_1"),
     ("sglang-jax", "gated"), ("sglang-jax", "rnn"), ("sglang-jax", "dflash"),
 }
@@ -282,7 +285,7 @@ BREAKS = {
         "architecture": lambda d: _edit_config(d, architectures=["LlamaForCausalLM"]),
         "config field": lambda d: _edit_config(d, mask_token_id=None),
         "n_predict": lambda d: _edit_config(d, n_predict=None),
-        "layer id -1": lambda d: _ids(d, [-1, 2, 4]),
+        "layer id N": lambda d: _ids(d, [0, 2, 6]),
         "markov_rank 0": lambda d: _edit_config(d, markov_rank=0),
         "missing markov tensor": lambda d: _edit_tensors(d, drop=["markov_head.markov_w1.weight"]),
         "extra tensor": lambda d: _edit_tensors(d, add={"markov_head.gate_proj.weight": np.zeros((64, 128), np.float32)}),
@@ -405,9 +408,12 @@ def test_cli_inspect(drafters, capsys):
     assert info["target_layer_ids"] == [0, 2, 4] and info["tensors"] == 33
     assert info["engines"]["sglang"]["loadable"] and not info["engines"]["vllm"]["loadable"]
     assert "vanilla-markov" in info["engines"]["vllm"]["why_not"]
+    assert info["engines"]["vllm"]["checked"] == [engines.CHECKED["vllm"]]
+    assert info["engines"]["sglang"]["checked"] == ["read"]
     assert cli_main(["inspect", str(drafters["dflash"])]) == 0
     text = capsys.readouterr().out
     assert "head dflash" in text and "NOT loadable" in text and len(text.splitlines()) <= 24
+    assert f"[{engines.CHECKED['vllm']}]" in text and "[rules read from its source]" in text
 
 
 # --------------------------------------------------------------------------- train warnings
@@ -417,7 +423,7 @@ def test_serving_warnings(base_cfg):
     assert engines.serving_warnings(base_cfg, ["vllm", "sglang"]) == []
     w = engines.serving_warnings(base_cfg.replace(target_layer_ids=(-1, 2, 4), markov_head_type="rnn"),
                                  ["vllm", "sglang"])
-    assert any("vllm" in x and "-1" in x for x in w) and any("sglang" in x and "-1" in x for x in w)
+    assert not any("vllm" in x and "-1" in x for x in w) and any("sglang" in x and "-1" in x for x in w)
     assert any("vllm" in x and "rnn" in x for x in w)
     w = engines.serving_warnings(base_cfg.replace(markov_rank=0, confidence_head_with_markov=False), ["sglang"])
     assert any("DFlash twin" in x for x in w)
@@ -434,7 +440,7 @@ def test_gemma4_rules_are_data():
     assert "k = v" in engines.check(f, "vllm")
     assert "no gemma4" in engines.check(f, "sglang")
     assert engines.check(f, "deepspec") is None
-    assert any("drops the confidence head" in w for _, w in engines.violations(f, "vllm", "warning"))
+    assert engines.violations(f, "vllm", "warning") == []  # vllm 0.33.0 loads its confidence head
     assert engines.ARCHITECTURES["vllm"]["gemma4"] == "Gemma4DSparkModel"
 
 
@@ -495,8 +501,8 @@ def g4_expected(hf):
 
 def checker_vllm_gemma4(d: Path):
     """vllm gemma4_dspark.py: Gemma4DSparkForCausalLM over a self-contained checkpoint (own
-    embed_tokens / lm_head: dspark_shares_target_embeddings = False); load_weights skips
-    confidence_head.* and silently ignores names without a parameter, and vLLM's default loader
+    embed_tokens / lm_head: dspark_shares_target_embeddings = False); load_weights loads
+    confidence_head.* when present (0.33.0) and silently ignores names without a parameter, and vLLM's default loader
     then refuses parameters left unloaded; DSparkMarkovHead always built (markov_rank > 0);
     _build_fused_kv_buffers asserts attention_k_eq_v on every (full_attention) layer; rope from
     rope_parameters['full_attention'] (gemma4_mtp.py); logits softcapped by
@@ -613,7 +619,7 @@ def test_gemma4_refusal_matrix(g4_base):
     no_kv = g4_base.replace(text=g4_base.text.replace(attention_k_eq_v=False))
     assert "attention_k_eq_v" in engines.check(no_kv, "vllm") and engines.check(no_kv, "deepspec") is None
     w = engines.serving_warnings(g4_base, ["vllm", "sglang"])
-    assert any("drops the confidence head" in x for x in w) and any("no gemma4" in x for x in w)
+    assert not any("vllm" in x for x in w) and any("no gemma4" in x for x in w)  # vllm 0.33.0 loads it all
 
 
 G4_BREAKS = {
@@ -677,12 +683,14 @@ def test_gemma4_export_reloads_and_cli(tmp_path, g4_good_exports, g4_drafters, c
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "no gemma4" in err[0] and not (tmp_path / "s").exists()
     assert cli_main(["export", str(G4), str(tmp_path / "v"), "--engine", "vllm"]) == 0
-    assert "drops the confidence head" in capsys.readouterr().out
+    assert "note:" not in capsys.readouterr().out  # vllm 0.33.0 loads the confidence head too
     assert cli_main(["inspect", str(g4_drafters["gated"]), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["family"] == "gemma4" and info["architecture"] == "Gemma4DSparkModel" and info["head"] == "gated"
     assert info["tensors"] == 37 and info["engines"]["deepspec"]["loadable"]
     assert not info["engines"]["vllm"]["loadable"] and "silently skips" in info["engines"]["vllm"]["why_not"]
+    assert info["engines"]["vllm"]["checked"] == [engines.CHECKED["vllm"]]
+    assert info["engines"]["speculators"]["checked"] == ["read"]  # only Qwen3 drafters run there
     assert cli_main(["inspect", str(G4)]) == 0
     text = capsys.readouterr().out
     assert "family gemma4 (Gemma4DSparkModel)" in text and len(text.splitlines()) <= 24

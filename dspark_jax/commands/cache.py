@@ -27,7 +27,10 @@ def run(args) -> int:
                          "--target/--data/--out)")
     if args.batch_size < 1:
         raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
-    check_output(out, force=args.force, kind="dir", flag="--out" if args.out or not args.config else "cache_dir")
+    if max_length < 2:
+        raise InputError(f"{'--max-length' if not args.config else 'max_length'} must be >= 2, got {max_length}")
+    check_output(out, force=args.force, kind="dir", flag="--out" if args.out or not args.config else "cache_dir",
+                 inputs={"--target": target, "--data": data, "--tokenizer": tokenizer, "--config": args.config})
     tcfg, tparams = load_target(target)
     layer_ids = args.layer_ids
     if layer_ids is None:

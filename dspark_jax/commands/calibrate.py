@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 
 
@@ -45,9 +44,10 @@ def run(args) -> int:
         raise InputError(f"--bins must be >= 2, got {args.bins}")
     if args.write_draft and not args.draft:
         raise InputError("--write-draft needs --draft DIR (the drafter to save the temperatures with)")
-    from dspark_jax.fileio import check_output
+    from dspark_jax.fileio import check_output, dumps
 
-    out = check_output(args.out, force=args.force, kind="dir")
+    out = check_output(args.out, force=args.force, kind="dir",
+                       inputs={"--logs": args.logs, "--draft": args.draft})
     if not 0 < args.holdout < 1:
         raise InputError(f"--holdout must be in (0, 1), got {args.holdout}")
     report = C.run_sts(args.logs, out, draft=args.draft, holdout=args.holdout, seed=args.seed,
@@ -64,6 +64,6 @@ def run(args) -> int:
         print(f"{pb['position']:>3} {pb['n']:>6}   {100 * pb['ece']:6.2f}% -> {100 * pa['ece']:5.2f}%"
               f"   {pb['brier']:.4f} -> {pa['brier']:.4f}   {pb['auroc']:.4f} -> {pa['auroc']:.4f}"
               f"   {pa['cond_auroc']:.4f}   t={t:.3f}", file=sys.stderr)
-    print(json.dumps({"out": str(out), "temperatures": report["temperatures"],
+    print(dumps({"out": str(out), "temperatures": report["temperatures"],
                       "heldout_ece_before": b["summary"]["ece"], "heldout_ece_after": a["summary"]["ece"]}))
     return 0

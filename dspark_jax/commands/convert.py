@@ -40,6 +40,8 @@ def register(subparsers) -> None:
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
     p.add_argument("--allow-pickle", action="store_true",
                    help="accept PyTorch pickle weights (*.bin/*.pt), read with torch.load(weights_only=True)")
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="convert tensors holding NaN/inf unchanged, with a warning (default: refused)")
     p.add_argument("--max-shard-size", default=None, metavar="SIZE",
                    help="torch output only: split model.safetensors into shards of at most SIZE "
                         "(e.g. 2GB, 500MB) with a model.safetensors.index.json")
@@ -63,7 +65,7 @@ def run(args) -> int:
         raise InputError(f"SRC {str(args.src)!r} is not a directory")
     # DST must not be SRC or hold it: --force replaces DST, which would delete the source
     check_output(args.dst, force=args.force, kind="dir", flag="DST",
-                 protect=[args.src] + ([args.target] if args.target else []))
+                 inputs={"SRC": args.src, "--target": args.target})
 
     if args.max_shard_size is not None:
         safetensors_io.parse_size(args.max_shard_size)  # fail fast on a bad size
@@ -81,7 +83,7 @@ def run(args) -> int:
     src_format = checkpoint.detect_format(args.src)
     to = checkpoint.convert(args.src, args.dst, to=args.to, force=args.force,
                             allow_pickle=args.allow_pickle, dtype=args.dtype,
-                            max_shard_size=args.max_shard_size)
+                            max_shard_size=args.max_shard_size, allow_nonfinite=args.allow_nonfinite)
     info = checkpoint.describe(args.dst)
     print(f"wrote {info['kind']} checkpoint ({to} format, {info['files']} files, "
           f"{info['bytes']} bytes) to {info['path']}")

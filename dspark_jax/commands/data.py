@@ -24,7 +24,8 @@ def run_inspect(args) -> int:
     if args.max_length is not None:
         require_positive_int(args.max_length, "--max-length")
     if args.json:
-        check_output(args.json, force=args.force, flag="--json")
+        check_output(args.json, force=args.force, flag="--json",
+                     inputs={"FILE": args.file, "--tokenizer": args.tokenizer, "--target": args.target})
     tokenizer = None
     if args.tokenizer or args.target:
         tokenizer = load_tokenizer(args.tokenizer or args.target, required=True)

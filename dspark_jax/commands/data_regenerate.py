@@ -8,7 +8,6 @@ subparsers (``commands/data.py``); ``main(argv)`` runs it standalone
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from dspark_jax.commands.common import add_decode_flags
@@ -88,7 +87,8 @@ def run(args) -> int:
                          seed=args.seed, slots=args.slots, mesh=args.mesh, draft=args.draft,
                          dtype=args.dtype, max_cache_len=args.max_cache_len, force=args.force,
                          progress=args.progress, log=lambda s: print(s, file=sys.stderr))
-    print(json.dumps(summary))
+    from dspark_jax.fileio import dumps
+    print(dumps(summary))
     return 0
 
 
@@ -108,6 +108,9 @@ def main(argv=None) -> int:
     except DSparkError as e:
         print(f"dspark-jax data regenerate: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

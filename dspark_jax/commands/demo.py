@@ -79,7 +79,8 @@ def run(args) -> int:
     from dspark_jax.pipelines.demo import run_demo
 
     cfg = config_from_args(args)
-    check_output(cfg.out, force=True, kind="dir")  # a file, or an unwritable parent; demo.json decides the rest
+    # a file, an input inside, or an unwritable parent; demo.json decides the rest
+    check_output(cfg.out, force=True, kind="dir", inputs={"--target": args.target})
     info = run_demo(cfg, stage=args.stage, force=args.force, progress=not args.no_progress)
     report = info.get("report")
     if report:

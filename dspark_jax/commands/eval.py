@@ -60,7 +60,8 @@ def run(args) -> int:
     maybe_initialize_distributed()  # under launch/ (multi-process --mesh); no-op otherwise
 
     if args.out:  # an existing directory is allowed (the pipeline refuses one holding an eval)
-        check_output(args.out, force=True, kind="dir")
+        check_output(args.out, force=True, kind="dir",
+                     inputs={"--target": args.target, "--draft": args.draft, "--data-dir": args.data_dir})
 
     target = args.target
     if target is None:

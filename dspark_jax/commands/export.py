@@ -13,6 +13,9 @@ Export a drafter (dspark-jax or Hugging Face format) for one serving engine:
   vllm        --speculative-config '{"method": "dspark", "model": DST}'   (Qwen3, Gemma4)
   sglang      --speculative-algorithm DSPARK --speculative-draft-model-path DST   (Qwen3 only)
   sglang-jax  --speculative-algorithm DSPARK --speculative-draft-model-path DST   (Qwen3 only)
+  speculators speculators' DSparkDraftModel.from_pretrained(DST) (its config, aux ids = ours + 1)
+  specforge   SpecForge's DSparkDraftModel.from_pretrained(DST) (dflash_config; no embed_tokens /
+              lm_head: `convert --from specforge DST --target TARGET` brings it back)
 
 The engine's load rules (read from its loader code; see dspark_jax/convert/engines.py) are
 checked first: a drafter it cannot load is refused with the rule that fails, and nothing is
@@ -26,13 +29,14 @@ DST is refused unless --force.
 
 
 def register(subparsers) -> None:
-    from dspark_jax.convert.engines import ENGINES
+    from dspark_jax.convert.engines import TARGETS
 
     p = subparsers.add_parser("export", help=HELP, description=DESCRIPTION,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("draft", metavar="DRAFT", help="drafter checkpoint directory (either format)")
     p.add_argument("dst", metavar="DST", help="output directory (must not exist unless --force)")
-    p.add_argument("--engine", required=True, choices=ENGINES, help="serving engine to export for")
+    p.add_argument("--engine", required=True, choices=TARGETS,
+                   help="serving engine (or trainer) to export for")
     p.add_argument("--sps", default=None, metavar="FILE",
                    help="profile-sps JSON (batch_sizes, sps): written as the SGLang SPS table")
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
@@ -41,7 +45,10 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from dspark_jax.convert import engines
+    from dspark_jax.fileio import check_output
 
+    check_output(args.dst, force=args.force, kind="dir", flag="DST",
+                 inputs={"DRAFT": args.draft, "--sps": args.sps})
     summary = engines.export_draft(args.draft, args.dst, args.engine, force=args.force, sps=args.sps)
     print(f"wrote {args.engine} drafter ({summary['architecture']}, {summary['tensors']} tensors, "
           f"{summary['bytes']} bytes{', ' + ', '.join(summary['sidecars']) if summary['sidecars'] else ''}) "

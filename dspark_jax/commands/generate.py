@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from dspark_jax.commands.common import add_decode_flags, decode_options
@@ -52,5 +51,6 @@ def run(args) -> int:
                        options=decode_options(args), dtype=args.dtype,
                        max_cache_len=args.max_cache_len, force=args.force,
                        log=lambda s: print(s, file=sys.stderr))
-    print(json.dumps(summary))
+    from dspark_jax.fileio import dumps
+    print(dumps(summary))
     return 0

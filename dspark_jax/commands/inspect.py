@@ -38,10 +38,11 @@ def describe_draft(path) -> dict:
         if (p / name).is_file():
             sidecars[name] = str(p / name)
     per_engine = {}
-    for engine in engines.ENGINES:
+    for engine in engines.TARGETS:
         why = engines.check(cfg, engine)
         notes = [w for rule, w in engines.violations(cfg, engine, "warning")]
-        per_engine[engine] = {"loadable": why is None, "why_not": why, "notes": notes}
+        per_engine[engine] = {"loadable": why is None, "why_not": why, "notes": notes,
+                              "checked": engines.checked_against(engine, f.family) or ["read"]}
     arch = (cfg.to_hf().get("architectures") or ["?"])[0]
     return {"path": str(p), "format": checkpoint.detect_format(p), "family": f.family, "architecture": arch,
             "head": f.head, "markov_rank": f.markov_rank, "confidence_head": f.enable_confidence_head,
@@ -75,7 +76,8 @@ def run(args) -> int:
         print("  no STS / SPS sidecars")
     for engine, e in info["engines"].items():
         status = "loadable" if e["loadable"] else f"NOT loadable: {e['why_not']}"
-        print(f"  {engine:<11} {status}")
+        checked = ", ".join(e["checked"]) if e["checked"] != ["read"] else "rules read from its source"
+        print(f"  {engine:<11} {status}  [{checked}]")
         for note in e["notes"]:
             print(f"  {'':<11} note: {note}")
     return 0

@@ -151,7 +151,8 @@ def _check_args(args) -> None:
         if value is not None and value < 1:
             raise InputError(f"{flag} must be >= 1, got {value}")
     if args.json_out:
-        check_output(args.json_out, force=args.force, flag="--json")
+        check_output(args.json_out, force=args.force, flag="--json",
+                     inputs={"--config": args.config})
 
 
 def run(args) -> int:

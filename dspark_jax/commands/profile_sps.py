@@ -70,7 +70,7 @@ def run(args) -> int:
 
     from dspark_jax.fileio import check_output
 
-    out = check_output(args.out, force=args.force)
+    out = check_output(args.out, force=args.force, inputs={"--target": args.target, "--draft": args.draft})
     for flag, value in (("--max-batch", args.max_batch), ("--cache-length", args.cache_length),
                         ("--iters", args.iters), ("--repeats", args.repeats)):
         if value < 1:

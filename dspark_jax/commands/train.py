@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -41,7 +40,8 @@ def run(args) -> int:
         return 0
     if jax.process_index() == 0:
         printable = {k: v for k, v in summary.items() if k not in ("history", "params")}
-        print(json.dumps(printable, indent=1))
+        from dspark_jax.fileio import dumps
+        print(dumps(printable, indent=1))
     return 0
 
 
@@ -62,7 +62,8 @@ def register(subparsers) -> None:
     p.add_argument("--config", required=True, help="python config file, e.g. configs/tiny.py")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="overrides, e.g. steps=100 mesh=data=2,fsdp=2 draft.markov_rank=0 "
-                        "optimizer.learning_rate=1e-3")
+                        "optimizer.learning_rate=1e-3 (steps=0, the default: train `epochs` passes "
+                        "over the data)")
     p.add_argument("--force-resume", action="store_true",
                    help="resume output_dir's run even if its run.json differs from this config "
                         "(data, feature mode, optimizer/loss settings, drafter, target, steps)")

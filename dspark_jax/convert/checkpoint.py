@@ -401,11 +401,12 @@ def save_target(path, config: TargetConfig, params, *, format: str = "torch", fo
 
 
 def convert(src, dst, *, to: str | None = None, force: bool = False, allow_pickle: bool = False,
-            dtype=None, max_shard_size=None) -> str:
+            dtype=None, max_shard_size=None, allow_nonfinite: bool = False) -> str:
     """Convert a drafter or target of any registered family between formats; returns the format written.
 
     ``to`` defaults to the other format (torch -> jax, jax -> torch). Unknown
-    config.json fields, extras and tokenizer/generation files are carried over.
+    config.json fields, extras and tokenizer/generation files are carried over. Tensors
+    holding NaN/inf are a CheckpointError naming them, unless ``allow_nonfinite`` (a warning).
     """
     src_p, dst_p = Path(src), Path(dst)
     src_fmt = detect_format(src_p)
@@ -421,7 +422,7 @@ def convert(src, dst, *, to: str | None = None, force: bool = False, allow_pickl
         cfg, hf, params = _load_torch(kind, src_p, allow_pickle=allow_pickle)
         extras = (hf.get("dspark_jax") or {}).get("extras") or {}
     params = _cast_tree(params, _np_dtype(dtype), cfg)
-    _warn_non_finite(params, src_p)
+    _check_finite(params, src_p, allow=allow_nonfinite)
     _save(kind, dst_p, cfg, params, format=to, force=force, extras=extras,
           max_shard_size=max_shard_size, hf_base=hf, copy_from=src_p)
     return to
@@ -440,14 +441,19 @@ def _write_aside(tmp: Path, src: Path, family: Family) -> None:
              f"{family.name} model; kept unchanged in {ASIDE_NAME}")
 
 
-def _warn_non_finite(params, where) -> None:
-    """A warning naming the tensors that hold NaN/inf (converted as they are)."""
+def _check_finite(params, where, *, allow: bool = False) -> None:
+    """CheckpointError naming the tensors that hold NaN/inf; with ``allow`` a warning (they are
+    converted unchanged)."""
     from dspark_jax.errors import warn
     bad = [name for name, v in _flat(params).items()
            if np.asarray(v).dtype.kind in "fV" and not np.isfinite(np.asarray(v, np.float32)).all()]
-    if bad:
-        warn(f"{where}: {len(bad)} tensor(s) hold NaN/inf values (converted unchanged): "
-             f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}")
+    if not bad:
+        return
+    names = f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}"
+    if not allow:
+        raise CheckpointError(f"{where}: {len(bad)} tensor(s) hold NaN/inf values: {names} (pass "
+                              "--allow-nonfinite to convert them unchanged)")
+    warn(f"{where}: {len(bad)} tensor(s) hold NaN/inf values (converted unchanged): {names}")
 
 
 def describe(path) -> dict:

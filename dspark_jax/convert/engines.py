@@ -5,7 +5,10 @@ Every rule names the engine file it was read from (the engines' public repositor
 family-independent facts of a drafter config) that returns ``None`` when the engine can load
 the drafter, else one line saying why not.
 
-Engines: ``deepspec`` (the PyTorch reference), ``vllm``, ``sglang``, ``sglang-jax``.
+Engines: ``deepspec`` (the PyTorch reference), ``vllm``, ``sglang``, ``sglang-jax``; trainers
+(exports back, convert/foreign.py layouts): ``speculators``, ``specforge``. ``CHECKED`` names
+the releases whose own loaders tests/test_interop_*.py run; each rule says whether it was
+checked against one (``Rule.checked``) or read from the source.
 Families: ``qwen3`` and ``gemma4`` (``draft.gemma4.Gemma4DraftConfig``; its family is read from
 ``architectures`` and ``attention_k_eq_v`` from its text config). Both are tested against
 checkers written from the engines' loaders (tests/test_serving.py).
@@ -23,6 +26,16 @@ from typing import Any, Callable, Mapping, Sequence
 from dspark_jax.errors import ConfigError
 
 ENGINES = ("deepspec", "vllm", "sglang", "sglang-jax")
+# Other trainers an export can go back to (convert/foreign.py writes their layout).
+TRAINERS = ("speculators", "specforge")
+TARGETS = ENGINES + TRAINERS
+
+# The engine releases whose own loaders tests/test_interop_*.py drive (pinned in
+# .ci/interop-requirements.txt); a rule with ``checked=CHECKED[engine]`` is asserted against
+# that running code, the others are as read from the engine's source (``checked="read"``).
+# CHECKED_FAMILIES: the drafter families run through each (other families' rules stay as read).
+CHECKED = {"vllm": "vllm 0.33.0", "speculators": "speculators 0.9.0", "specforge": "specforge 0.2.0"}
+CHECKED_FAMILIES = {"vllm": ("qwen3", "gemma4"), "speculators": ("qwen3",), "specforge": ("qwen3",)}
 
 # architectures[0] each engine selects its DSpark drafter class by, per family.
 ARCHITECTURES: dict[str, dict[str, str]] = {
@@ -38,6 +51,10 @@ ARCHITECTURES: dict[str, dict[str, str]] = {
     # python/sgl_jax/srt/models/dspark.py: EntryClass = Qwen3DSparkModel (DFlashDraftModel
     # backbone); no Gemma4 DSpark class in python/sgl_jax/srt/models/ (gemma4_mtp.py is MTP).
     "sglang-jax": {"qwen3": "Qwen3DSparkModel"},
+    # speculators src/speculators/models/dspark/core.py and SpecForge
+    # specforge/modeling/draft/dspark.py: DSparkDraftModel over a Qwen3 backbone only.
+    "speculators": {"qwen3": "DSparkDraftModel"},
+    "specforge": {"qwen3": "DSparkDraftModel"},
 }
 
 
@@ -106,6 +123,7 @@ class Rule:
     test: Callable[[DraftFacts], str | None]
     families: tuple[str, ...] = ("qwen3", "gemma4")
     severity: str = "error"  # "error": the engine refuses; "warning": loads but degrades
+    checked: str = "read"  # the engine version whose own loader ran it (see CHECKED), else "read"
 
 
 def _family_supported(engine: str) -> Callable[[DraftFacts], str | None]:
@@ -155,12 +173,13 @@ def _capture_in_range(engine: str):
     return test
 
 
-def _capture_in_range_or_embedding(engine: str):
+def _capture_in_range_or_embedding(engine: str, last: int = 2):
+    """ids in [-1, N - last]: capture point id + 1, 0 being the embedding output."""
     def test(f: DraftFacts):
-        bad = [i for i in f.target_layer_ids if not -1 <= i <= f.num_target_layers - 2]
+        bad = [i for i in f.target_layer_ids if not -1 <= i <= f.num_target_layers - last]
         if bad:
             return (f"{engine} captures target layer id+1, so every id must be in "
-                    f"[-1, {f.num_target_layers - 2}]; got {bad}")
+                    f"[-1, {f.num_target_layers - last}]; got {bad}")
         return None
     return test
 
@@ -185,15 +204,16 @@ def _gemma4_k_eq_v(f: DraftFacts):
     return None
 
 
-def _gemma4_drops_confidence(f: DraftFacts):
-    if f.family == "gemma4" and f.enable_confidence_head:
-        return "vllm's Gemma4 DSpark loader drops the confidence head (adaptive verification off)"
-    return None
-
-
 def _vllm_drops_missing_confidence(f: DraftFacts):
     if not f.enable_confidence_head:
         return "vllm runs without a confidence head: adaptive verification / STS are unavailable"
+    return None
+
+
+def _vllm_empty_markov(f: DraftFacts):
+    if f.markov_rank == 0:
+        return ("vllm builds its DSpark Markov head with rank 0 (empty markov_w1/w2, zero bias): "
+                "it drafts as DFlash")
     return None
 
 
@@ -211,37 +231,42 @@ RULES: tuple[Rule, ...] = (
          _family_supported("deepspec")),
     # ---------------------------------------------------------------- vLLM
     Rule("vllm", "family", "vllm/model_executor/models/qwen3_dspark.py, gemma4_dspark.py",
-         _family_supported("vllm")),
-    # Qwen3DSparkModel.__init__ and gemma4_dspark.py Gemma4DSparkModel.__init__ build
-    # DSparkMarkovHead(vocab, draft_vocab, markov_rank) unconditionally; markov_w1/markov_w2
-    # must be in the checkpoint.
-    Rule("vllm", "markov_rank>0", "vllm/model_executor/models/qwen3_dspark.py (Qwen3DSparkModel); "
-         "gemma4_dspark.py (Gemma4DSparkModel)",
-         _markov_rank_positive("vllm", "the DSpark model always builds markov_head.markov_w1/w2")),
+         _family_supported("vllm"), checked=CHECKED["vllm"]),
+    # Qwen3DSparkModel.__init__ builds DSparkMarkovHead(vocab, draft_vocab, markov_rank)
+    # unconditionally: with rank 0 its markov_w1/w2 are empty (V x 0) and load_weights accepts
+    # a checkpoint without them (vllm 0.33.0, run): a zero bias, so it drafts as DFlash.
+    Rule("vllm", "markov-rank-0", "vllm/model_executor/models/qwen3_dspark.py (Qwen3DSparkModel, "
+         "load_weights)", _vllm_empty_markov, families=("qwen3",), severity="warning",
+         checked=CHECKED["vllm"]),
+    # gemma4_dspark.py Gemma4DSparkModel.__init__ builds the head too (read, not run).
+    Rule("vllm", "markov_rank>0", "vllm/model_executor/models/gemma4_dspark.py (Gemma4DSparkModel)",
+         _markov_rank_positive("vllm", "the DSpark model always builds markov_head.markov_w1/w2"),
+         families=("gemma4",)),
     # Qwen3DSparkForCausalLM.load_weights -> AutoWeightsLoader: any tensor without a module
     # (markov_head.gate_proj.*, markov_head.joint_proj.*) raises. Gemma4DSparkForCausalLM.
     # load_weights loads only names it has a parameter for and skips the rest silently.
     Rule("vllm", "vanilla-markov", "vllm/model_executor/models/qwen3_dspark.py (load_weights); "
-         "gemma4_dspark.py (Gemma4DSparkForCausalLM.load_weights)", _vanilla_only("vllm")),
-    # Aux hidden states are captured before layer id+1 as hidden_states + residual, and the
-    # residual is None before layer 0 (vllm/model_executor/models/interfaces.py
-    # EagleModelMixin._maybe_add_hidden_state; qwen2.py/qwen3 forward), so id -1 fails.
-    # (vllm/model_executor/models/gemma4.py Gemma4Model.forward captures index 0, the scaled
-    # embedding, before the first layer and its layers return residual None: Gemma4 may tap -1.)
-    Rule("vllm", "no-layer-id-minus-1", "vllm/model_executor/models/interfaces.py "
-         "(_maybe_add_hidden_state); vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py",
-         _no_embedding_tap("vllm"), families=("qwen3",)),
+         "gemma4_dspark.py (Gemma4DSparkForCausalLM.load_weights)", _vanilla_only("vllm"),
+         checked=CHECKED["vllm"]),
+    # Aux hidden states are captured at id+1 (eagle3_utils.get_eagle3_aux_layers_from_config);
+    # qwen2.py Qwen2Model.forward (Qwen3's) captures point 0 before the first layer and
+    # EagleModelMixin._maybe_add_hidden_state returns the embedding when the residual is None,
+    # so -1 (the embedding output) is served; points 1..N follow each layer, so id <= N-1.
+    # (Read as "no -1" from older sources; vllm 0.33.0's running code serves it.)
+    Rule("vllm", "capture-in-range", "vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py "
+         "(get_eagle3_aux_layers_from_config); vllm/model_executor/models/interfaces.py "
+         "(_maybe_add_hidden_state)", _capture_in_range_or_embedding("vllm", last=1),
+         families=("qwen3",), checked=CHECKED["vllm"]),
     # Gemma4DSparkAttention: use_k_eq_v = full_attention layer and config.attention_k_eq_v;
     # Gemma4DSparkModel._build_fused_kv_buffers asserts every layer uses k = v.
     Rule("vllm", "gemma4-k-eq-v", "vllm/model_executor/models/gemma4_dspark.py "
          "(Gemma4DSparkAttention, _build_fused_kv_buffers)", _gemma4_k_eq_v, families=("gemma4",)),
-    # Gemma4DSparkForCausalLM.load_weights: `if "confidence_head" in name: continue`.
-    Rule("vllm", "gemma4-no-confidence", "vllm/model_executor/models/gemma4_dspark.py "
-         "(Gemma4DSparkForCausalLM.load_weights)",
-         _gemma4_drops_confidence, families=("gemma4",), severity="warning"),
+    # (Gemma4DSparkForCausalLM.load_weights once skipped confidence_head.*; vllm 0.33.0 loads it:
+    # run, tests/test_interop_vllm.py.)
     # load_weights: confidence_head optional -> set to None when absent.
     Rule("vllm", "confidence-optional", "vllm/model_executor/models/qwen3_dspark.py (load_weights)",
-         _vllm_drops_missing_confidence, families=("qwen3",), severity="warning"),
+         _vllm_drops_missing_confidence, families=("qwen3",), severity="warning",
+         checked=CHECKED["vllm"]),
     # ---------------------------------------------------------------- SGLang
     Rule("sglang", "family", "python/sglang/srt/models/dspark.py (EntryClass)",
          _family_supported("sglang")),
@@ -280,12 +305,17 @@ RULES: tuple[Rule, ...] = (
          f"sglang-jax needs block_size > 1, got {f.block_size}"),
     Rule("sglang-jax", "confidence-ignored", "python/sgl_jax/srt/speculative/dspark_worker.py "
          "(SERVING.md)", _ignored_confidence("sglang-jax"), severity="warning"),
+    # ---------------------------------------------------------------- trainers (run: interop tests)
+    Rule("speculators", "family", "src/speculators/models/dspark/core.py (DSparkDraftModel: Qwen3 layers)",
+         _family_supported("speculators"), checked=CHECKED["speculators"]),
+    Rule("specforge", "family", "specforge/modeling/draft/dspark.py (DSparkDraftModel: Qwen3 layers)",
+         _family_supported("specforge"), checked=CHECKED["specforge"]),
 )
 
 
 def _engine(engine: str) -> str:
-    if engine not in ENGINES:
-        raise ConfigError(f"engine {engine!r} is unknown; expected one of {list(ENGINES)}")
+    if engine not in TARGETS:
+        raise ConfigError(f"engine {engine!r} is unknown; expected one of {list(TARGETS)}")
     return engine
 
 
@@ -306,6 +336,13 @@ def violations(cfg, engine: str, severity: str = "error") -> list[tuple[Rule, st
         if why:
             out.append((rule, why))
     return out
+
+
+def checked_against(engine: str, family: str | None = None) -> list[str]:
+    """The engine versions whose running code checked ``engine``'s rules (for ``family``)."""
+    if family is not None and family not in CHECKED_FAMILIES.get(engine, ()):
+        return []
+    return sorted({r.checked for r in rules_for(engine, family) if r.checked != "read"})
 
 
 def check(cfg, engine: str) -> str | None:
@@ -450,7 +487,7 @@ def export_draft(src, dst, engine: str, *, force: bool = False, sps=None) -> dic
     import jax
     import numpy as np
 
-    from dspark_jax.convert import checkpoint, mapping, safetensors_io
+    from dspark_jax.convert import checkpoint, foreign, mapping, safetensors_io
 
     _engine(engine)
     src = Path(src)
@@ -467,7 +504,11 @@ def export_draft(src, dst, engine: str, *, force: bool = False, sps=None) -> dic
     sts = sts_sidecar(temps, extras.get("sts_report")) if temps is not None else None
     host = jax.tree.map(np.asarray, params)
     tensors = mapping.draft_to_torch(cfg, host)
-    hf = export_config(cfg.to_hf(), cfg, engine)
+    if engine in TRAINERS:  # back to another trainer: its own config layout and tensor names
+        tensors = foreign.foreign_tensors(tensors, engine)
+        hf = foreign.foreign_config(cfg.to_hf(), engine)
+    else:
+        hf = export_config(cfg.to_hf(), cfg, engine)
     dtype = next(iter({np.dtype(t.dtype).name for t in tensors.values()}))
     hf["dtype"] = hf["torch_dtype"] = dtype
     if extras:  # as checkpoint.save_draft does: STS temperatures survive a re-export / inspect

@@ -247,3 +247,58 @@ def convert_foreign(src, dst, fmt: str | None = None, *, target=None, num_target
         params = jax.tree.map(lambda a: np.asarray(jnp.asarray(a, dtype)), params)
     return checkpoint.save_draft(dst, cfg, params, format=to, force=force,
                                  extras={"imported_from": fmt or detect(src)})
+
+
+# --------------------------------------------------------------------------- exports back
+
+def foreign_config(ref_hf: Mapping[str, Any], fmt: str) -> dict:
+    """The reference Qwen3DSparkModel config dict -> the config.json ``fmt``'s own loader reads
+    (the inverse of ``reference_config``; layouts as in the module docstring).
+
+    specforge: the Qwen3 fields, ``num_target_layers``, ``block_size`` and the ``dflash_config``
+    block SpecForge's DSparkDraftModel builds both heads from (projector_type "dspark", GQA
+    attention_mode as its constructor requires). speculators: DSparkSpeculatorConfig's fields
+    (``transformer_layer_config``, aux ids = ours + 1, ``sample_from_anchor`` true) and a
+    ``speculators_config`` whose verifier has no path (its loader then keeps the embed_tokens /
+    lm_head written beside); ``num_target_layers`` is kept so the import needs no --target.
+    """
+    base = {k: ref_hf[k] for k in _QWEN3_FIELDS if k in ref_hf}
+    base["layer_types"] = list(ref_hf.get("layer_types") or ["full_attention"] * int(base["num_hidden_layers"]))
+    rank = int(ref_hf.get("markov_rank", 0) or 0)
+    conf = bool(ref_hf.get("enable_confidence_head", False))
+    heads = {"markov_rank": rank, "markov_head_type": str(ref_hf.get("markov_head_type", "vanilla")),
+             "enable_confidence_head": conf,
+             "confidence_head_with_markov": bool(conf and ref_hf.get("confidence_head_with_markov", False))}
+    ids = [int(i) for i in ref_hf["target_layer_ids"]]
+    common = {"num_target_layers": int(ref_hf["num_target_layers"]), "block_size": int(ref_hf["block_size"]),
+              "num_anchors": int(ref_hf.get("num_anchors", 512)), "dtype": ref_hf.get("dtype", "float32")}
+    if fmt == "specforge":
+        kv, q = int(base["num_key_value_heads"]), int(base["num_attention_heads"])
+        return {**base, **common, "architectures": ["DSparkDraftModel"],
+                "dflash_config": {"target_layer_ids": ids, "mask_token_id": int(ref_hf["mask_token_id"]),
+                                  "projector_type": "dspark", "attention_mode": "mha" if kv == q else "gqa",
+                                  **heads}}
+    if fmt == "speculators":
+        block = common["block_size"]
+        tl = {**base, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+              "tie_word_embeddings": False}
+        return {**common, **heads, "architectures": ["DSparkDraftModel"], "speculators_model_type": "dspark",
+                "speculators_version": "0.9.0", "transformer_layer_config": tl,
+                "draft_vocab_size": int(base["vocab_size"]), "aux_hidden_state_layer_ids": [i + 1 for i in ids],
+                "mask_token_id": int(ref_hf["mask_token_id"]), "sample_from_anchor": True,
+                "sliding_window_non_causal": False, "target_hidden_size": None, "tie_word_embeddings": False,
+                "speculators_config": {
+                    "algorithm": "dspark", "default_proposal_method": "greedy",
+                    "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": block,
+                                          "accept_tolerance": 0.0, "verifier_accept_k": 1}],
+                    "verifier": {"architectures": ["Qwen3ForCausalLM"], "name_or_path": None}}}
+    raise ConfigError(f"foreign format {fmt!r} is unknown; expected one of {list(FORMATS)}")
+
+
+def foreign_tensors(tensors: Mapping[str, np.ndarray], fmt: str) -> dict[str, np.ndarray]:
+    """Reference tensor names -> ``fmt``'s: the same names (both trainers use the reference's);
+    SpecForge has no embed_tokens / lm_head (the target's are used: import with --target)."""
+    if fmt not in FORMATS:
+        raise ConfigError(f"foreign format {fmt!r} is unknown; expected one of {list(FORMATS)}")
+    drop = ("embed_tokens.weight", "lm_head.weight") if fmt == "specforge" else ()
+    return {k: t for k, t in tensors.items() if k not in drop}

@@ -145,6 +145,15 @@ def _write_cache_into(tmp: Path, target_config: TargetConfig, target_params, lay
     return manifest
 
 
+def _load_npy(path: Path, **kw) -> np.ndarray:
+    """``np.load`` with a CheckpointError naming the file when it is missing, truncated or corrupt."""
+    try:
+        return np.load(path, **kw)
+    except (OSError, ValueError, EOFError) as e:
+        raise CheckpointError(f"feature cache file {path} is missing, truncated or corrupt ({e}); rewrite "
+                              "the cache with `dspark-jax cache --force`") from None
+
+
 class FeatureCache:
     """Memory-mapped reader; a grain random-access source of padded records.
 
@@ -163,7 +172,7 @@ class FeatureCache:
             raise CheckpointError(f"{mf}: invalid JSON ({e.msg})") from None
         if self.manifest.get("format") != FORMAT or self.manifest.get("version") != VERSION:
             raise CheckpointError(f"{mf}: not a {FORMAT} v{VERSION} manifest")
-        self.index = np.load(self.path / "index.npy")
+        self.index = _load_npy(self.path / "index.npy")
         if self.index.shape != (self.manifest["num_records"], 3):
             raise CheckpointError(f"{self.path}/index.npy has shape {self.index.shape}, manifest says "
                                   f"{self.manifest['num_records']} records")
@@ -186,7 +195,11 @@ class FeatureCache:
                 f = self.path / sh["name"] / f"{k}.npy"
                 if not f.is_file():
                     raise CheckpointError(f"feature cache shard file {f} is missing")
-                arrays[k] = np.load(f, mmap_mode="r")
+                arrays[k] = _load_npy(f, mmap_mode="r")
+                if len(arrays[k]) != sh["tokens"]:
+                    raise CheckpointError(f"feature cache shard file {f} holds {len(arrays[k])} tokens, the "
+                                          f"manifest says {sh['tokens']}: the cache is incomplete; rewrite it "
+                                          "with `dspark-jax cache --force`")
                 if k in FEATURE_ARRAYS:
                     arrays[k] = as_feature_dtype(arrays[k], feature_dtype, str(f))
             self._shards.append(arrays)

@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         _check_args(args)
-        check_output(args.out, force=args.force)
+        check_output(args.out, force=args.force, inputs={"--target": args.target})
         cfg, params = load_target(args.target)
         _check_args(args, cfg)
         seqs = sample_sequences(params, cfg, args.num, args.length, args.seed, args.temperature)
@@ -103,6 +103,9 @@ def main(argv=None) -> int:
     except DSparkError as e:
         print(f"{ap.prog}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -93,6 +93,9 @@ def parse_token_record(rec, where: str) -> tuple[list[int], list[float]]:
             raise InputError(f"{where}: '{field}' must be a list of numbers")
     if not all(isinstance(t, int) for t in ids):
         raise InputError(f"{where}: 'input_ids' must be a list of ints")
+    odd = next((j for j, v in enumerate(mask) if v not in (0, 1)), None)
+    if odd is not None:
+        raise InputError(f"{where}: 'loss_mask' value {mask[odd]!r} at index {odd} is not 0 or 1")
     return ids, mask
 
 

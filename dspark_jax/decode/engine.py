@@ -38,6 +38,7 @@ from dspark_jax import sharding as sharding_lib
 from dspark_jax import families
 from dspark_jax.decode import loop as L
 from dspark_jax.decode import sharded
+from dspark_jax.decode.memory import check_decode_memory
 from dspark_jax.decode.policies import FullPolicy
 from dspark_jax.errors import InputError
 
@@ -146,6 +147,8 @@ def serve(
     if spec:
         max_pos = min(max_pos, draft_cfg.max_position_embeddings)
     _, max_len = L.plan_shapes(prompts, r_cap, g, max_pos, max_cache_len)
+    check_decode_memory(target_cfg, target_params, draft_cfg if spec else None,
+                        draft_params if spec else None, slots, max_len, mesh)
     conf_temps = L._confidence_temperatures(confidence_temperatures, g) if spec else None
     policy = (policy if policy is not None else FullPolicy()) if spec else None
     greedy = sampling.is_greedy(temperature)
@@ -193,6 +196,8 @@ def serve(
     used_buckets: set[int] = set()
     n_chunks = n_prefills = 0
     t0 = time.perf_counter()
+    if progress is not None:
+        progress(0)  # validated: the work starts
 
     def insert(slot: int, i: int):
         nonlocal state, n_prefills

@@ -55,7 +55,8 @@ from dspark_jax.decode import sharded
 from dspark_jax.decode.policies import FullPolicy, VerifyPolicy, constant_length
 from dspark_jax.decode.verify import rejection_sample
 from dspark_jax.draft import decode as draft_decode
-from dspark_jax.errors import ConfigError, InputError, require_positive_int
+from dspark_jax.decode.memory import check_decode_memory
+from dspark_jax.errors import CheckpointError, ConfigError, InputError, require_positive_int
 from dspark_jax.target import qwen3  # KVCache type only; the forward comes from families
 
 MAX_STOP_IDS = 8     # stop-id slots (padded with -1) so the count never changes shapes
@@ -192,8 +193,9 @@ def _prefill(tparams, dparams, prompts, lens, valid, key, temperature, stop_ids,
     rows = jnp.arange(b)
     last = hidden[rows, lens - 1]
     key, k_first = jax.random.split(key)
-    first = sampling.sample_logits(k_first, target_logits(tcfg, tparams, last), temperature,
-                                   static.greedy, static.top_p)
+    logits = target_logits(tcfg, tparams, last)
+    first = sampling.guard(sampling.sample_logits(k_first, logits, temperature, static.greedy, static.top_p),
+                           logits)
     seq = jnp.zeros((b, max_len), jnp.int32).at[:, :p].set(prompts)
     seq = seq.at[rows, lens].set(first)
     active = valid & ~_is_stop(first, stop_ids)
@@ -455,8 +457,9 @@ def _ar_step(tparams, state: ARState, temperature, stop_ids, static) -> ARState:
                                                  write_cache=False, cache_span=s),
                             spans, span_index(state.pos, state.active, spans))
     cache = state.cache.write(*kv, state.cache.lengths[:, None]).with_lengths(state.cache.lengths + 1)
-    nxt = sampling.sample_logits(k_s, target_logits(static.target, tparams, hidden[:, 0]), temperature,
-                                 static.greedy, static.top_p)
+    logits = target_logits(static.target, tparams, hidden[:, 0])
+    nxt = sampling.guard(sampling.sample_logits(k_s, logits, temperature, static.greedy, static.top_p),
+                         logits)
     active = state.active
     seq = state.seq.at[rows, jnp.where(active, state.pos + 1, max_len)].set(nxt, mode="drop")
     pos = jnp.where(active, state.pos + 1, state.pos)
@@ -687,6 +690,9 @@ def plan_shapes(prompts: Sequence[Sequence[int]], max_new_tokens: int, slack: in
     """(P, L): padded prompt length and cache capacity; InputError when a request does not fit."""
     longest = max(len(p) for p in prompts)
     need = longest + max_new_tokens + slack
+    if max_cache_len is not None and not 0 < max_cache_len <= max_positions:
+        raise InputError(f"--max-cache-len {max_cache_len} must be in [1, {max_positions}] (the "
+                         f"context of the model: max_position_embeddings = {max_positions})")
     limit = max_positions if max_cache_len is None else min(max_cache_len, max_positions)
     for i, p in enumerate(prompts):
         if len(p) + max_new_tokens + slack > limit:
@@ -787,6 +793,8 @@ def _drive(prompts, batch_size: int, p_len: int, seed: int, decode_batch, row_re
     """
     key = jax.random.PRNGKey(seed)
     results: list[Result | None] = [None] * len(prompts)
+    if progress is not None:
+        progress(0)  # validated: the work starts
     for bi, (idx, arr, lens, valid, mx) in enumerate(_batches(prompts, batch_size, p_len, budgets)):
         key, k_batch = jax.random.split(key)
         t0 = time.perf_counter()
@@ -800,8 +808,13 @@ def _drive(prompts, batch_size: int, p_len: int, seed: int, decode_batch, row_re
 
 
 def _trim(tokens: list[int], max_new: int, stops: list[int]) -> list[int]:
+    """A request's new tokens cut at ``max_new`` and after the first stop; a
+    ``sampling.NONFINITE`` among them (the target's logits were NaN/Inf) is a CheckpointError."""
     tokens = tokens[:max_new]
     for i, t in enumerate(tokens):
+        if t == sampling.NONFINITE:
+            raise CheckpointError(f"the target's logits are not finite (NaN/Inf) at new token {i} of a "
+                                  "request: its weights (or --dtype) are broken")
         if t in stops:
             return tokens[:i + 1]
     return tokens
@@ -868,6 +881,7 @@ def speculative_generate(
         raise InputError(f"loop must be 'device' or 'host', got {loop!r}")
     max_pos = min(target_cfg.max_position_embeddings, draft_cfg.max_position_embeddings)
     p_len, max_len = plan_shapes(prompts, max_new_tokens, g, max_pos, max_cache_len)
+    check_decode_memory(target_cfg, target_params, draft_cfg, draft_params, batch_size, max_len, mesh)
     policy = policy if policy is not None else FullPolicy()
     static = _Static(target_cfg, draft_cfg, policy, sampling.is_greedy(temperature), max_new_tokens,
                      spans=_spans_arg(cache_spans))
@@ -944,6 +958,7 @@ def autoregressive_generate(
     sharded.check_mesh(mesh, target_cfg, None, batch_size)
     p_len, max_len = plan_shapes(prompts, max_new_tokens, 1, target_cfg.max_position_embeddings,
                                  max_cache_len)
+    check_decode_memory(target_cfg, target_params, None, None, batch_size, max_len, mesh)
     static = _Static(target_cfg, None, None, sampling.is_greedy(temperature), max_new_tokens,
                      spans=_spans_arg(cache_spans))
     compiled_spans(static, max_len)  # ConfigError now, not at trace time

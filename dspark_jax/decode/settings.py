@@ -42,6 +42,8 @@ class DecodeOptions:
         if self.batching not in BATCHING:
             raise InputError(f"batching must be one of {BATCHING}, got {self.batching!r}")
         require_positive_int(self.batch_size, "batch_size")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
+            raise InputError(f"seed must be an int in [0, 2**32), got {self.seed!r}")
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not (t >= 0 and math.isfinite(t)):
             raise InputError(f"temperature must be a finite number >= 0, got {t!r}")

@@ -2,6 +2,13 @@
 
 Row b verifies only its own ``lengths[b]`` = l_b draft tokens; block positions
 k >= l_b are ignored. Shapes: B rows, G draft tokens, V vocab.
+
+Losslessness never depends on the drafter being finite: a row whose draft logits are not a
+distribution (NaN, +inf) at a verified position rejects all its drafts and takes the target's
+own token at x0 (the decision reads only the drafter, so the output law stays the target's).
+Target logits that are not a distribution at a position the row uses end the row's tokens
+there with ``sampling.NONFINITE`` (the host raises naming it: a broken target cannot be
+verified against).
 """
 
 from __future__ import annotations
@@ -59,6 +66,9 @@ def rejection_sample(
     k_idx = jnp.arange(g, dtype=jnp.int32)[None, :]
     in_len = k_idx < lengths[:, None]
     rows = jnp.arange(b)
+    draft_bad = jnp.any(~sampling.well_defined(draft_logits) & in_len, axis=-1)        # [B]
+    lengths = jnp.where(draft_bad, 0, lengths)
+    in_len = in_len & ~draft_bad[:, None]
     if greedy:
         target_argmax = sampling.argmax(target_logits)  # [B, G+1]
         accept = draft_tokens == target_argmax[:, :g]
@@ -90,4 +100,10 @@ def rejection_sample(
         mass = jnp.sum(residual, axis=-1, keepdims=True)
         residual = jnp.where(mass <= 1e-8, pt_a, residual)
         next_token = sampling.sample_probs(key_s, residual)
+    # the target's logits at the positions this row used (decisions 0..a-1, next token at a)
+    first_bad = first_true(~sampling.well_defined(target_logits))                     # [B] (G+1: none)
+    bad = (first_bad < accepted) | ((first_bad == accepted) & ~stopped)
+    accepted = jnp.where(bad, first_bad, accepted)
+    stopped = stopped & ~bad
+    next_token = jnp.where(bad, sampling.NONFINITE, next_token)
     return Verdict(accepted, next_token.astype(jnp.int32), stopped, proposal_length)

@@ -25,7 +25,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from dspark_jax.errors import InputError
-from dspark_jax.fileio import atomic_dir, iter_jsonl
+from dspark_jax.fileio import atomic_dir, dumps, iter_jsonl
 
 DEFAULT_GRID = np.geomspace(0.05, 20.0, 481)
 DEFAULT_BINS = 15
@@ -127,6 +127,10 @@ def rounds_from_records(records: Iterable[Mapping[str, Any]], where: str = "logs
             z = np.asarray(z, np.float64).reshape(-1)
         except (TypeError, ValueError):
             raise InputError(f"{line}: confidence logits must be a list of numbers") from None
+        bad = np.flatnonzero(~np.isfinite(z))
+        if bad.size:
+            raise InputError(f"{line}: confidence logit {bad[0]} is {z[bad[0]]} (non-finite or null); "
+                             "the drafter that wrote these logs is broken")
         if logits and z.shape != logits[0].shape:
             raise InputError(f"{line}: {z.size} confidence logits, earlier rounds had "
                              f"{logits[0].size}")
@@ -381,7 +385,6 @@ def run_sts(logs, out, *, draft=None, holdout: float = 0.3, seed: int = 0, bins:
     ``write_draft``, ``out/draft``: the drafter of ``draft`` with the temperatures in its
     extras), atomically. Returns the sts.json report."""
     import datetime
-    import json
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -408,6 +411,12 @@ def run_sts(logs, out, *, draft=None, holdout: float = 0.3, seed: int = 0, bins:
     if refit_all:
         temps = fit_sts(rounds, n_bins=bins)
     report["temperatures"] = [float(t) for t in temps]
+    at_bound = [k for k, t in enumerate(temps) if t in (DEFAULT_GRID[0], DEFAULT_GRID[-1])]
+    if at_bound:
+        from dspark_jax.errors import warn
+        warn(f"STS temperature of position(s) {at_bound} sits at the search bound "
+             f"[{DEFAULT_GRID[0]:g}, {DEFAULT_GRID[-1]:g}]: the confidence logits rank acceptance "
+             "poorly there (or too few rounds); the fit is unreliable")
 
     with atomic_dir(out, force=force) as tmp:
         how = ("STS refit on all rounds (in-sample)" if refit_all else
@@ -416,7 +425,7 @@ def run_sts(logs, out, *, draft=None, holdout: float = 0.3, seed: int = 0, bins:
             reliability_diagram(held, temps, tmp / "reliability.png", bins,
                                 title=f"{held.num_rounds} held-out rounds: raw vs STS", sts_label=how),
             sts="in-sample" if refit_all else "held out")
-        (tmp / "sts.json").write_text(json.dumps(report, indent=1) + "\n")
+        (tmp / "sts.json").write_text(dumps(report, indent=1) + "\n")
         if write_draft:
             _save_draft_with_sts(draft, tmp / "draft", report["temperatures"])
     return report

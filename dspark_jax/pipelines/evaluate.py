@@ -18,8 +18,6 @@ decodes one warm-up batch of the same shapes.
 
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -27,7 +25,7 @@ import numpy as np
 
 from dspark_jax.decode.settings import DecodeOptions, resolve
 from dspark_jax.errors import InputError
-from dspark_jax.fileio import atomic_open, iter_jsonl, write_json
+from dspark_jax.fileio import atomic_open, dumps, iter_jsonl, json_safe, write_json
 
 RESULT_FILE = "eval.json"
 
@@ -88,19 +86,6 @@ def results_rounds(results):
     return rounds_from_records(records, where="decode results")
 
 
-def _finite(x):
-    """JSON-safe: NaN/inf -> None (recursively)."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    if isinstance(x, np.generic):
-        return _finite(x.item())
-    return x
-
-
 def decode_summary(results, block_size: int | None = None, *, calibration: bool = True,
                    tokenizer=None) -> dict:
     """``decode.summarize`` plus ``degeneracy`` (``dspark_jax.degeneracy.summarize`` of the
@@ -118,7 +103,7 @@ def decode_summary(results, block_size: int | None = None, *, calibration: bool 
     if rounds is not None:
         per_pos = position_metrics(rounds)
         out["calibration"] = {"per_position": per_pos, "summary": calib_summary(per_pos)}
-    return _finite(out)
+    return json_safe(out)
 
 
 # --------------------------------------------------------------------------- outputs
@@ -126,7 +111,7 @@ def decode_summary(results, block_size: int | None = None, *, calibration: bool 
 
 def write_json_atomic(path, data) -> Path:
     """Write ``data`` as indented JSON via a temp file next to ``path`` and a rename."""
-    return write_json(path, _finite(data), indent=1)
+    return write_json(path, data, indent=1)  # strict JSON: NaN -> null
 
 
 def write_results_jsonl(path, results, extra: Sequence[Mapping] | None = None) -> Path:
@@ -135,7 +120,7 @@ def write_results_jsonl(path, results, extra: Sequence[Mapping] | None = None) -
         for i, r in enumerate(results):
             line = dict(extra[i]) if extra is not None else {}
             line.update(r.to_json())
-            f.write(json.dumps(line) + "\n")
+            f.write(dumps(line) + "\n")
     return Path(path)
 
 
@@ -432,4 +417,4 @@ def evaluate(target, draft, datasets=None, *, data_dir=None, max_samples: int | 
     if out is not None and jax.process_index() == 0:  # multi-process: process 0 writes
         report["files"] = _write_outputs(out, report, all_results, prompts_by_ds)
         write_json_atomic(out / RESULT_FILE, report)
-    return _finite(report)
+    return json_safe(report)

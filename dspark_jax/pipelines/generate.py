@@ -5,13 +5,12 @@ The ``generate`` command parses flags and prints; ``generate`` here does the wor
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Callable
 
 from dspark_jax.decode.settings import DecodeOptions, advisories, resolve
 from dspark_jax.errors import warn
-from dspark_jax.fileio import atomic_open, check_output
+from dspark_jax.fileio import atomic_open, check_output, dumps
 
 
 def generate(target, prompts_file, out, *, draft=None, options: DecodeOptions = DecodeOptions(),
@@ -33,7 +32,8 @@ def generate(target, prompts_file, out, *, draft=None, options: DecodeOptions = 
     from dspark_jax.decode.sharded import make_decode_mesh
     from dspark_jax.tokenizer import encode_prompt, load_tokenizer
 
-    out = check_output(out, force=force)
+    out = check_output(out, force=force, inputs={"--target": target, "--draft": draft,
+                                                 "--prompts": prompts_file, "--sps": options.sps_table})
     target_dir = Path(target)
     tokenizer = load_tokenizer(target_dir) if target_dir.is_dir() else None
     encode = None
@@ -45,23 +45,32 @@ def generate(target, prompts_file, out, *, draft=None, options: DecodeOptions = 
 
     mesh = make_decode_mesh(options.mesh)  # ConfigError before loading or compiling
     tcfg, tparams = load_target(target_dir, dtype)
-    bar = tqdm(total=len(prompts), desc="generate", unit="prompt", disable=not progress)
-    common = dict(max_cache_len=max_cache_len, progress=bar.update, mesh=mesh,
+    bars = []  # the bar appears at the decoder's first report (progress(0): shapes and memory checked)
+
+    def report(n: int) -> None:
+        if not bars:
+            bars.append(tqdm(total=len(prompts), desc="generate", unit="prompt", disable=not progress))
+        bars[0].update(n)
+
+    common = dict(max_cache_len=max_cache_len, progress=report, mesh=mesh,
                   batching=options.batching)
     block = None
-    if draft:
-        dcfg, dparams = load_draft(draft, dtype)
-        block = dcfg.block_size
-        for message in advisories(options, settings.policy, block):
-            warn(message)
-        if settings.sts_from_drafter:
-            log(f"generate: STS temperatures from the drafter's extras: {settings.confidence_temperatures}")
-        results = speculative_generate(tcfg, tparams, dcfg, dparams, prompts,
-                                       **settings.decode_kwargs(options), **common)
-    else:
-        results = autoregressive_generate(tcfg, tparams, prompts,
-                                          **settings.decode_kwargs(options, speculative=False), **common)
-    bar.close()
+    try:
+        if draft:
+            dcfg, dparams = load_draft(draft, dtype)
+            block = dcfg.block_size
+            for message in advisories(options, settings.policy, block):
+                warn(message)
+            if settings.sts_from_drafter:
+                log(f"generate: STS temperatures from the drafter's extras: {settings.confidence_temperatures}")
+            results = speculative_generate(tcfg, tparams, dcfg, dparams, prompts,
+                                           **settings.decode_kwargs(options), **common)
+        else:
+            results = autoregressive_generate(tcfg, tparams, prompts,
+                                              **settings.decode_kwargs(options, speculative=False), **common)
+    finally:  # an error's line comes after the bar, not inside it
+        for bar in bars:
+            bar.close()
 
     lines = []
     for (rec, _), res in zip(records, results):
@@ -74,7 +83,7 @@ def generate(target, prompts_file, out, *, draft=None, options: DecodeOptions = 
         for k in ("ttft_s", "latency_s", "tokens_per_second"):
             if hasattr(res, k):
                 line[k] = getattr(res, k)
-        lines.append(json.dumps(line) + "\n")
+        lines.append(dumps(line) + "\n")
     import jax
     if jax.process_index() == 0:  # multi-process (launch/): every process decodes, process 0 writes
         with atomic_open(out) as f:

@@ -41,7 +41,7 @@ import numpy as np
 from dspark_jax.data.formats import Conversation, read_conversations
 from dspark_jax.data.sources import reply_record
 from dspark_jax.errors import InputError, warn
-from dspark_jax.fileio import check_output, write_json, write_jsonl
+from dspark_jax.fileio import check_not_input, check_output, dumps, write_json, write_jsonl
 
 TURNS = ("last", "all")
 DEFAULT_TEMPERATURE = 1.0   # no generation config: sample the target's own distribution
@@ -241,7 +241,7 @@ class Journal:
         self._f = path.open("a", encoding="utf-8")
 
     def append(self, index: int, row: dict) -> None:
-        self._f.write(json.dumps({"index": index, "row": row}) + "\n")
+        self._f.write(dumps({"index": index, "row": row}) + "\n")
         self._f.flush()
         os.fsync(self._f.fileno())
 
@@ -343,11 +343,11 @@ def regenerate(target, data, out, *, fmt: str = "auto", turns: str = "last", thi
     data_path = Path(data)
     if not data_path.is_file():
         raise InputError(f"--data {str(data)!r} does not exist or is not a file")
-    if files["out"].resolve() == data_path.resolve():
-        raise InputError(f"--out {str(out)!r} is the input file; choose another destination")
-    check_output(files["out"], force=force)
-    check_output(files["summary"], force=force, flag="--out (its summary)")
+    inputs = {"--target": target, "--data": data, "--draft": draft}
+    check_output(files["out"], force=force, inputs=inputs)
+    check_output(files["summary"], force=force, flag="--out (its summary)", inputs=inputs)
     for key in ("journal", "meta"):
+        check_not_input(files[key], inputs, flag=f"--out (its {key} {files[key].name})")
         if files[key].is_dir():
             raise InputError(f"{files[key]} (the resume journal of --out) is a directory")
 

@@ -109,6 +109,8 @@ class TrainConfig:
     ``max_length``; longer ones are cut to max_length ("truncate") or rejected with the
     offending line ("refuse"). batch_size is the GLOBAL number of sequences per optimizer
     step, split into ``grad_accum`` micro-batches (the loss is identical for any split).
+    ``steps`` 0 (the default) trains ``epochs`` passes over the data (epochs x sequences //
+    batch_size steps); steps > 0 trains exactly that many steps, whatever ``epochs``.
     ``num_devices`` 0 uses all devices, else the first N (single process only).
     """
 
@@ -167,6 +169,8 @@ class TrainConfig:
         for name in ("steps", "num_devices"):
             v = getattr(self, name)
             req(_is_int(v, 0), f"{name} must be an int >= 0, got {v!r}")
+        req(self.max_length >= 2, f"max_length must be >= 2 (an anchor and a token to predict), got "
+                                  f"{self.max_length}")
         req(self.batch_size % self.grad_accum == 0,
             f"batch_size={self.batch_size} is not divisible by grad_accum={self.grad_accum}")
         req(self.target != "", "target (a target checkpoint directory) is required")

@@ -39,9 +39,9 @@ from dspark_jax.convert import checkpoint as ckpt_io
 from dspark_jax.convert import engines
 from dspark_jax.convert.identity import target_identity
 from dspark_jax.data import chat, pipeline, reference_cache, sources
-from dspark_jax import families
+from dspark_jax import families, interrupt
 from dspark_jax.errors import CheckpointError, ConfigError, DSparkError, InputError
-from dspark_jax.fileio import atomic_open, write_json
+from dspark_jax.fileio import atomic_open, check_not_input, check_output, dumps, write_json
 from dspark_jax.tokenizer import load_tokenizer
 from dspark_jax.train import optim
 from dspark_jax.train.config import TrainConfig
@@ -229,6 +229,12 @@ def _write_run_record(out: Path, record: dict, is_main: bool) -> None:
 def setup(cfg: TrainConfig, *, fast_compile: bool = False, force_resume: bool = False) -> Run:
     """Load target, drafter and data, check the run directory, build the train program, place
     the frozen weights, and write ``run.json``. A finished run raises ``RunFinished``."""
+    inputs = ({f: getattr(cfg, f) for f in ("target", "draft_init", "data", "tokenizer")}
+              | {"cache_dir": cfg.cache_dir if cfg.features == "cache" else None})
+    check_output(cfg.output_dir, kind="dir", flag="output_dir", marker=("run.json", "checkpoints"),
+                 inputs=inputs)
+    if cfg.export_dir:  # replaced at the end of the run: never an input
+        check_not_input(cfg.export_dir, inputs, flag="export_dir")
     target_cfg, target_params = ckpt_io.load_target(cfg.target)
     draft_cfg, params = load_drafter(cfg, target_cfg, target_params)
     if jax.process_index() == 0:
@@ -350,7 +356,7 @@ class _Log:
         self.history.append(row)
         self.tokens += int(metrics["tokens"])
         if self.run.is_main:
-            self.file.write(json.dumps(row) + "\n")
+            self.file.write(dumps(row) + "\n")
             self.file.flush()
             if step % self.run.cfg.log_every == 0:
                 for k, v in metrics.items():
@@ -401,7 +407,8 @@ def _save(run: Run, mgr, step: int, state, data_iter, log: "_Log") -> None:
 
 
 def iterate(run: Run, state, start: int, mgr, data_iter, log: _Log):
-    """Run steps ``start+1 .. total_steps``; returns the final state. Stops on a non-finite loss."""
+    """Run steps ``start+1 .. total_steps``; returns the final state. Stops on a non-finite loss,
+    and after a step's checkpoint when Ctrl-C was pressed (``interrupt.check``)."""
     for it in range(start, run.total_steps):
         host = next(data_iter)
         indices = host.pop("index")
@@ -416,6 +423,7 @@ def iterate(run: Run, state, start: int, mgr, data_iter, log: _Log):
             raise _non_finite(run, mgr, it + 1, metrics)
         log.add(it + 1, metrics, row)
         _save(run, mgr, it + 1, state, data_iter, log)
+        interrupt.check()
     mgr.wait_until_finished()
     return state
 
@@ -460,10 +468,13 @@ def train(cfg: TrainConfig, *, fast_compile: bool | None = None, force_resume: b
     mgr = checkpoint_manager(run)
     log = None
     try:
-        state, start = restore_or_init(run, mgr, data_iter)
-        log = _Log(run, start)
-        t_loop = time.time()
-        state = iterate(run, state, start, mgr, data_iter, log)
+        # Ctrl-C ends a single-process run between steps, not inside XLA/orbax work (several
+        # processes would stop at different steps and hang in a collective: there it raises)
+        with interrupt.deferred_sigint(enabled=jax.process_count() == 1):
+            state, start = restore_or_init(run, mgr, data_iter)
+            log = _Log(run, start)
+            t_loop = time.time()
+            state = iterate(run, state, start, mgr, data_iter, log)
     finally:
         if log:
             log.close()

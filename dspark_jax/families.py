@@ -27,13 +27,14 @@ from dspark_jax.draft import gemma4 as draft_gemma4
 from dspark_jax.draft import model as draft_model
 from dspark_jax.errors import CheckpointError, ConfigError
 from dspark_jax.params import Family
-from dspark_jax.target import gemma4, qwen3
+from dspark_jax.target import deepseek_v4, gemma4, qwen3
 
 _BUILTIN: tuple[Family, ...] = (
     qwen3.FAMILY,
     draft_model.FAMILY,
     gemma4.FAMILY,
     draft_gemma4.FAMILY,
+    deepseek_v4.FAMILY,  # conversion / inspect (no decode runtime yet)
 )
 
 FAMILIES: dict[str, Family] = {}

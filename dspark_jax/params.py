@@ -9,6 +9,8 @@ are all derived from that table.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 import zlib
 from typing import Any, Mapping
 
@@ -21,13 +23,43 @@ from dspark_jax.errors import CheckpointError
 
 Path = tuple[str, ...]
 
+QUANT_FORMATS = ("fp8", "fp4")
+
+
+@dataclasses.dataclass(frozen=True)
+class Quant:
+    """A quantized companion: the checkpoint stores the tensor in ``fmt`` plus a scale tensor.
+
+    fmt:    ``"fp8"`` (float8 e4m3, one value per element) or ``"fp4"`` (MXFP4: two e2m1 values
+            per int8 byte along the last torch dim, low nibble first).
+    block:  ``(rows, cols)`` of the torch-layout tensor one scale covers (ue8m0: ``2**(e - 127)``),
+            e.g. ``(128, 128)`` for FP8 weights, ``(1, 32)`` for MXFP4 experts.
+    scale:  the scale tensor's name is the weight's with ``.weight`` replaced by this suffix.
+    """
+
+    fmt: str
+    block: tuple[int, int]
+    scale: str = ".scale"
+
+    def __post_init__(self):
+        if self.fmt not in QUANT_FORMATS:
+            raise ValueError(f"unknown quantized format {self.fmt!r}; known {QUANT_FORMATS}")
+
+    def scale_shape(self, torch_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """One scale per block (partial blocks at the edges count)."""
+        return (*torch_shape[:-2], *(math.ceil(n / b) for n, b in zip(torch_shape[-2:], self.block)))
+
+    def scale_name(self, name: str) -> str:
+        base = name[:-len(".weight")] if name.endswith(".weight") else name
+        return base + self.scale
+
 
 @dataclasses.dataclass(frozen=True)
 class ParamSpec:
     """One leaf of a params tree.
 
-    shape:     our layout (kernels ``[in, out]``; stacked per-layer leaves have a leading
-               layer axis of length ``len(layer_ids)``).
+    shape:     our layout (kernels ``[in, out]``; stacked leaves have leading stacking axes:
+               ``len(layer_ids)`` layers, then ``len(expert_ids)`` experts when given).
     axes:      logical axis names, one per dim (``None`` = replicated), mapped to mesh
                axes by ``sharding`` rules.
     torch:     the PyTorch state-dict name; ``{i}`` marks a stacked leaf holding one torch
@@ -35,6 +67,14 @@ class ParamSpec:
     transpose: torch stores the transpose (``nn.Linear.weight`` is ``[out, in]``).
     init:      ``"normal"`` (std ``init_std``), ``"zeros"`` or ``"ones"``.
     layer_ids: the torch layer indices the leading axis stacks, in order (``None``: not stacked).
+    expert_ids: the ``{e}`` indices the next axis stacks (MoE experts stored one tensor each,
+               ``layers.{i}.ffn.experts.{e}.w1.weight``), or ``None``.
+    dtype:     a fixed dtype of this leaf whatever the model's dtype (``"float32"`` for leaves a
+               checkpoint keeps in float32, ``"int32"`` for integer tables), or ``None``.
+    torch_dtype: the dtype written to a PyTorch checkpoint when it differs from ``dtype``
+               (an ``int64`` table held as ``int32``).
+    quant:     the quantized companion a checkpoint may store this tensor with (``Quant``).
+    bound:     an integer table's values must lie in ``[0, bound)`` (expert ids), checked on load.
     frozen:    never trained (embedding and LM head shared with the target).
     rng_path:  how ``init_params`` derives this leaf's key from the model key: each ``(n, i)``
                is ``key = jax.random.split(key, n)[i]``, outermost first. ``None`` (the
@@ -51,6 +91,11 @@ class ParamSpec:
     layer_ids: tuple[int, ...] | None = None
     frozen: bool = False
     rng_path: tuple[tuple[int, int], ...] | None = None
+    expert_ids: tuple[int, ...] | None = None
+    dtype: str | None = None
+    torch_dtype: str | None = None
+    quant: Quant | None = None
+    bound: int | None = None
 
     def __post_init__(self):
         if len(self.shape) != len(self.axes):
@@ -59,24 +104,40 @@ class ParamSpec:
             raise ValueError(f"{self.torch}: unknown init {self.init!r}")
         if (self.layer_ids is None) != ("{i}" not in self.torch):
             raise ValueError(f"{self.torch}: '{{i}}' in the torch name iff layer_ids is given")
-        if self.layer_ids is not None and self.shape[0] != len(self.layer_ids):
-            raise ValueError(f"{self.torch}: leading dim {self.shape[0]} != {len(self.layer_ids)} layers")
+        if (self.expert_ids is None) != ("{e}" not in self.torch):
+            raise ValueError(f"{self.torch}: '{{e}}' in the torch name iff expert_ids is given")
+        for k, (key, ids) in enumerate(self.stacks):
+            if self.shape[k] != len(ids):
+                raise ValueError(f"{self.torch}: leading dim {k} is {self.shape[k]}, "
+                                 f"expected {len(ids)} ('{{{key}}}' entries)")
+
+    @property
+    def stacks(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """The stacking indices, outermost first: ``(("i", layer_ids), ("e", expert_ids))``."""
+        return tuple((k, ids) for k, ids in (("i", self.layer_ids), ("e", self.expert_ids))
+                     if ids is not None)
 
     @property
     def stacked(self) -> bool:
-        return self.layer_ids is not None
+        return bool(self.stacks)
+
+    @property
+    def stack_shape(self) -> tuple[int, ...]:
+        return tuple(len(ids) for _, ids in self.stacks)
 
     @property
     def torch_shape(self) -> tuple[int, ...]:
-        """Shape of one PyTorch tensor (one layer's, for a stacked leaf)."""
-        shape = self.shape[1:] if self.stacked else self.shape
+        """Shape of one PyTorch tensor (one layer's / expert's, for a stacked leaf)."""
+        shape = self.shape[len(self.stacks):]
         return tuple(reversed(shape)) if self.transpose else tuple(shape)
 
     def torch_names(self) -> list[str]:
-        """The PyTorch tensor names this leaf holds, in leading-axis order."""
+        """The PyTorch tensor names this leaf holds, in (row-major) stacking order."""
         if not self.stacked:
             return [self.torch]
-        return [self.torch.format(i=i) for i in self.layer_ids]
+        keys = [k for k, _ in self.stacks]
+        return [self.torch.format(**dict(zip(keys, combo)))
+                for combo in itertools.product(*(ids for _, ids in self.stacks))]
 
 
 Specs = Mapping[Path, ParamSpec]
@@ -110,6 +171,11 @@ class Family:
                    prefixes a checkpoint layout stores its tensors under instead of the declared
                    ones (e.g. a multimodal wrapper's text model under ``model.language_model.``);
                    reading renames them, writing always uses the declared names.
+    source_names:  ``(hf config dict, stored names) -> {declared name: stored name}``, for layouts
+                   that rename more than a prefix (DeepSeek-V4: upstream vs transformers names).
+    aside_tensors: torch-name prefixes of tensors this family does not read but conversion keeps:
+                   copied byte for byte into ``aside.safetensors`` next to the converted model
+                   (DeepSeek-V4's in-checkpoint DSpark module, ``mtp.*``).
     """
 
     name: str
@@ -123,6 +189,8 @@ class Family:
     ignored_tensors: tuple[str, ...] = ()
     pairs_with: str | None = None
     source_prefixes: Any = None
+    source_names: Any = None
+    aside_tensors: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -139,6 +207,8 @@ class Family:
 
     def stored_names(self, hf: Mapping[str, Any], names) -> dict[str, str]:
         """{declared torch name: stored name} of a checkpoint's tensor ``names`` under ``hf``'s layout."""
+        if self.source_names is not None:
+            return dict(self.source_names(hf, names))
         renames = tuple(self.source_prefixes(hf)) if self.source_prefixes is not None else ()
         out = {}
         for name in names:
@@ -187,7 +257,9 @@ def _leaf_key(rng: jax.Array, path: Path, spec: ParamSpec) -> jax.Array:
 
 
 def init_leaf(spec: ParamSpec, key: jax.Array, dtype) -> jax.Array:
-    """One leaf: ``init_std * N(0, 1)`` drawn in float32 then cast, or zeros/ones."""
+    """One leaf: ``init_std * N(0, 1)`` drawn in float32 then cast, or zeros/ones (a leaf with
+    a fixed ``spec.dtype`` keeps it)."""
+    dtype = spec.dtype or dtype
     if spec.init == "zeros":
         return jnp.zeros(spec.shape, dtype)
     if spec.init == "ones":
@@ -208,7 +280,7 @@ def init_params(specs: Specs, rng: jax.Array, dtype=jnp.float32,
         if tuple(x.shape) != tuple(specs[path].shape):
             raise ValueError(f"given leaf {'/'.join(path)!r} has shape {tuple(x.shape)}, "
                              f"declared {tuple(specs[path].shape)}")
-    return _unflatten({path: given[path].astype(dtype) if path in given
+    return _unflatten({path: given[path].astype(specs[path].dtype or dtype) if path in given
                        else init_leaf(s, _leaf_key(rng, path, s), dtype) for path, s in specs.items()})
 
 
@@ -226,7 +298,7 @@ def abstract_params(specs: Specs, dtype=jnp.float32, shardings=None) -> dict:
     """ShapeDtypeStruct tree (no allocation); ``shardings`` (a tree of the same structure)
     is attached leaf by leaf when given."""
     flat_sh = traverse_util.flatten_dict(shardings) if shardings is not None else {}
-    return _unflatten({path: jax.ShapeDtypeStruct(tuple(s.shape), dtype, sharding=flat_sh.get(path))
+    return _unflatten({path: jax.ShapeDtypeStruct(tuple(s.shape), s.dtype or dtype, sharding=flat_sh.get(path))
                        for path, s in specs.items()})
 
 
@@ -236,6 +308,7 @@ def shardings(specs: Specs, mesh, rules=None) -> dict:
 
     from dspark_jax import sharding as sharding_lib
     rules = sharding_lib.DEFAULT_RULES if rules is None else rules
+    sharding_lib.check_expert_axis([s.axes for s in specs.values()], mesh)
     return _unflatten({path: NamedSharding(mesh, sharding_lib.logical_to_spec(s.axes, rules, s.shape, mesh))
                        for path, s in specs.items()})
 
@@ -267,6 +340,21 @@ def torch_shapes(specs: Specs) -> dict[str, tuple[int, ...]]:
     return {name: s.torch_shape for s in specs.values() for name in s.torch_names()}
 
 
+def fixed_dtypes(specs: Specs) -> dict[str, str]:
+    """Torch name -> the fixed dtype of every tensor whose leaf keeps one (``ParamSpec.dtype``)."""
+    return {name: s.dtype for s in specs.values() if s.dtype for name in s.torch_names()}
+
+
+def fixed_paths(specs: Specs) -> dict[str, str]:
+    """``"a/b"`` leaf path -> fixed dtype, for the leaves that keep one."""
+    return {"/".join(path): s.dtype for path, s in specs.items() if s.dtype}
+
+
+def quantized(specs: Specs) -> dict[str, Quant]:
+    """Torch name -> the quantized format a checkpoint may store it in (``ParamSpec.quant``)."""
+    return {name: s.quant for s in specs.values() if s.quant for name in s.torch_names()}
+
+
 def torch_sources(specs: Specs) -> dict[Path, tuple[str, bool]]:
     """our path -> (torch name with ``{i}`` for stacked leaves, transpose?)."""
     return {path: (s.torch, s.transpose) for path, s in specs.items()}
@@ -276,15 +364,37 @@ def _fix(a: np.ndarray, transpose: bool) -> np.ndarray:
     return a.T if transpose else a
 
 
+def _as_dtype(a: np.ndarray, dtype: str | None, name: str) -> np.ndarray:
+    """``a`` as a leaf's fixed dtype; an integer table must survive the cast unchanged."""
+    if dtype is None or a.dtype == np.dtype(dtype):
+        return a
+    out = a.astype(dtype)
+    if np.issubdtype(out.dtype, np.integer) and not np.array_equal(out, a):
+        raise CheckpointError(f"tensor {name!r}: values do not fit {dtype}")
+    return out
+
+
 def from_torch(specs: Specs, tensors: Mapping[str, np.ndarray]) -> dict:
-    """Torch-named numpy tensors -> our params tree (numpy leaves, same dtypes, same bits)."""
+    """Torch-named numpy tensors -> our params tree (numpy leaves, same dtypes, same bits;
+    a leaf with a fixed ``dtype`` takes it)."""
     flat = {}
     for path, s in specs.items():
         if s.stacked:
-            flat[path] = np.stack([_fix(np.asarray(tensors[n]), s.transpose) for n in s.torch_names()])
+            leaf = np.stack([_fix(np.asarray(tensors[n]), s.transpose) for n in s.torch_names()])
+            leaf = leaf.reshape(s.shape)
         else:
-            flat[path] = np.ascontiguousarray(_fix(np.asarray(tensors[s.torch]), s.transpose))
+            leaf = np.ascontiguousarray(_fix(np.asarray(tensors[s.torch]), s.transpose))
+        flat[path] = check_bound(s, _as_dtype(leaf, s.dtype, s.torch))
     return _unflatten(flat)
+
+
+def check_bound(spec: ParamSpec, a: np.ndarray) -> np.ndarray:
+    """``a`` (some or all of ``spec``'s values); CheckpointError when ``spec.bound`` is set and a
+    value lies outside ``[0, bound)``."""
+    if spec.bound is not None and a.size and not (0 <= a.min() and a.max() < spec.bound):
+        raise CheckpointError(f"tensor {spec.torch!r}: values must lie in [0, {spec.bound}), "
+                              f"found {a.min()}..{a.max()}")
+    return a
 
 
 def iter_torch(specs: Specs, params: Mapping, to_host=np.asarray):
@@ -295,9 +405,12 @@ def iter_torch(specs: Specs, params: Mapping, to_host=np.asarray):
         if path not in flat:
             raise CheckpointError(f"params: missing param {'/'.join(path)!r}")
         leaf = to_host(flat[path])
+        if s.torch_dtype is not None:
+            leaf = np.asarray(leaf).astype(s.torch_dtype)
         if s.stacked:
+            rows = np.asarray(leaf).reshape(-1, *leaf.shape[len(s.stacks):]) if len(s.stacks) > 1 else leaf
             for k, name in enumerate(s.torch_names()):
-                yield name, np.ascontiguousarray(_fix(leaf[k], s.transpose))
+                yield name, np.ascontiguousarray(_fix(rows[k], s.transpose))
         else:
             yield s.torch, np.ascontiguousarray(_fix(leaf, s.transpose))
 

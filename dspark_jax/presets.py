@@ -15,12 +15,26 @@ from pathlib import Path
 from dspark_jax import families
 from dspark_jax.config import TargetConfig
 from dspark_jax.errors import ConfigError
-from dspark_jax.target import gemma4
+from dspark_jax.target import deepseek_v4, gemma4
 
 _QWEN3_COMMON = dict(vocab_size=151936, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
                      max_position_embeddings=40960, num_key_value_heads=8)
 
 GEMMA4_12B = "google/gemma-4-12B-it"
+V4_FLASH, V4_PRO = "deepseek-ai/DeepSeek-V4-Flash", "deepseek-ai/DeepSeek-V4-Pro"
+
+
+def _v4(n_layers: int, **sizes) -> "deepseek_v4.DeepseekV4Config":
+    """A released DeepSeek-V4 shape (DEEPSEEK_V4.md "Sizes"); the per-layer CSA / HCA mix is
+    transformers' default (2 HCA layers, then CSA / HCA alternating): it moves only the small
+    compressor / indexer tensors, not the parameter count's bulk (experts, attention)."""
+    from dspark_jax.target.deepseek_v4 import config as v4c
+    types = [v4c.HCA] * 2 + [v4c.CSA if i % 2 else v4c.HCA for i in range(n_layers - 2)]
+    return deepseek_v4.DeepseekV4Config(
+        vocab_size=129280, num_hidden_layers=n_layers, head_dim=512, qk_rope_head_dim=64,
+        layer_types=tuple(types), mlp_layer_types=(v4c.HASH_MOE,) * 3 + (v4c.MOE,) * (n_layers - 3),
+        num_experts_per_tok=6, index_n_heads=64, index_head_dim=128, sliding_window=128,
+        yarn=(16.0, 65536, 32.0, 1.0), max_position_embeddings=1048576, **sizes)
 
 TARGETS: dict[str, object] = {
     "Qwen/Qwen3-4B": TargetConfig(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
@@ -41,6 +55,12 @@ TARGETS: dict[str, object] = {
         sliding_window=1024, sliding_rope_theta=1e4, full_rope_theta=1e6, full_rope_type="proportional",
         partial_rotary_factor=0.25, final_logit_softcapping=30.0, tie_word_embeddings=True,
         max_position_embeddings=131072, model_type="gemma4_unified_text"),
+    # DeepSeek-V4 (conversion / plan of the forward; no drafter preset yet: its DSpark module is
+    # the next issue)
+    V4_FLASH: _v4(43, hidden_size=4096, num_attention_heads=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024,
+                  n_routed_experts=256, moe_intermediate_size=2048, routed_scaling_factor=1.5, index_topk=512),
+    V4_PRO: _v4(61, hidden_size=7168, num_attention_heads=128, q_lora_rank=1536, o_groups=16, o_lora_rank=1024,
+                n_routed_experts=384, moe_intermediate_size=3072, routed_scaling_factor=2.5, index_topk=1024),
 }
 
 # Qwen3 reserves ids past the tokenizer's 151669 used tokens; the reference uses 151669 as MASK.

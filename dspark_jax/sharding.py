@@ -4,7 +4,10 @@ Params carry logical axis names (declared once per leaf, ``params.ParamSpec.axes
 ``params.param_axes`` mirrors the params tree). One rules table maps them onto a Mesh with axes
 ``("data", "fsdp", "tensor")``: weights are sharded over ``fsdp`` (ZeRO-3
 style) and ``tensor`` (Megatron style); activations' batch over
-``("data", "fsdp")``.
+``("data", "fsdp")``. A mixture-of-experts family (DeepSeek-V4) may add an ``expert`` axis
+(``--mesh expert=8``; mesh axes then ``("data", "fsdp", "expert", "tensor")``): the logical
+``expert`` axis of its routed-expert weights shards over it (expert parallelism), everything else
+is replicated along it. A family without experts refuses a mesh whose ``expert`` axis is > 1.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from dspark_jax.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "tensor")
+EXPERT = "expert"
+EXPERT_MESH_AXES = ("data", "fsdp", EXPERT, "tensor")  # a mesh that names the expert axis
 
 # logical axis -> mesh axis (or tuple of mesh axes, or None = replicated)
 DEFAULT_RULES: dict[str, object] = {
@@ -30,11 +35,13 @@ DEFAULT_RULES: dict[str, object] = {
     "mlp": "tensor",
     "rank": None,
     "layers": None,
+    "expert": EXPERT,  # only on meshes with an expert axis (dropped elsewhere, see logical_to_spec)
 }
 
 
 def parse_mesh_spec(spec: str | Mapping[str, int] | None) -> dict[str, int]:
-    """``"data=2,fsdp=2,tensor=1"`` -> {"data": 2, "fsdp": 2, "tensor": 1}; -1 = the rest."""
+    """``"data=2,fsdp=2,tensor=1"`` -> {"data": 2, "fsdp": 2, "tensor": 1}; -1 = the rest.
+    ``expert`` is in the result only when the spec names it."""
     if spec is None or spec == "":
         sizes: dict[str, int] = {}
     elif isinstance(spec, str):
@@ -49,14 +56,15 @@ def parse_mesh_spec(spec: str | Mapping[str, int] | None) -> dict[str, int]:
                 raise ConfigError(f"mesh spec part {part!r}: size is not an integer") from None
     else:
         sizes = dict(spec)
-    unknown = set(sizes) - set(MESH_AXES)
+    unknown = set(sizes) - set(EXPERT_MESH_AXES)
     if unknown:
-        raise ConfigError(f"unknown mesh axes {sorted(unknown)}; expected {MESH_AXES}")
-    return {a: sizes.get(a, 1) for a in MESH_AXES}
+        raise ConfigError(f"unknown mesh axes {sorted(unknown)}; expected {EXPERT_MESH_AXES}")
+    return {a: sizes.get(a, 1) for a in (EXPERT_MESH_AXES if EXPERT in sizes else MESH_AXES)}
 
 
 def make_mesh(spec: str | Mapping[str, int] | None = None, devices: Sequence | None = None) -> Mesh:
-    """A ("data", "fsdp", "tensor") mesh over ``devices`` (default: all).
+    """A ("data", "fsdp", "tensor") mesh over ``devices`` (default: all); ("data", "fsdp",
+    "expert", "tensor") when the spec names ``expert``.
 
     Missing axes are 1; one axis may be -1 to take the remaining devices.
     With no spec, all devices go to ``data``.
@@ -76,8 +84,9 @@ def make_mesh(spec: str | Mapping[str, int] | None = None, devices: Sequence | N
     total = math.prod(sizes.values())
     if total != len(devices):
         raise ConfigError(too_few_devices(sizes, total, len(devices)))
-    arr = np.asarray(devices, dtype=object).reshape([sizes[a] for a in MESH_AXES])
-    return Mesh(arr, MESH_AXES)
+    axes = tuple(sizes)
+    arr = np.asarray(devices, dtype=object).reshape([sizes[a] for a in axes])
+    return Mesh(arr, axes)
 
 
 def too_few_devices(mesh, need: int, have: int) -> str:
@@ -94,8 +103,11 @@ def logical_to_spec(axes: Sequence[str | None], rules: Mapping[str, object] = DE
 
     A mesh axis that two logical axes of ``axes`` map to is a ConfigError naming them (a
     PartitionSpec may use each mesh axis once; silently replicating one would hide a bad
-    rules table or declaration).
+    rules table or declaration). With ``mesh`` given, rules naming a mesh axis it lacks (``expert``
+    on a mesh without one) replicate.
     """
+    if mesh is not None and EXPERT not in mesh.axis_names:
+        rules = {k: _without(v, EXPERT) for k, v in rules.items()}
     owner: dict[str, str] = {}
     for name in axes:
         target = rules.get(name) if name is not None else None
@@ -115,6 +127,20 @@ def logical_to_spec(axes: Sequence[str | None], rules: Mapping[str, object] = DE
                 names = ()
         spec.append(None if not names else names[0] if len(names) == 1 else names)
     return P(*spec)
+
+
+def _without(target, axis: str):
+    names = (target,) if isinstance(target, str) else tuple(target or ())
+    kept = tuple(n for n in names if n != axis)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
+
+
+def check_expert_axis(axes: Sequence[Sequence[str | None]], mesh: Mesh) -> None:
+    """ConfigError when ``mesh`` has an ``expert`` axis > 1 but no declared logical axis is
+    ``expert`` (a family without routed experts, e.g. Qwen3 or Gemma4)."""
+    if mesh.shape.get(EXPERT, 1) > 1 and not any(EXPERT in a for a in axes):
+        raise ConfigError(f"mesh axis 'expert'={mesh.shape[EXPERT]} needs a mixture-of-experts model; this "
+                          "model has no routed experts (use data / fsdp / tensor)")
 
 
 def is_axes_leaf(x) -> bool:

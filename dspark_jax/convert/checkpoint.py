@@ -23,6 +23,7 @@ refused unless ``force=True``; a failure leaves nothing behind.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -36,7 +37,7 @@ import numpy as np
 from dspark_jax import families
 from dspark_jax import params as params_lib
 from dspark_jax.config import DraftConfig, TargetConfig
-from dspark_jax.convert import mapping, safetensors_io
+from dspark_jax.convert import mapping, quant, safetensors_io
 from dspark_jax.errors import CheckpointError, ConfigError, InputError
 from dspark_jax.params import Family
 
@@ -44,7 +45,8 @@ META_NAME = "dspark_jax.json"
 PARAMS_DIR = "params"
 FORMAT_VERSION = 1
 # Files copied alongside the weights when converting (tokenizer, generation defaults).
-SIDECAR_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
+ASIDE_NAME = "aside.safetensors"  # tensors a family keeps but does not read (``Family.aside_tensors``)
+SIDECAR_FILES = (ASIDE_NAME, "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
                  "tokenizer.model", "chat_template.jinja", "chat_template.json")
 _DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
@@ -75,19 +77,28 @@ def read_json_object(path: Path, what: str) -> dict:
     return data
 
 
-def _tree_dtype(params) -> np.dtype:
-    dtypes = {np.dtype(x.dtype) for x in jax.tree.leaves(params)}
+def _fixed(config) -> dict[str, str]:
+    """``"a/b"`` leaf path -> dtype of the leaves ``config``'s family keeps in their own dtype."""
+    return params_lib.fixed_paths(families.declare(config)) if config is not None else {}
+
+
+def _tree_dtype(params, config=None) -> np.dtype:
+    fixed = _fixed(config)
+    dtypes = {np.dtype(x.dtype) for k, x in _flat(params).items() if k not in fixed}
     return dtypes.pop() if len(dtypes) == 1 else np.dtype(np.float32)
 
 
-def _cast_tree(tree, dtype: np.dtype | None):
-    """numpy leaves -> jnp leaves (optionally cast)."""
-    def leaf(x):
+def _cast_tree(tree, dtype: np.dtype | None, config=None):
+    """numpy leaves -> jnp leaves (optionally cast; leaves with a fixed dtype keep it)."""
+    fixed = _fixed(config)
+
+    def leaf(path, x):
         x = np.asarray(x)
-        if dtype is not None and x.dtype != dtype:
-            x = x.astype(dtype)
+        want = fixed.get("/".join(str(getattr(k, "key", k)) for k in path), dtype)
+        if want is not None and x.dtype != np.dtype(want):
+            x = x.astype(want)
         return jnp.asarray(x)
-    return jax.tree.map(leaf, tree)
+    return jax.tree_util.tree_map_with_path(leaf, tree)
 
 
 def _family_of_hf(hf: Mapping[str, Any], where: str) -> Family:
@@ -164,6 +175,7 @@ def check_params(config, params, what: str) -> None:
     """Raise CheckpointError unless ``params`` (ours, any leaf type with shape/dtype) fit ``config``."""
     want = _flat(_expected_tree(config))
     have = _flat(params)
+    fixed = _fixed(config)
     for k in want:
         if k not in have:
             raise CheckpointError(f"{what}: missing param {k!r}")
@@ -175,9 +187,13 @@ def check_params(config, params, what: str) -> None:
             raise CheckpointError(f"{what}: param {k!r} has shape {tuple(leaf.shape)}, "
                                   f"expected {tuple(want[k].shape)}")
         dt = np.dtype(leaf.dtype)
+        if k in fixed:
+            if dt != np.dtype(fixed[k]):
+                raise CheckpointError(f"{what}: param {k!r} has dtype {dt.name}, expected {fixed[k]}")
+            continue
         if dt.name not in _DTYPES:
             raise CheckpointError(f"{what}: param {k!r} has dtype {dt.name}, expected one of {sorted(_DTYPES)}")
-    names = {np.dtype(leaf.dtype).name: k for k, leaf in have.items()}
+    names = {np.dtype(leaf.dtype).name: k for k, leaf in have.items() if k not in fixed}
     if len(names) > 1:
         raise CheckpointError(f"{what}: params have mixed dtypes: "
                               + ", ".join(f"{k!r} is {d}" for d, k in sorted(names.items())))
@@ -202,9 +218,20 @@ def _load_torch(kind: str, p: Path, *, allow_pickle: bool):
     specs = families.declare(cfg)
     names = family.stored_names(hf, reader.infos)  # declared -> stored (multimodal layouts)
     infos = mapping.checkpoint_tensors(cfg, {d: reader.infos[s] for d, s in names.items()}, what)
-    mapping.check_tensors(infos, params_lib.torch_shapes(specs), what)  # headers only: no data read yet
-    ignored = family.ignored_tensors or ("\0",)
-    tensors = {d: reader.get(s) for d, s in names.items() if not d.startswith(ignored)}
+    fixed = params_lib.fixed_dtypes(specs)
+    infos, stored = quant.logical_infos(params_lib.quantized(specs), infos, what,
+                                        lambda shape, dtype, info: dataclasses.replace(info, shape=shape, dtype=dtype),
+                                        fixed)
+    mapping.check_tensors(infos, params_lib.torch_shapes(specs), what, fixed=fixed)  # headers only: no data read yet
+    tensors = {}
+    for d in infos:
+        tensors[d] = reader.get(names[d])
+        if d in stored:
+            scale = reader.get(names[stored[d].scale])
+            tensors[d] = quant.dequantize(tensors[d], scale, stored[d].quant).astype(infos[d].dtype)
+    if params_lib.quantized(specs):  # the params are unquantized: so is the config written back
+        hf = {k: v for k, v in hf.items() if k not in ("quantization_config", "expert_dtype")}
+        cfg = cfg.dequantized()
     return cfg, _text_config(hf), mapping.from_torch(cfg, tensors)
 
 
@@ -220,7 +247,7 @@ def _write_torch(tmp: Path, kind: str, config, params, *, hf_base, extras, max_s
     tensors = mapping.to_torch(config, host)
     hf = {k: v for k, v in (hf_base or {}).items() if k != "dspark_jax"}
     hf.update(config.to_hf())
-    dtype = _tree_dtype(host).name
+    dtype = _tree_dtype(host, config).name
     hf["dtype"] = dtype
     hf.pop("torch_dtype", None)
     if extras:
@@ -265,7 +292,7 @@ def _write_jax(tmp: Path, kind: str, config, params, *, hf_base, extras) -> None
     check_params(config, params, f"{kind} params")
     hf = {k: v for k, v in (hf_base or {}).items() if k != "dspark_jax"}
     hf.update(config.to_hf())
-    hf["dtype"] = _tree_dtype(params).name
+    hf["dtype"] = _tree_dtype(params, config).name
     hf.pop("torch_dtype", None)
     meta = {"format": "dspark-jax", "version": FORMAT_VERSION, "kind": kind,
             "dtype": hf["dtype"], "config": hf, "extras": dict(extras or {})}
@@ -284,7 +311,7 @@ def _load(kind: str, path, dtype, allow_pickle: bool):
         cfg, hf, params, _ = _load_jax(kind, p)
     else:
         cfg, hf, params = _load_torch(kind, p, allow_pickle=allow_pickle)
-    return cfg, hf, _cast_tree(params, _np_dtype(dtype))
+    return cfg, hf, _cast_tree(params, _np_dtype(dtype), cfg)
 
 
 def load_draft(path, dtype=None, *, allow_pickle: bool = False) -> tuple[DraftConfig, dict]:
@@ -354,6 +381,7 @@ def _save(kind, path, config, params, *, format, force, extras, max_shard_size, 
         else:
             _write_jax(tmp, kind, config, params, hf_base=hf_base, extras=extras)
         if copy_from is not None:
+            _write_aside(tmp, Path(copy_from), family)
             for name in SIDECAR_FILES:
                 if (Path(copy_from) / name).is_file():
                     shutil.copy2(Path(copy_from) / name, tmp / name)
@@ -396,11 +424,24 @@ def convert(src, dst, *, to: str | None = None, force: bool = False, allow_pickl
     else:
         cfg, hf, params = _load_torch(kind, src_p, allow_pickle=allow_pickle)
         extras = (hf.get("dspark_jax") or {}).get("extras") or {}
-    params = _cast_tree(params, _np_dtype(dtype))
+    params = _cast_tree(params, _np_dtype(dtype), cfg)
     _check_finite(params, src_p, allow=allow_nonfinite)
     _save(kind, dst_p, cfg, params, format=to, force=force, extras=extras,
           max_shard_size=max_shard_size, hf_base=hf, copy_from=src_p)
     return to
+
+
+def _write_aside(tmp: Path, src: Path, family: Family) -> None:
+    """A torch source's ``family.aside_tensors`` copied byte for byte into ``tmp / ASIDE_NAME``."""
+    if not family.aside_tensors or detect_format(src) != "torch" or not any(
+            (src / n).is_file() for n in (safetensors_io.WEIGHTS_NAME, safetensors_io.INDEX_NAME)):
+        return
+    names = [n for n in safetensors_io.TensorReader(src).infos if n.startswith(family.aside_tensors)]
+    if names:
+        count = safetensors_io.copy_raw(src, names, tmp / ASIDE_NAME)
+        from dspark_jax.errors import warn
+        warn(f"{src}: {count} tensor(s) under {', '.join(family.aside_tensors)} are not part of the "
+             f"{family.name} model; kept unchanged in {ASIDE_NAME}")
 
 
 def _check_finite(params, where, *, allow: bool = False) -> None:

@@ -34,8 +34,10 @@ def target_tensor_shapes(cfg: TargetConfig) -> dict[str, tuple[int, ...]]:
 
 
 def check_tensors(tensors: Mapping[str, np.ndarray], expected: Mapping[str, tuple[int, ...]],
-                  what: str, *, allow_extra: tuple[str, ...] = ()) -> None:
-    """Raise CheckpointError naming the first missing, unexpected or mis-shaped tensor."""
+                  what: str, *, allow_extra: tuple[str, ...] = (), fixed: Mapping[str, str] = {}) -> None:
+    """Raise CheckpointError naming the first missing, unexpected or mis-shaped tensor. ``fixed``
+    (torch name -> dtype, ``params.fixed_dtypes``): tensors kept in their own dtype (float32 mHC
+    weights, integer tables), left out of the one-float-dtype rule; integer ones must be integers."""
     missing = [k for k in expected if k not in tensors]
     if missing:
         raise CheckpointError(f"{what}: missing tensor {missing[0]!r}"
@@ -49,6 +51,12 @@ def check_tensors(tensors: Mapping[str, np.ndarray], expected: Mapping[str, tupl
         if tuple(tensors[k].shape) != tuple(shape):
             raise CheckpointError(f"{what}: tensor {k!r} has shape {tuple(tensors[k].shape)}, "
                                   f"expected {tuple(shape)}")
+    for k, dtype in fixed.items():
+        is_int = np.issubdtype(np.dtype(tensors[k].dtype), np.integer)
+        if np.issubdtype(np.dtype(dtype), np.integer) != is_int:
+            raise CheckpointError(f"{what}: tensor {k!r} has dtype {np.dtype(tensors[k].dtype).name}, "
+                                  f"expected {'an integer' if not is_int else 'a float'} dtype")
+    tensors = {k: t for k, t in tensors.items() if k not in fixed}
     dtypes = {np.dtype(t.dtype) for t in tensors.values()}
     if len(dtypes) > 1:
         by_dtype = {}
@@ -97,7 +105,7 @@ def from_torch(config, tensors: Mapping[str, np.ndarray], what: str | None = Non
     what = what or _what(config, "checkpoint")
     specs = families.declare(config)
     tensors = checkpoint_tensors(config, tensors, what)
-    check_tensors(tensors, params_lib.torch_shapes(specs), what)
+    check_tensors(tensors, params_lib.torch_shapes(specs), what, fixed=params_lib.fixed_dtypes(specs))
     return params_lib.from_torch(specs, tensors)
 
 
@@ -105,7 +113,8 @@ def to_torch(config, params: Mapping, what: str | None = None) -> dict[str, np.n
     """Our params tree -> torch-named tensors (numpy, torch layout)."""
     specs = families.declare(config)
     out = params_lib.to_torch(specs, params)
-    check_tensors(out, params_lib.torch_shapes(specs), what or _what(config, "params"))
+    check_tensors(out, params_lib.torch_shapes(specs), what or _what(config, "params"),
+                  fixed=params_lib.fixed_dtypes(specs))
     return out
 
 

@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from dspark_jax import families
 from dspark_jax import params as params_lib
 from dspark_jax import sharding as sharding_lib
-from dspark_jax.convert import mapping
+from dspark_jax.convert import mapping, quant
 from dspark_jax.convert.safetensors_io import TensorReader
 from dspark_jax.params import ParamSpec
 
@@ -31,16 +31,26 @@ from dspark_jax.params import ParamSpec
 class _SliceReader:
     """Keeps one safe_open handle per shard file; reads [rows, cols] slices of named tensors."""
 
-    def __init__(self, reader: TensorReader, stack: contextlib.ExitStack, stored: Mapping[str, str]):
+    def __init__(self, reader: TensorReader, stack: contextlib.ExitStack, stored: Mapping[str, str],
+                 quantized: Mapping[str, "quant.Stored"] = {}):
         from safetensors import safe_open
         self._reader = reader
         self._stored = stored  # declared name -> the checkpoint's name
+        self._quantized = quantized  # declared name -> its quantized format and scale
         self._handles = {}
         self._stack = stack
         self._open = safe_open
         self.bytes_read = 0
 
     def read(self, name: str, index: tuple, transpose: bool) -> np.ndarray:
+        if name in self._quantized:  # dequantized whole (one expert / one weight), then sliced
+            q = self._quantized[name]
+            full = quant.dequantize(self._reader.get(self._stored.get(name, name)),
+                                    self._reader.get(self._stored.get(q.scale, q.scale)), q.quant)
+            full = full.T if transpose else full
+            block = full[tuple(index)] if index else full
+            self.bytes_read += block.nbytes
+            return block
         name = self._stored.get(name, name)
         info = self._reader.infos[name]
         if info.file not in self._handles:
@@ -69,14 +79,17 @@ def stream_load(directory, config, mesh: Mesh, *, dtype=None,
     names = families.for_config(config).stored_names(hf, reader.infos)  # declared -> stored
     infos = mapping.checkpoint_tensors(config, {d: reader.infos[s] for d, s in names.items()},
                                        f"checkpoint {directory}")
+    fixed = params_lib.fixed_dtypes(specs)
+    infos, stored = quant.logical_infos(params_lib.quantized(specs), infos, f"checkpoint {directory}",
+                                        lambda shape, dt, info: _ShapeOnly(shape, dt), fixed)
     mapping.check_tensors({k: _ShapeOnly(v.shape, v.dtype) for k, v in infos.items()},
-                          params_lib.torch_shapes(specs), f"checkpoint {directory}")
+                          params_lib.torch_shapes(specs), f"checkpoint {directory}", fixed=fixed)
     flat: dict = {}
     with contextlib.ExitStack() as stack:
-        slices = _SliceReader(reader, stack, names)
+        slices = _SliceReader(reader, stack, names, stored)
         for path, spec in specs.items():
             src_dtype = infos[spec.torch_names()[0]].dtype
-            out_dtype = np.dtype(dtype) if dtype is not None else src_dtype
+            out_dtype = np.dtype(spec.dtype or dtype or src_dtype)
             pspec = sharding_lib.logical_to_spec(spec.axes, rules, spec.shape, mesh)
             flat[path] = jax.make_array_from_callback(spec.shape, NamedSharding(mesh, pspec),
                                                       _make_callback(slices, spec, out_dtype))
@@ -93,11 +106,13 @@ class _ShapeOnly:
 def _make_callback(slices: _SliceReader, spec: ParamSpec, out_dtype: np.dtype) -> Callable:
     def callback(index):
         if not spec.stacked:
-            return slices.read(spec.torch, index, spec.transpose).astype(out_dtype, copy=False)
-        names = spec.torch_names()
-        rows = range(*index[0].indices(len(names)))
-        blocks = [slices.read(names[k], index[1:], spec.transpose) for k in rows]
-        return np.stack(blocks).astype(out_dtype, copy=False)
+            block = slices.read(spec.torch, index, spec.transpose)
+        else:
+            n = len(spec.stacks)  # leading stacking axes (layers, then experts)
+            names = np.asarray(spec.torch_names(), dtype=object).reshape(spec.stack_shape)[tuple(index[:n])]
+            blocks = [slices.read(name, index[n:], spec.transpose) for name in names.reshape(-1)]
+            block = np.stack(blocks).reshape(*names.shape, *blocks[0].shape)
+        return params_lib.check_bound(spec, block).astype(out_dtype, copy=False)
     return callback
 
 

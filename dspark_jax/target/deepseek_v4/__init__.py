@@ -1,0 +1,34 @@
+"""DeepSeek-V4 (``DeepseekV4ForCausalLM``) as a model family: config, declaration, forward.
+
+``config``: ``DeepseekV4Config`` from either config.json layout; ``declare``: every parameter once
+(upstream names, transformers' names derived); ``model``: the forward (mHC, shared-KV attention
+with sliding window + CSA / HCA, hash and score-routed MoE). Registered in ``families._BUILTIN``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dspark_jax import params as params_lib
+from dspark_jax.target.deepseek_v4.config import ARCHITECTURE, DeepseekV4Config
+from dspark_jax.target.deepseek_v4.declare import declare, hf_name, source_names
+from dspark_jax.target.deepseek_v4.model import compute_logits, forward
+
+__all__ = ["DeepseekV4Config", "declare", "forward", "compute_logits", "init_params", "hf_name", "FAMILY"]
+
+
+def init_params(cfg: DeepseekV4Config, rng: jax.Array, dtype=jnp.float32) -> dict:
+    """Random params (std 0.02; norms, mHC scales 1; biases, sinks, ape 0; tid2eid 0)."""
+    return params_lib.init_params(declare(cfg), rng, dtype)
+
+
+def lm_head_kernel(params: dict) -> jax.Array:
+    """The [H, V] output projection (untied)."""
+    return params["head"]
+
+
+FAMILY = params_lib.Family(
+    name="deepseek_v4", kind="target", architectures=(ARCHITECTURE,), model_types=("deepseek_v4",),
+    config_cls=DeepseekV4Config, declare=declare, forward=__name__,
+    ignored_tensors=("mtp.",), aside_tensors=("mtp.",), source_names=source_names)

@@ -244,10 +244,10 @@ def make_parts(tcfg: TargetConfig, dcfg: DraftConfig, greedy: bool, span: int | 
         return c_logits, jnp.clip(lengths.astype(jnp.int32), 0, g)
 
     def target_verify(tp, cache, tokens):
-        start = cache.lengths
-        hidden, taps, cache = qwen3.forward(tp, tcfg, tokens, cache, tap_layer_ids=dcfg.target_layer_ids,
-                                            cache_span=span)
-        return qwen3.compute_logits(tp, hidden), taps, cache.with_lengths(start)  # roll back
+        hidden, taps, delta = qwen3.forward_pure(tp, tcfg, tokens, cache, taps=dcfg.target_layer_ids,
+                                                 span=span)
+        n_new = jnp.zeros_like(cache.lengths)  # commit nothing (the masked scatter still runs)
+        return qwen3.compute_logits(tp, hidden), taps, cache.commit(delta, n_new)
 
     def rejection(key, target_logits, draft_logits, drafts, lengths, temperature, stop_ids):
         return rejection_sample(key, target_logits, draft_logits, drafts, lengths, temperature, greedy,
@@ -389,7 +389,7 @@ def _stay(state):
     def feed(o):  # jax.device_put: no compile (jnp.asarray of a numpy array compiles a copy)
         extra = {"round": jax.device_put(np.int32(0))} if hasattr(o, "round") else {}
         return o.replace(pos=jax.device_put(pos), active=jax.device_put(active),
-                         cache=o.cache.with_lengths(jax.device_put(lengths)), **extra)
+                         cache=o.cache.replace(lengths=jax.device_put(lengths)), **extra)
     return feed
 
 

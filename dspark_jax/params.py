@@ -110,6 +110,8 @@ class Family:
                    prefixes a checkpoint layout stores its tensors under instead of the declared
                    ones (e.g. a multimodal wrapper's text model under ``model.language_model.``);
                    reading renames them, writing always uses the declared names.
+    runtime:       the ``runtime.TargetRuntime`` / ``runtime.DraftRuntime`` record the decode
+                   engine and the trainer call (``families.target_runtime`` / ``draft_runtime``).
     """
 
     name: str
@@ -123,6 +125,7 @@ class Family:
     ignored_tensors: tuple[str, ...] = ()
     pairs_with: str | None = None
     source_prefixes: Any = None
+    runtime: Any = None
 
     def __post_init__(self):
         if self.kind not in KINDS:

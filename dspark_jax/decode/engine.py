@@ -155,7 +155,7 @@ def serve(
     pre_static = dataclasses.replace(static, policy=None)
     temp = jnp.float32(max(float(temperature), sampling.GREEDY_EPS))
 
-    prog = L.build_decode(mesh)
+    prog = L.build_decode(mesh, sharded.decode_rules(target_cfg))
     tp = prog.place_params(target_params, target_cfg)
     dp = prog.place_params(draft_params, draft_cfg) if spec else None
     place_rep = (lambda x: x) if mesh is None else (
@@ -175,14 +175,14 @@ def serve(
         state = _empty_state(abstract, None)
         state = state.replace(policy_state=policy.init_state(slots, g), key=state_key)
         if mesh is not None:
-            state = sharding_lib.to_global(state, prog.state_sharding(like=state))
+            state = sharding_lib.to_global(state, prog.state_sharding(state))
     else:
         abstract = jax.eval_shape(
             lambda a, b, c, k: L._ar_prefill(target_params, a, b, c, k, temp, stop_arr, static,
                                              max_len), *dummy, key0)
         state = _empty_state(abstract, None).replace(key=state_key)
         if mesh is not None:
-            state = sharding_lib.to_global(state, prog.state_sharding(like=state))
+            state = sharding_lib.to_global(state, prog.state_sharding(state))
 
     host_rng = np.random.default_rng(seed)
     pending = collections.deque(order)

@@ -4,8 +4,8 @@ Shapes: B rows (requests), P padded prompt length, L cache capacity, G block
 size (draft tokens per round), V vocab, R = max_new_tokens (round budget),
 Ld draft layers. All shapes are static; per-row progress lives in arrays:
 
-- the target KV cache ``[Lt, B, L, Hkv, D]`` holds positions < ``pos[b]``
-  (rolling back is setting ``lengths``);
+- the target cache (the target family's, ``dspark_jax.runtime``) holds the committed positions
+  < ``pos[b]``: every forward returns a delta, and only accepted tokens are committed;
 - the draft context cache (``draft.decode.ContextCache``, k/v ``[Ld, B, L, Hkv, D]``)
   holds the drafter's context keys/values of the same committed positions;
 - ``seq[b, pos[b]]`` is the anchor x0 (the last committed token, not yet fed
@@ -15,8 +15,8 @@ One round (``_round``): ``draft.decode.propose`` drafts a block at positions
 p..p+G-1 (queries see context rows < p and the whole block; Markov sampling
 with ``lax.scan``) -> confidences -> policy lengths -> one target extend over
 [x0, x_1..x_{w-1}] at p..p+w-1 -> rejection sampling of each row's own l_b tokens
--> commit, roll back, scatter the committed positions' features into the
-draft context cache. Finished rows stay in the batch as masked no-ops.
+-> commit the accepted tokens to the target cache, scatter the verified positions' features into
+the draft context cache. Finished rows stay in the batch as masked no-ops.
 
 The verification width w follows the lengths: the round compiles a small set of widths
 (``round_widths``: ``_Static.widths``, else the policy's ``verify_widths``, else
@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax import families, sampling
+from dspark_jax import families, runtime, sampling
 from dspark_jax import sharding as sharding_lib
 from dspark_jax.config import DraftConfig, TargetConfig
 from dspark_jax.decode import sharded
@@ -56,7 +56,6 @@ from dspark_jax.decode.policies import FullPolicy, VerifyPolicy, constant_length
 from dspark_jax.decode.verify import rejection_sample
 from dspark_jax.draft import decode as draft_decode
 from dspark_jax.errors import ConfigError, InputError, require_positive_int
-from dspark_jax.target import qwen3  # KVCache type only; the forward comes from families
 
 MAX_STOP_IDS = 8     # stop-id slots (padded with -1) so the count never changes shapes
 MIN_PROMPT_BUCKET = 16  # padded prompt length P is a power of two >= this
@@ -92,7 +91,7 @@ class DecodeState:
     prop_rec: jax.Array
     drafts_rec: jax.Array
     conf_rec: jax.Array
-    cache: qwen3.KVCache
+    cache: Any  # the target family's ``runtime.Cache``
     ctx: draft_decode.ContextCache
     policy_state: Any
 
@@ -107,7 +106,7 @@ class ARState:
     max_new: jax.Array
     active: jax.Array
     key: jax.Array
-    cache: qwen3.KVCache
+    cache: Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,26 +147,9 @@ def _is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
     return jnp.any(tokens[..., None] == stop_ids, axis=-1)
 
 
-def target_module(config):
-    """The forward module (init_cache / forward / compute_logits) of ``config``'s family."""
-    return families.for_config(config).module()
-
-
-def init_target_cache(tcfg, batch: int, max_len: int, dtype, max_extend: int):
-    """Empty target cache of ``tcfg``'s family for ``max_len`` positions. A family with sliding-window
-    layers (Gemma4: ``ring_slots``) keeps a ring of ``window - 1 + max_extend`` slots there: the
-    largest forward after the prefill is ``max_extend`` tokens (G + 1 verify tokens, 1 for AR), and
-    a rolled-back extend of at most that many tokens stays exact in such a ring."""
-    tm = target_module(tcfg)
-    if hasattr(tm, "ring_slots"):
-        return tm.init_cache(tcfg, batch, max_len, dtype,
-                             sliding_slots=tm.ring_slots(tcfg, max_extend))
-    return tm.init_cache(tcfg, batch, max_len, dtype)
-
-
 def target_logits(tcfg, tparams, hidden):
     """hidden [..., H] -> [..., V] float32 logits through ``tcfg``'s family."""
-    return families.compute_logits(tcfg, tparams, hidden)
+    return families.target_runtime(tcfg).logits(tparams, tcfg, hidden)
 
 
 def _tap_ids(static: _Static) -> tuple[int, ...]:
@@ -175,38 +157,40 @@ def _tap_ids(static: _Static) -> tuple[int, ...]:
 
 
 def _prefill(tparams, dparams, prompts, lens, valid, key, temperature, stop_ids, static: _Static,
-             max_len: int):
+             max_len: int, ctx: runtime.Context):
     """Target prefill of padded prompts [B, P] (lengths ``lens``), first token, draft context.
 
-    Returns (cache, seq [B, L], first [B], active [B], draft context cache (None without a
-    drafter), key).
+    The target cache (``init_cache`` of capacity ``max_len``, sized for extends of G+1 tokens, 1
+    without a drafter) commits each row's ``lens`` prompt tokens. Returns (cache, seq [B, L],
+    first [B], active [B], draft context cache (None without a drafter), key).
     """
     b, p = prompts.shape
     tcfg = static.target
-    tm = target_module(tcfg)
-    dtype = tparams["embed_tokens"].dtype
+    rt = families.target_runtime(tcfg)
+    ctx = ctx.for_params(tparams)
     extend = static.draft.block_size + 1 if static.draft is not None else 1
-    cache = init_target_cache(tcfg, b, max_len, dtype, extend)
-    hidden, taps, cache = tm.forward(tparams, tcfg, prompts, cache, num_new=lens,
-                                     tap_layer_ids=_tap_ids(static), cache_span=0)  # cache empty
+    cache = rt.init_cache(tcfg, b, max_len, ctx.dtype, extend)
+    hidden, taps, delta = rt.forward(tparams, tcfg, prompts, cache, ctx=ctx, taps=_tap_ids(static),
+                                     span=0)  # the cache is empty
+    cache = cache.commit(delta, lens)
     rows = jnp.arange(b)
     last = hidden[rows, lens - 1]
     key, k_first = jax.random.split(key)
-    first = sampling.sample_logits(k_first, target_logits(tcfg, tparams, last), temperature,
+    first = sampling.sample_logits(k_first, rt.logits(tparams, tcfg, last), temperature,
                                    static.greedy, static.top_p)
     seq = jnp.zeros((b, max_len), jnp.int32).at[:, :p].set(prompts)
     seq = seq.at[rows, lens].set(first)
     active = valid & ~_is_stop(first, stop_ids)
-    ctx = None
+    draft_ctx = None
     if static.draft is not None:
-        ctx = draft_decode.init_context(dparams, static.draft, taps, max_len)
-    return cache, seq, first, active, ctx, key
+        draft_ctx = draft_decode.init_context(dparams, static.draft, taps, max_len)
+    return cache, seq, first, active, draft_ctx, key
 
 
 def _spec_prefill(tparams, dparams, prompts, lens, valid, key, temperature, stop_ids, static,
-                  max_len, max_new=None):
-    cache, seq, _, active, ctx, key = _prefill(
-        tparams, dparams, prompts, lens, valid, key, temperature, stop_ids, static, max_len)
+                  max_len, max_new=None, *, ctx: runtime.Context = runtime.LOCAL):
+    cache, seq, _, active, draft_ctx, key = _prefill(
+        tparams, dparams, prompts, lens, valid, key, temperature, stop_ids, static, max_len, ctx)
     b = prompts.shape[0]
     r, g = static.max_new_tokens, static.draft.block_size
     zeros = jnp.zeros((b, r), jnp.int32)
@@ -216,7 +200,7 @@ def _spec_prefill(tparams, dparams, prompts, lens, valid, key, temperature, stop
         seq=seq, pos=lens, num_input=lens, max_new=max_new, active=active, key=key,
         round=jnp.zeros((), jnp.int32), rounds=jnp.zeros((b,), jnp.int32),
         acc_rec=zeros, prop_rec=zeros, drafts_rec=zeros,
-        conf_rec=jnp.zeros((b, r, g), jnp.float32), cache=cache, ctx=ctx,
+        conf_rec=jnp.zeros((b, r, g), jnp.float32), cache=cache, ctx=draft_ctx,
         policy_state=())  # set by the caller: the prefill's compilation does not depend on the policy
 
 
@@ -318,34 +302,34 @@ def by_span(fn: Callable[[int], Any], spans: Sequence[int], index: jax.Array):
 
 
 def _verify_width(tparams, state: DecodeState, anchor, drafts, draft_logits, lengths, k_verify,
-                  temperature, stop_ids, static: _Static, width: int, span: int):
+                  temperature, stop_ids, static: _Static, ctx: runtime.Context, width: int,
+                  span: int):
     """Target verification and rejection sampling over the first ``width`` (static) block tokens
     [x0, x_1..x_{w-1}] at positions p..p+w-1 (every active row has lengths <= w-1), reading the
     first ``span`` cache slots (every active row has p <= span).
 
-    Returns (verdict, taps [B, G+1, F] zero-padded past w, kv): kv is the new target (k, v)
-    [Lt, B, G+1, Hkv, D] zero-padded past w, unwritten (the caller writes it outside any
-    ``lax.switch``: in place; a branch that wrote would copy the cache). The rejection sampler
+    Returns (verdict, taps [B, G+1, F] zero-padded past w, delta): the target's cache delta
+    zero-padded to G+1 tokens along its step axis (``runtime.pad_steps``), uncommitted (the
+    caller commits outside any ``lax.switch``: in place; a branch that wrote would copy the cache). The rejection sampler
     draws its uniforms for the whole block (G) and uses the first w-1, so a sampled run is the
     same whatever width runs it."""
     tcfg, dcfg = static.target, static.draft
     g = dcfg.block_size
     d, pad = width - 1, g + 1 - width
     verify_tokens = jnp.concatenate([anchor[:, None], drafts[:, :d]], axis=1)      # [B,w]
-    tm = target_module(tcfg)
-    hidden, taps, kv = tm.forward(tparams, tcfg, verify_tokens, state.cache,
-                                  tap_layer_ids=dcfg.target_layer_ids, write_cache=False,
-                                  cache_span=span)
-    kv = jax.tree.map(lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0))), kv)
-    t_logits = target_logits(tcfg, tparams, hidden)
+    rt = families.target_runtime(tcfg)
+    hidden, taps, delta = rt.forward(tparams, tcfg, verify_tokens, state.cache, ctx=ctx,
+                                     taps=tuple(dcfg.target_layer_ids), span=span)
+    delta = runtime.pad_steps(delta, state.cache.delta_axes(), g + 1)
+    t_logits = rt.logits(tparams, tcfg, hidden)
     verdict = rejection_sample(k_verify, t_logits, draft_logits[:, :d], drafts[:, :d],
                                jnp.minimum(lengths, d), temperature, static.greedy, stop_ids,
                                draw_width=g)
-    return verdict, jnp.pad(taps, ((0, 0), (0, pad), (0, 0))), kv
+    return verdict, jnp.pad(taps, ((0, 0), (0, pad), (0, 0))), delta
 
 
 def _round(tparams, dparams, state: DecodeState, temperature, stop_ids, conf_temps,
-           static: _Static) -> DecodeState:
+           static: _Static, *, ctx: runtime.Context = runtime.LOCAL) -> DecodeState:
     """One speculative round for every row (finished rows: masked no-ops).
 
     The verification width follows the policy's lengths: ``round_widths(static)`` are compiled
@@ -353,14 +337,16 @@ def _round(tparams, dparams, state: DecodeState, temperature, stop_ids, conf_tem
     smallest width w >= the longest active proposal + 1 (``width_index``). Attention (drafter
     context and target cache) reads the smallest compiled cache span >= the longest active row
     (``compiled_spans``, ``span_index``): the target's branches are (width, span) pairs. The branches
-    only verify; the commits (target cache, tokens, draft context) happen after the switch over
-    G+1 padded slots, the ones >= w dropped, so the donated buffers are updated in place."""
+    only verify; the commits (target cache: each active row's accepted tokens; tokens; draft
+    context) happen after the switch over G+1 padded slots, the ones >= w dropped, so the donated
+    buffers are updated in place."""
     tcfg, dcfg = static.target, static.draft
     b, max_len = state.seq.shape
     g = dcfg.block_size
     rows = jnp.arange(b)
     key, k_draft, k_verify = sampling.split(state.key, 3)
     active = state.active
+    ctx = ctx.for_params(tparams)
 
     anchor = state.seq[rows, state.pos]
     spans = compiled_spans(static, max_len)
@@ -378,20 +364,19 @@ def _round(tparams, dparams, state: DecodeState, temperature, stop_ids, conf_tem
 
     widths = round_widths(static)
     branches = [functools.partial(_verify_width, tparams, state, anchor, drafts, draft_logits,
-                                  lengths, k_verify, temperature, stop_ids, static, w, s)
+                                  lengths, k_verify, temperature, stop_ids, static, ctx, w, s)
                 for w in widths for s in spans]
     w_index = width_index(lengths, active, widths)
     if len(branches) == 1:
-        verdict, taps, kv = branches[0]()
+        verdict, taps, delta = branches[0]()
     else:
-        verdict, taps, kv = jax.lax.switch(w_index * len(spans) + s_index, branches)
+        verdict, taps, delta = jax.lax.switch(w_index * len(spans) + s_index, branches)
     width = jnp.asarray(widths, jnp.int32)[w_index]
     a = verdict.accepted
     acc_len = jnp.where(verdict.stopped, a, a + 1)
     k_idx = jnp.arange(g + 1, dtype=jnp.int32)[None, :]
     in_width = k_idx < width                                                     # [1, G+1]
-    cache = state.cache.write(*kv, jnp.where(in_width, state.cache.lengths[:, None] + k_idx,
-                                             state.cache.max_len))
+    cache = state.cache.commit(delta, jnp.where(active, acc_len, 0))  # the accepted tokens only
 
     # Commit: slots pos+1..pos+a get the drafts, pos+a+1 the replacement/bonus token.
     padded = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
@@ -401,7 +386,7 @@ def _round(tparams, dparams, state: DecodeState, temperature, stop_ids, conf_tem
     new_pos = jnp.where(active, state.pos + acc_len, state.pos)
 
     # Draft context: features of the verified positions p..p+w-1 (only < new_pos are ever read).
-    ctx = draft_decode.extend_context(
+    ctx_cache = draft_decode.extend_context(
         dparams, dcfg, state.ctx, taps,
         jnp.where(in_width, state.pos[:, None] + k_idx, state.ctx.max_len), active)
 
@@ -418,24 +403,24 @@ def _round(tparams, dparams, state: DecodeState, temperature, stop_ids, conf_tem
         seq=seq, pos=new_pos, num_input=state.num_input, max_new=state.max_new, active=still, key=key,
         round=state.round + 1, rounds=state.rounds + active.astype(jnp.int32),
         acc_rec=acc_rec, prop_rec=prop_rec, drafts_rec=drafts_rec, conf_rec=conf_rec,
-        cache=cache.with_lengths(jnp.where(active, new_pos, state.cache.lengths)),
-        ctx=ctx, policy_state=policy_state)
+        cache=cache, ctx=ctx_cache, policy_state=policy_state)
 
 
-def _spec_run_device(tparams, dparams, state, temperature, stop_ids, conf_temps, static):
+def _spec_run_device(tparams, dparams, state, temperature, stop_ids, conf_temps, static, *,
+                     ctx: runtime.Context = runtime.LOCAL):
     def cond(s):
         return jnp.any(s.active) & (s.round < static.max_new_tokens)
 
     def body(s):
-        return _round(tparams, dparams, s, temperature, stop_ids, conf_temps, static)
+        return _round(tparams, dparams, s, temperature, stop_ids, conf_temps, static, ctx=ctx)
 
     return jax.lax.while_loop(cond, body, state)
 
 
 def _ar_prefill(tparams, prompts, lens, valid, key, temperature, stop_ids, static, max_len,
-                max_new=None):
+                max_new=None, *, ctx: runtime.Context = runtime.LOCAL):
     cache, seq, _, active, _, key = _prefill(
-        tparams, None, prompts, lens, valid, key, temperature, stop_ids, static, max_len)
+        tparams, None, prompts, lens, valid, key, temperature, stop_ids, static, max_len, ctx)
     b = prompts.shape[0]
     max_new = (jnp.full((b,), static.max_new_tokens, jnp.int32) if max_new is None
                else max_new.astype(jnp.int32))
@@ -444,31 +429,33 @@ def _ar_prefill(tparams, prompts, lens, valid, key, temperature, stop_ids, stati
                    cache=cache)
 
 
-def _ar_step(tparams, state: ARState, temperature, stop_ids, static) -> ARState:
+def _ar_step(tparams, state: ARState, temperature, stop_ids, static, *,
+             ctx: runtime.Context = runtime.LOCAL) -> ARState:
     b, max_len = state.seq.shape
     rows = jnp.arange(b)
     key, k_s = sampling.split(state.key)
     tok = state.seq[rows, state.pos][:, None]
-    tm = target_module(static.target)
+    tcfg, rt, ctx = static.target, families.target_runtime(static.target), ctx.for_params(tparams)
     spans = compiled_spans(static, max_len)
-    hidden, _, kv = by_span(lambda s: tm.forward(tparams, static.target, tok, state.cache,
-                                                 write_cache=False, cache_span=s),
-                            spans, span_index(state.pos, state.active, spans))
-    cache = state.cache.write(*kv, state.cache.lengths[:, None]).with_lengths(state.cache.lengths + 1)
-    nxt = sampling.sample_logits(k_s, target_logits(static.target, tparams, hidden[:, 0]), temperature,
-                                 static.greedy, static.top_p)
+    hidden, _, delta = by_span(lambda s: rt.forward(tparams, tcfg, tok, state.cache, ctx=ctx, taps=(),
+                                                    span=s),
+                               spans, span_index(state.pos, state.active, spans))
     active = state.active
+    cache = state.cache.commit(delta, active.astype(jnp.int32))
+    nxt = sampling.sample_logits(k_s, rt.logits(tparams, tcfg, hidden[:, 0]), temperature,
+                                 static.greedy, static.top_p)
     seq = state.seq.at[rows, jnp.where(active, state.pos + 1, max_len)].set(nxt, mode="drop")
     pos = jnp.where(active, state.pos + 1, state.pos)
     still = active & ~_is_stop(nxt, stop_ids) & (pos + 1 - state.num_input < state.max_new)
     return ARState(seq=seq, pos=pos, num_input=state.num_input, max_new=state.max_new,
-                   active=still, key=key,
-                   cache=cache.with_lengths(jnp.where(active, pos, state.cache.lengths)))
+                   active=still, key=key, cache=cache)
 
 
-def _ar_run_device(tparams, state, temperature, stop_ids, static):
+def _ar_run_device(tparams, state, temperature, stop_ids, static, *,
+                   ctx: runtime.Context = runtime.LOCAL):
     return jax.lax.while_loop(lambda s: jnp.any(s.active),
-                              lambda s: _ar_step(tparams, s, temperature, stop_ids, static), state)
+                              lambda s: _ar_step(tparams, s, temperature, stop_ids, static, ctx=ctx),
+                              state)
 
 
 def _run_chunk(step, state, max_steps, until_finish):
@@ -490,53 +477,46 @@ def _run_chunk(step, state, max_steps, until_finish):
 
 
 def _spec_chunk(tparams, dparams, state, temperature, stop_ids, conf_temps, max_steps, until_finish,
-                static):
+                static, *, ctx: runtime.Context = runtime.LOCAL):
     return _run_chunk(lambda s: _round(tparams, dparams, s, temperature, stop_ids, conf_temps,
-                                       static), state, max_steps, until_finish)
+                                       static, ctx=ctx), state, max_steps, until_finish)
 
 
-def _ar_chunk(tparams, state, temperature, stop_ids, max_steps, until_finish, static):
-    return _run_chunk(lambda s: _ar_step(tparams, s, temperature, stop_ids, static), state,
+def _ar_chunk(tparams, state, temperature, stop_ids, max_steps, until_finish, static, *,
+              ctx: runtime.Context = runtime.LOCAL):
+    return _run_chunk(lambda s: _ar_step(tparams, s, temperature, stop_ids, static, ctx=ctx), state,
                       max_steps, until_finish)
 
 
-def _put_row(big, row, slot, batch_dim: int):
-    """``big`` with its row ``slot`` (along ``batch_dim``) replaced by ``row``'s only row."""
-    idx = [jnp.zeros((), jnp.int32)] * big.ndim
-    idx[batch_dim] = slot
-    return jax.lax.dynamic_update_slice(big, row.astype(big.dtype), idx)
-
-
 def _insert(big, one, slot):
-    """Write the one-row state ``one`` into row ``slot`` of ``big`` (key/round/policy kept; with
-    per-row keys, ``big.key`` [B, 2], the row's key is written too)."""
+    """Write the one-row state ``one`` into row ``slot`` of ``big``: every leaf with a batch axis
+    (``sharded.state_axes``: the state's and the caches' declarations) along it; key / round /
+    policy state kept, except per-row keys (``big.key`` [B, 2]), whose row is written too."""
+    axes = sharded.state_axes(big)
     fields = {}
-    for name in big.__dataclass_fields__:
-        b, o = getattr(big, name), getattr(one, name)
-        if name == "key" and b.ndim == 2:
-            fields[name] = _put_row(b, o[None], slot, 0)
-        elif name in ("key", "round", "policy_state"):
-            fields[name] = b
-        elif name in ("cache", "ctx"):
-            fields[name] = None if b is None else jax.tree.map(
-                lambda x, y: _put_row(x, y, slot, 0 if x.ndim == 1 else 1), b, o)
+    for f in dataclasses.fields(big):
+        b, o, a = getattr(big, f.name), getattr(one, f.name), getattr(axes, f.name)
+        if f.name == "key" and b.ndim == 2:
+            fields[f.name] = runtime.put_row(b, o[None], sharded.ROW + (None,), slot)
+        elif any(runtime.BATCH in x for x in jax.tree.leaves(a, is_leaf=lambda x: isinstance(x, tuple))):
+            fields[f.name] = runtime.put_row(b, o, a, slot)
         else:
-            fields[name] = _put_row(b, o, slot, 0)
-    return type(big)(**fields)
+            fields[f.name] = b
+    return big.replace(**fields)
 
 
 def _spec_prefill_into(tparams, dparams, state, slot, prompt, length, max_new, key, temperature,
-                       stop_ids, static, max_len):
+                       stop_ids, static, max_len, *, ctx: runtime.Context = runtime.LOCAL):
     """Prefill one request (prompt [1, P], length [1], max_new [1]) into row ``slot`` of ``state``."""
     one = _spec_prefill(tparams, dparams, prompt, length, jnp.ones((1,), bool), key, temperature,
-                        stop_ids, static, max_len, max_new)
+                        stop_ids, static, max_len, max_new, ctx=ctx)
     return _insert(state, one, slot)
 
 
 def _ar_prefill_into(tparams, state, slot, prompt, length, max_new, key, temperature, stop_ids,
-                     static, max_len):
+                     static, max_len, *, ctx: runtime.Context = runtime.LOCAL):
     one = _ar_prefill(tparams, prompt, length, jnp.ones((1,), bool), key, temperature, stop_ids,
-                      static, max_len, max_new)
+                      static, max_len, max_new, ctx=ctx)
     return _insert(state, one, slot)
 
 
@@ -576,15 +556,12 @@ class DecodeProgram:
     ar_chunk: Any
     ar_prefill_into: Any
 
-    def state_sharding(self, ar: bool = False, with_ctx: bool = True, like=None):
-        """Sharding pytree (prefix) of a DecodeState / ARState; None without a mesh. With ``like``
-        (a state or its shapes, any target family): the full shape-aware tree of it."""
+    def state_sharding(self, like):
+        """The full sharding tree of the state ``like`` (a state or its shapes, any target
+        family; ``sharded.state_sharding_tree``); None without a mesh."""
         if self.mesh is None:
             return None
-        if like is not None:
-            return sharded.state_sharding_tree(like, self.mesh, self.rules)
-        return sharded.state_shardings(ARState if ar else DecodeState, self.mesh, self.rules,
-                                       with_ctx=with_ctx)
+        return sharded.state_sharding_tree(like, self.mesh, self.rules)
 
     def place_params(self, params, config):
         return sharded.place_params(params, config, self.mesh, self.rules)
@@ -617,9 +594,11 @@ def build_decode(mesh=None, rules=None) -> DecodeProgram:
     key = (mesh, tuple(sorted((k, str(v)) for k, v in rules.items())))
     if key in _PROGRAMS:
         return _PROGRAMS[key]
+    ctx = runtime.Context.make(mesh, rules)  # what every family forward sees
 
-    def jit(fn, statics, donate=(), ar=None, with_ctx=True):
+    def jit(fn, statics, donate=(), ar=None):
         kw = dict(static_argnames=statics, donate_argnames=donate)
+        fn = functools.wraps(fn)(functools.partial(fn, ctx=ctx))
         if mesh is not None and ar is not None:
             # The output state is constrained leaf by leaf from its own pytree (the cache layout
             # differs per target family), so one program set serves Qwen3 and Gemma4 targets.
@@ -874,7 +853,7 @@ def speculative_generate(
     compiled_spans(static, max_len)  # ConfigError now, not at trace time
     prefill_static = dataclasses.replace(static, policy=None)  # one prefill compile for all policies
     temp = jnp.float32(max(float(temperature), sampling.GREEDY_EPS))
-    prog = build_decode(mesh)
+    prog = build_decode(mesh, sharded.decode_rules(target_cfg))
     target_params = prog.place_params(target_params, target_cfg)
     draft_params = prog.place_params(draft_params, draft_cfg)
 
@@ -949,7 +928,7 @@ def autoregressive_generate(
     compiled_spans(static, max_len)  # ConfigError now, not at trace time
     temp = jnp.float32(max(float(temperature), sampling.GREEDY_EPS))
 
-    prog = build_decode(mesh)
+    prog = build_decode(mesh, sharded.decode_rules(target_cfg))
     target_params = prog.place_params(target_params, target_cfg)
 
     def decode_batch(arr, lens, valid, mx, k_batch):

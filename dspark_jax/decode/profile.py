@@ -15,7 +15,7 @@ noise and is capped by it (reverse cumulative min). Raw values: ``meta["raw_rps"
 Token tables (``measure_sps``, ``profile-sps`` without ``--draft``): SPS(B), target
 verification steps per second at B verification tokens (the verify forward alone).
 
-The measured call is the real verification forward: ``qwen3.forward`` extending a static KV
+The measured call is the real verification forward: the target family's runtime forward over a
 cache that already holds ``cache_length`` positions, plus the LM head over every new
 position (what rejection sampling reads), jitted with the cache donated. Layouts:
 
@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax import families, sampling
+from dspark_jax import families, runtime, sampling
 from dspark_jax.config import TargetConfig
 from dspark_jax.decode.scheduler import DEFAULT_FIT, FITS, SPSTable, fit_sps, isotonic_decreasing  # noqa: F401
 from dspark_jax.errors import InputError
@@ -67,14 +67,14 @@ def default_batch_sizes(max_batch: int, dense_up_to: int = 16, growth: float = 1
 
 
 def _verify_fn(config: TargetConfig, compute_dtype):
-    from dspark_jax.decode.loop import target_module
-    tm = target_module(config)
+    rt = families.target_runtime(config)
 
     def verify(params, cache, tokens):
-        start = cache.lengths
-        hidden, _, cache = tm.forward(params, config, tokens, cache, compute_dtype=compute_dtype)
-        logits = families.compute_logits(config, params, hidden)         # [rows, T, V]
-        return jnp.argmax(logits, axis=-1), cache.with_lengths(start)   # roll back, as a reject would
+        hidden, _, delta = rt.forward(params, config, tokens, cache,
+                                      ctx=runtime.Context(dtype=compute_dtype), taps=(), span=None)
+        logits = rt.logits(params, config, hidden)                        # [rows, T, V]
+        # Commit nothing, as a fully rejected round would (the masked scatter still runs).
+        return jnp.argmax(logits, axis=-1), cache.commit(delta, jnp.zeros_like(cache.lengths))
     return jax.jit(verify, donate_argnums=(1,))
 
 
@@ -108,7 +108,7 @@ def measure_sps(
     if monotone:
         fit = "monotone"
     sizes = _check_inputs(config, batch_sizes, cache_length, fit, layout, warmup, iters)
-    dtype = cache_dtype or params["embed_tokens"].dtype
+    dtype = cache_dtype or runtime.compute_dtype(params)
     verify = _verify_fn(config, compute_dtype)
     if mesh is not None:
         sharded.check_mesh(mesh, config, None, 1)
@@ -152,17 +152,16 @@ def _place(x, axes, mesh):
 def _warm_states(config, params, verify, sizes, cache_length, layout, dtype, warmup,
                  mesh=None) -> list:
     """Per size: [cache, tokens] after ``warmup`` untimed (compiling) calls."""
-    from dspark_jax.decode.loop import target_module
-    tm = target_module(config)
+    rt = families.target_runtime(config)
     rng = np.random.default_rng(0)
     state = []
     for b in sizes:
         rows, t = (b, 1) if layout == "rows" else (1, b)
-        cache = tm.init_cache(config, rows, cache_length + t, dtype)
-        cache = cache.with_lengths(jnp.full((rows,), cache_length, jnp.int32))
+        cache = rt.init_cache(config, rows, cache_length + t, dtype, t)
+        # A cache that claims cache_length committed positions (timing only: its zeros stand in).
+        cache = cache.replace(lengths=jnp.full((rows,), cache_length, jnp.int32))
         if mesh is not None:
-            cache = cache.replace(**{k: _place(getattr(cache, k), a, mesh)
-                                     for k, a in sharded.CACHE_AXES.items()})
+            cache = jax.tree.map(lambda x, a: _place(x, a, mesh), cache, cache.axes())
         tokens = _place(jnp.asarray(rng.integers(0, config.vocab_size, (rows, t)), jnp.int32),
                         ("batch", None), mesh)
         for _ in range(warmup):
@@ -277,7 +276,7 @@ def measure_rounds(
                          f"{max_len} positions; the pair has {max_pos}")
     if mesh is not None:
         sharded.check_mesh(mesh, target_cfg, draft_cfg, 1)
-    prog = L.build_decode(mesh)
+    prog = L.build_decode(mesh, sharded.decode_rules(target_cfg))
     tp = prog.place_params(target_params, target_cfg)
     dp = prog.place_params(draft_params, draft_cfg)
     policy = ForcedLength()
@@ -293,8 +292,10 @@ def measure_rounds(
 
     def reset(state, b, w):
         pos = np.full((b,), cache_length, np.int32)
+        # Timing only: a cache told it holds cache_length positions again (a family with folded
+        # state would be corrupted by this, but the round's cost does not depend on its values).
         return state.replace(pos=prog.place(pos), active=prog.place(np.ones((b,), bool)),
-                             cache=state.cache.with_lengths(prog.place(pos)),
+                             cache=state.cache.replace(lengths=prog.place(pos)),
                              policy_state=rep(jnp.int32(w - 1)))
 
     def chunk(state):
@@ -341,7 +342,7 @@ def measure_rounds(
         for i, b in enumerate(sizes):
             for j, w in enumerate(ws):
                 progress(b, w, float(1.0 / lat[i, j]))
-    info = _table_meta(target_cfg, cache_length, "rounds", target_params["embed_tokens"].dtype,
+    info = _table_meta(target_cfg, cache_length, "rounds", runtime.compute_dtype(target_params),
                        meta, rounds=rounds, warmup=warmup, min_seconds=min_seconds, repeats=repeats)
     info.update(block_size=g, program="loop.build_decode().chunk",
                 raw_rps=[[float(1.0 / v) for v in row] for row in raw])

@@ -193,12 +193,12 @@ def plan_decode_round(draft_cfg: DraftConfig, target_cfg: TargetConfig, mesh: Me
     from dspark_jax.decode.policies import FullPolicy
 
     sharded.check_mesh(mesh, target_cfg, draft_cfg, batch)
-    prog = decode_loop.build_decode(mesh)
+    prog = decode_loop.build_decode(mesh, sharded.decode_rules(target_cfg))
     t_abs, _ = families.abstract_params(target_cfg, mesh, dtype, prog.rules)
     d_abs, _ = families.abstract_params(draft_cfg, mesh, dtype, prog.rules)
     static = decode_loop.DecodeStatic(target_cfg, draft_cfg, FullPolicy(), False, max_new_tokens)
     state_shapes = decode_loop.abstract_decode_state(t_abs, d_abs, static, batch, max_len)
-    state_sh = prog.state_sharding(like=state_shapes)
+    state_sh = prog.state_sharding(state_shapes)
     rep = shard_lib.replicated(mesh)
     args = (t_abs, d_abs, abstract(state_shapes, state_sh),
             jax.ShapeDtypeStruct((), jnp.float32, sharding=rep),

@@ -1,10 +1,12 @@
 """Registry of model families: a checkpoint's ``architectures`` / ``model_type`` -> its Family.
 
 A family (``params.Family``: config class, parameter declaration, forward module, tied-head
-rule) is declared next to its model code as ``FAMILY = params.Family(...)`` and registered
-here by one line in ``_BUILTIN``. Everything that needs to tell models apart (conversion,
-streaming, checkpoint validation, the planner) asks this registry instead of testing
-``isinstance(config, ...)`` or ``kind`` strings.
+rule, runtime record) is declared next to its model code as ``FAMILY = params.Family(...)`` and
+registered here by one line in ``_BUILTIN``. Everything that needs to tell models apart
+(conversion, streaming, checkpoint validation, the planner, decoding, training) asks this
+registry instead of testing ``isinstance(config, ...)`` or ``kind`` strings; decoding and
+training call only the family's runtime record (``target_runtime`` / ``draft_ops``; the
+protocol is ``dspark_jax.runtime``).
 
 Adding a family::
 
@@ -14,8 +16,9 @@ Adding a family::
                            model_types=("gemma4_text", "gemma4_unified_text"),
                            config_cls=Gemma4Config, declare=declare, forward=__name__,
                            tied_head=_tied_head, ignored_tensors=("model.vision_tower.",),
-                           runtime=runtime.TargetRuntime(init_cache=..., forward=forward_pure,
-                                                         logits=..., feature_dim=...))
+                           runtime=runtime.TargetRuntime(init_cache=init_cache,
+                                                         forward=forward_pure, logits=...,
+                                                         feature_dim=...))
     # dspark_jax/families.py, _BUILTIN:
     gemma4.FAMILY,
 """

@@ -11,8 +11,8 @@ Shapes: B rows, T new tokens, S cache capacity, H hidden size, n = len(taps), V 
 
 - ``init_cache(cfg, batch, capacity, dtype, max_extend) -> cache``: an empty cache (``lengths``
   zeros) holding up to ``capacity`` positions per row; ``max_extend`` is the longest extend
-  after the prefill (G + 1 verified tokens for speculative decoding, 1 autoregressive): a family
-  may size windows / rings from it. ``dtype``: the cache's storage dtype.
+  after the prefill (G + 1 verified tokens for speculative decoding, 1 autoregressive; None: no
+  bound): a family may size windows / rings from it. ``dtype``: the cache's storage dtype.
 - ``forward(params, cfg, tokens [B, T], cache | None, *, ctx, taps, span) -> (hidden, features,
   delta)``: ``hidden [B, T, H]`` after the final norm; ``features [B, T, feature_dim]`` the
   concatenated outputs of layers ``taps`` (-1 = the embedding output; None when ``taps`` is

@@ -1,9 +1,9 @@
 """Profile the decode cost the prefix scheduler plans with.
 
 Round tables (``measure_rounds``; ``profile-sps --draft``, what the scheduler should use): whole
-speculative rounds per second of the program that decodes (``loop.build_decode(mesh).chunk``,
+speculative rounds per second of the program that decodes (``programs.build_decode(mesh).spec.chunk``,
 the continuous engine's device loop of rounds), at each slot count B and each compiled
-verification width w (``loop.round_widths``). The policy is a forced length (every row l = w-1,
+verification width w (``shapes.round_widths``). The policy is a forced length (every row l = w-1,
 read from the policy state), so the one compiled program per B (every width a ``lax.switch``
 branch, as under the scheduler) is timed at every width. Each (B, w) runs chunks of ``rounds``
 rounds from a cache of ``cache_length`` positions (rolled back between chunks); per B, chunks go
@@ -237,6 +237,41 @@ def default_round_batches(max_batch: int) -> list[int]:
     return out + [max_batch]
 
 
+def _time_rounds(sizes, ws, prefill, reset, chunk, rounds, warmup, repeats, min_seconds):
+    """(latency, raw) seconds per round [len(sizes), len(ws)]: per B a prefilled state
+    (``prefill(B)``) warmed at every width, then chunks round-robin over the widths (at least
+    ``repeats`` passes and ``min_seconds`` per width), the fastest chunk of each counting.
+    Noise only ever slows a chunk down: a latency above that of a wider width (or more rows) is
+    noise, so each entry is capped by every wider / taller one (reverse cumulative min)."""
+    states = {}
+    for b in sizes:
+        state = prefill(b)
+        for w in ws:
+            for _ in range(max(warmup, 1)):
+                state = chunk(reset(state, b, w))
+        jax.block_until_ready(state.pos)
+        states[b] = state
+    best = {(b, w): np.inf for b in sizes for w in ws}
+    for b in sizes:
+        spent = {w: 0.0 for w in ws}
+        done = 0
+        while done < repeats or min(spent.values()) < min_seconds:
+            for w in ws:  # one chunk per width in turn: a busy spell hits every width alike
+                state = reset(states[b], b, w)
+                jax.block_until_ready(state.pos)
+                t0 = time.perf_counter()
+                state = chunk(state)
+                jax.block_until_ready(state.pos)
+                dt = time.perf_counter() - t0
+                states[b] = state
+                spent[w] += dt
+                best[(b, w)] = min(best[(b, w)], dt / rounds)
+            done += 1
+    raw = np.array([[best[(b, w)] for w in ws] for b in sizes])
+    lat = np.minimum.accumulate(raw[:, ::-1], axis=1)[:, ::-1]
+    return np.minimum.accumulate(lat[::-1], axis=0)[::-1], raw
+
+
 def measure_rounds(
     target_cfg: TargetConfig,
     target_params: dict,
@@ -255,37 +290,38 @@ def measure_rounds(
     progress: Callable[[int, int, float], None] | None = None,
 ):
     """Round table (``scheduler.RoundTable``) of the decode program for ``batch_sizes`` slot counts
-    at widths ``loop.verify_widths(G, widths)``, from a cache of ``cache_length`` positions.
+    at widths ``shapes.verify_widths(G, widths)``, from a cache of ``cache_length`` positions.
 
     ``progress(B, w, rps)`` is called per (B, w) after the last pass. InputError on bad sizes or
     a cache that does not fit."""
-    from dspark_jax.decode import loop as L
+    from dspark_jax.decode import programs, shapes
+    from dspark_jax.decode.state import DecodeStatic
     from dspark_jax.decode.scheduler import RoundTable
 
     g = draft_cfg.block_size
-    ws = L.verify_widths(g, widths)
+    ws = shapes.verify_widths(g, widths)
     sizes = sorted(set(int(b) for b in batch_sizes))
     if not sizes or sizes[0] < 1:
         raise InputError(f"batch sizes must be positive ints, got {list(batch_sizes)}")
     if rounds < 1 or warmup < 0 or repeats < 1:
         raise InputError("rounds and repeats must be >= 1, warmup >= 0")
-    max_len = L._round_up(cache_length + (g + 1) * (rounds + 1), L.CACHE_BUCKET)
+    max_len = shapes.round_up(cache_length + (g + 1) * (rounds + 1), shapes.CACHE_BUCKET)
     max_pos = min(target_cfg.max_position_embeddings, draft_cfg.max_position_embeddings)
     if cache_length < 1 or max_len > max_pos:
         raise InputError(f"cache length {cache_length} + {rounds} rounds of {g + 1} tokens needs "
                          f"{max_len} positions; the pair has {max_pos}")
     if mesh is not None:
         sharded.check_mesh(mesh, target_cfg, draft_cfg, 1)
-    prog = L.build_decode(mesh, sharded.decode_rules(target_cfg))
+    prog = programs.build_decode(mesh, sharded.decode_rules(target_cfg))
     tp = prog.place_params(target_params, target_cfg)
     dp = prog.place_params(draft_params, draft_cfg)
     policy = ForcedLength()
-    static = L.DecodeStatic(target_cfg, draft_cfg, policy, True, rounds, widths=ws)
+    static = DecodeStatic(target_cfg, draft_cfg, policy, True, rounds, widths=ws)
     pre = dataclasses.replace(static, policy=None)
     rep = (lambda x: x) if mesh is None else (
         lambda x: jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())))
     temp = rep(jnp.float32(sampling.GREEDY_EPS))
-    stop = rep(jnp.full((L.MAX_STOP_IDS,), -1, jnp.int32))
+    stop = rep(jnp.full((shapes.MAX_STOP_IDS,), -1, jnp.int32))
     conf_t = rep(jnp.ones((g,), jnp.float32))
     steps, until = rep(np.int32(rounds)), rep(np.bool_(False))
     rng = np.random.default_rng(0)
@@ -299,51 +335,25 @@ def measure_rounds(
                              policy_state=rep(jnp.int32(w - 1)))
 
     def chunk(state):
-        return prog.chunk(tp, dp, state, temp, stop, conf_t, steps, until, static=static)
+        return prog.spec.chunk(tp, dp, state, temp, stop, conf_t, steps, until, static=static)
 
-    states = {}
-    for b in sizes:
+    def prefill(b):
         if mesh is not None:
             sharded.check_mesh(mesh, target_cfg, draft_cfg, b)
         prompts = rng.integers(0, target_cfg.vocab_size, (b, cache_length)).astype(np.int32)
         lens = np.full((b,), cache_length, np.int32)
         budget = np.full((b,), (g + 1) * (rounds + 1), np.int32)
-        state = prog.prefill(tp, dp, prog.place(prompts), prog.place(lens),
-                             prog.place(np.ones((b,), bool)), rep(jax.random.PRNGKey(0)), temp, stop,
-                             static=pre, max_len=max_len, max_new=prog.place(budget))
-        for w in ws:
-            for _ in range(max(warmup, 1)):
-                state = chunk(reset(state, b, w))
-        jax.block_until_ready(state.pos)
-        states[b] = state
+        return prog.spec.prefill(tp, dp, prog.place(prompts), prog.place(lens),
+                                 prog.place(np.ones((b,), bool)), rep(jax.random.PRNGKey(0)), temp,
+                                 stop, static=pre, max_len=max_len, max_new=prog.place(budget))
 
-    best = {(b, w): np.inf for b in sizes for w in ws}
-    for b in sizes:
-        spent = {w: 0.0 for w in ws}
-        done = 0
-        while done < repeats or min(spent.values()) < min_seconds:
-            for w in ws:  # one chunk per width in turn: a busy spell hits every width alike
-                state = reset(states[b], b, w)
-                jax.block_until_ready(state.pos)
-                t0 = time.perf_counter()
-                state = chunk(state)
-                jax.block_until_ready(state.pos)
-                dt = time.perf_counter() - t0
-                states[b] = state
-                spent[w] += dt
-                best[(b, w)] = min(best[(b, w)], dt / rounds)
-            done += 1
-    raw = np.array([[best[(b, w)] for w in ws] for b in sizes])            # seconds per round
-    # Noise only ever slows a chunk down: a latency above that of a wider width (or more rows)
-    # is noise, so each entry is capped by every wider / taller one (reverse cumulative min).
-    lat = np.minimum.accumulate(raw[:, ::-1], axis=1)[:, ::-1]
-    lat = np.minimum.accumulate(lat[::-1], axis=0)[::-1]
+    lat, raw = _time_rounds(sizes, ws, prefill, reset, chunk, rounds, warmup, repeats, min_seconds)
     if progress is not None:
         for i, b in enumerate(sizes):
             for j, w in enumerate(ws):
                 progress(b, w, float(1.0 / lat[i, j]))
     info = _table_meta(target_cfg, cache_length, "rounds", runtime.compute_dtype(target_params),
                        meta, rounds=rounds, warmup=warmup, min_seconds=min_seconds, repeats=repeats)
-    info.update(block_size=g, program="loop.build_decode().chunk",
+    info.update(block_size=g, program="programs.build_decode().spec.chunk",
                 raw_rps=[[float(1.0 / v) for v in row] for row in raw])
     return RoundTable(tuple(sizes), ws, tuple(tuple(float(1.0 / v) for v in row) for row in lat), info)

@@ -72,7 +72,7 @@ def state_axes(state):
 
 def state_sharding_tree(state, mesh: Mesh, rules: Mapping[str, object] = DECODE_RULES):
     """Full NamedSharding tree of ``state`` (arrays or ShapeDtypeStructs) from its declared axes
-    (``state_axes``). A dim its mesh axes do not divide stays replicated (e.g. Gemma4's
+    (``state_axes``). A dim its mesh axes do not divide stays replicated (e.g. a
     full-attention group with 1 KV head under tensor=2; ``check_mesh`` refused the others)."""
     return jax.tree.map(
         lambda x, axes: NamedSharding(mesh, sharding.logical_to_spec(axes, rules, x.shape, mesh)),

@@ -402,11 +402,11 @@ def shipped_programs(a: dict, names=("ar_step", "round"), compiler_options=None)
     ``compiler_options`` go to ``Lowered.compile`` (e.g. fast CPU compiles for smoke runs)."""
     out = {}
     if "ar_step" in names:
-        tp, (temp, stop) = a["ar_step"].args
+        tp, dp, extra = a["ar_step"].args  # dp, conf_temps: None (one signature for both modes)
         stay = _stay(a["ar_state"])
         out["ar_step"] = Program("ar_step", a["ar_step"].lower(a["ar_state"]).compile(compiler_options),
-                                 (tp, a["ar_state"], temp, stop),
-                                 feed=lambda args, o: (args[0], stay(o), *args[2:]))
+                                 (tp, dp, a["ar_state"], *extra),
+                                 feed=lambda args, o: (args[0], args[1], stay(o), *args[3:]))
     if "round" in names:
         tp, dp, extra = a["round"].args
         stay = _stay(a["spec_state"])

@@ -25,7 +25,7 @@ import jax.monitoring
 
 from dspark_jax.convert.checkpoint import load_draft, load_target
 from dspark_jax.decode import autoregressive_generate, speculative_generate, summarize
-from dspark_jax.decode.loop import default_spans, plan_shapes
+from dspark_jax.decode.shapes import default_spans, plan_shapes
 from dspark_jax.fileio import write_json
 from dspark_jax.compiles import COMPILES
 

@@ -37,7 +37,7 @@ import jax.monitoring
 import numpy as np
 
 from dspark_jax.convert.checkpoint import load_draft, load_target
-from dspark_jax.decode import FixedPolicy, ThresholdPolicy, engine, loop, profile, summarize
+from dspark_jax.decode import FixedPolicy, ThresholdPolicy, decode_requests, profile, shapes, summarize
 from dspark_jax.decode import scheduler as S
 from dspark_jax.fileio import write_json
 from dspark_jax.compiles import COMPILES
@@ -89,12 +89,12 @@ def run_one(tc, tp, dc, dp, prompts, budgets, *, batching, slots, policy, stops,
         i = int(np.argmax([len(p) for p in prompts]))
         warm = [i]
     else:
-        warm = engine.warmup_prompts(prompts, cache_len)
+        warm = shapes.warmup_prompts(prompts, cache_len)
     wb = [max(budgets)] * len(warm)
-    engine.decode_requests(tc, tp, [prompts[i] for i in warm],
+    decode_requests(tc, tp, [prompts[i] for i in warm],
                            max_new_tokens=wb if batching == "continuous" else max(budgets), **kw)
     before, st = COMPILES[0], {}
-    res = engine.decode_requests(tc, tp, prompts, max_new_tokens=budgets, stats=st, **kw)
+    res = decode_requests(tc, tp, prompts, max_new_tokens=budgets, stats=st, **kw)
     return res, st, COMPILES[0] - before
 
 
@@ -186,7 +186,7 @@ def main(argv=None) -> int:
         n = max(16, args.requests_per_slot * c)
         prompts, budgets = make_stream(base, n, tc.vocab_size, args.max_new_tokens, args.seed + c,
                                        random_share=0.0 if args.texts else 0.3)
-        _, cache_len = loop.plan_shapes(prompts, args.max_new_tokens, g,
+        _, cache_len = shapes.plan_shapes(prompts, args.max_new_tokens, g,
                                         min(tc.max_position_embeddings, dc.max_position_embeddings), None)
         for method in methods:
             for batching in args.batching.split(","):

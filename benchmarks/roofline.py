@@ -226,7 +226,7 @@ def spanned_cache_bytes(state, max_len: int) -> int:
 
 def at_span(cost: dict, cache_bytes: int, span: int, max_len: int) -> dict:
     """``cost`` with the cache reads cut to the first ``span`` of ``max_len`` slots (the compiled
-    span a step at the prompt's length reads, ``loop.compiled_spans``). FLOPs stay those of the
+    span a step at the prompt's length reads, ``shapes.compiled_spans``). FLOPs stay those of the
     whole capacity (an upper bound; attention FLOPs shrink too)."""
     return dict(cost, bytes=cost["bytes"] - cache_bytes * (1.0 - span / max_len))
 

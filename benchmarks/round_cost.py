@@ -135,50 +135,53 @@ def param_count(tree) -> int:
 
 def decode_programs(tcfg, tparams, dcfg, dparams, batch: int, prompt_len: int, max_new: int,
                     temperature: float = 0.0, seed: int = 0, abstract: bool = False, spans=None):
-    """ADAPTER -- the only code here that touches dspark_jax.decode.loop internals.
+    """ADAPTER -- the only code here that touches dspark_jax.decode internals.
 
     Builds the shipped programs for B = ``batch`` random prompts of ``prompt_len`` tokens:
     returns a dict with ``round`` / ``ar_step`` (jitted functions of the donated state,
     ``lower(state)`` gives their lowering), the prefilled ``spec_state`` / ``ar_state``, and
     ``max_len`` (cache capacity). ``abstract=True``: params may be ShapeDtypeStructs and the
     states are abstract too (``jax.eval_shape``; nothing runs, for lowering/cost analysis only).
-    ``spans``: the compiled cache spans (default: the shipped ``loop.default_spans``; ``(max_len,)``:
+    ``spans``: the compiled cache spans (default: the shipped ``shapes.default_spans``; ``(max_len,)``:
     attention over the whole capacity, the program before spans; ``"prompt"``: the default span a
     step at ``prompt_len`` reads, and the capacity: the same kernels run, fewer compile); the dict's
     ``spans`` / ``span`` are the compiled spans and the one the programs read at ``prompt_len``.
-    Re-point this function when the loop internals move.
+    Re-point this function when the decode internals move.
     """
     import functools
-    from dspark_jax.decode import loop
+    from dspark_jax.decode import programs, shapes
+    from dspark_jax.decode.state import DecodeStatic
+
+    local = programs.build_decode()
 
     rng = np.random.default_rng(seed)
     prompts = rng.integers(0, tcfg.vocab_size - 1, (batch, prompt_len)).tolist()
-    p_len, max_len = loop.plan_shapes(prompts, max_new, dcfg.block_size,
-                                      min(tcfg.max_position_embeddings, dcfg.max_position_embeddings), None)
+    p_len, max_len = shapes.plan_shapes(prompts, max_new, dcfg.block_size,
+                                        min(tcfg.max_position_embeddings, dcfg.max_position_embeddings), None)
     if spans == "prompt":  # only the default span a step at prompt_len reads (+ the capacity)
-        spans = (next(s for s in loop.default_spans(max_len) if s >= prompt_len),)
+        spans = (next(s for s in shapes.default_spans(max_len) if s >= prompt_len),)
     arr = jnp.asarray(prompts, jnp.int32)
     arr = jnp.pad(arr, ((0, 0), (0, p_len - prompt_len)))
     lens = jnp.full((batch,), prompt_len, jnp.int32)
     valid = jnp.ones((batch,), bool)
     key = jax.random.PRNGKey(seed)
     temp = jnp.float32(max(float(temperature), sampling.GREEDY_EPS))
-    stop = jnp.full((loop.MAX_STOP_IDS,), -1, jnp.int32)
+    stop = jnp.full((shapes.MAX_STOP_IDS,), -1, jnp.int32)
     conf_temps = jnp.ones((dcfg.block_size,), jnp.float32)
     policy = FullPolicy()
-    static = loop._Static(tcfg, dcfg, policy, sampling.is_greedy(temperature), max_new,
-                          spans=None if spans is None else tuple(spans))
-    compiled = loop.compiled_spans(static, max_len)
+    static = DecodeStatic(tcfg, dcfg, policy, sampling.is_greedy(temperature), max_new,
+                         spans=None if spans is None else tuple(spans))
+    compiled = shapes.compiled_spans(static, max_len)
     span = next(s for s in compiled if s >= prompt_len)
     pre_static = dataclasses.replace(static, policy=None)
     call = ((lambda f, *a, **k: jax.eval_shape(functools.partial(f, **k), *a)) if abstract
             else (lambda f, *a, **k: f(*a, **k)))
-    spec_state = call(loop.spec_prefill_jit, tparams, dparams, arr, lens, valid, key, temp, stop,
+    spec_state = call(local.spec.prefill, tparams, dparams, arr, lens, valid, key, temp, stop,
                       static=pre_static, max_len=max_len)
     spec_state = dataclasses.replace(spec_state, policy_state=policy.init_state(batch, dcfg.block_size))
-    ar_static = loop._Static(tcfg, None, None, sampling.is_greedy(temperature), max_new,
-                             spans=static.spans)
-    ar_state = call(loop.ar_prefill_jit, tparams, arr, lens, valid, key, temp, stop, static=ar_static,
+    ar_static = DecodeStatic(tcfg, None, None, sampling.is_greedy(temperature), max_new,
+                            spans=static.spans)
+    ar_state = call(local.ar.prefill, tparams, None, arr, lens, valid, key, temp, stop, static=ar_static,
                     max_len=max_len)
 
     class _Prog:
@@ -188,8 +191,8 @@ def decode_programs(tcfg, tparams, dcfg, dparams, batch: int, prompt_len: int, m
         def lower(self, state):
             return self.jitted.lower(*self.args[:-1], state, *self.args[-1], **self.kwargs)
 
-    rnd = _Prog(loop.spec_round_jit, (tparams, dparams, (temp, stop, conf_temps)), {"static": static})
-    ar = _Prog(loop.ar_step_jit, (tparams, (temp, stop)), {"static": ar_static})
+    rnd = _Prog(local.spec.step, (tparams, dparams, (temp, stop, conf_temps)), {"static": static})
+    ar = _Prog(local.ar.step, (tparams, None, (temp, stop, None)), {"static": ar_static})
     return {"round": rnd, "ar_step": ar, "spec_state": spec_state, "ar_state": ar_state,
             "max_len": max_len, "temperature": temp, "stop_ids": stop, "conf_temps": conf_temps,
             "spans": compiled, "span": span}
@@ -199,7 +202,7 @@ def decode_programs(tcfg, tparams, dcfg, dparams, batch: int, prompt_len: int, m
 
 
 def make_parts(tcfg: TargetConfig, dcfg: DraftConfig, greedy: bool, span: int | None = None):
-    """The round's parts as pure functions of public component APIs (shapes as in decode.loop;
+    """The round's parts as pure functions of public component APIs (shapes as in decode.step;
     attention over the first ``span`` cache slots, the span the shipped round reads there)."""
     g = dcfg.block_size
 
@@ -244,10 +247,10 @@ def make_parts(tcfg: TargetConfig, dcfg: DraftConfig, greedy: bool, span: int | 
         return c_logits, jnp.clip(lengths.astype(jnp.int32), 0, g)
 
     def target_verify(tp, cache, tokens):
-        start = cache.lengths
-        hidden, taps, cache = qwen3.forward(tp, tcfg, tokens, cache, tap_layer_ids=dcfg.target_layer_ids,
-                                            cache_span=span)
-        return qwen3.compute_logits(tp, hidden), taps, cache.with_lengths(start)  # roll back
+        hidden, taps, delta = qwen3.forward_pure(tp, tcfg, tokens, cache, taps=dcfg.target_layer_ids,
+                                                 span=span)
+        n_new = jnp.zeros_like(cache.lengths)  # commit nothing (the masked scatter still runs)
+        return qwen3.compute_logits(tp, hidden), taps, cache.commit(delta, n_new)
 
     def rejection(key, target_logits, draft_logits, drafts, lengths, temperature, stop_ids):
         return rejection_sample(key, target_logits, draft_logits, drafts, lengths, temperature, greedy,
@@ -389,7 +392,7 @@ def _stay(state):
     def feed(o):  # jax.device_put: no compile (jnp.asarray of a numpy array compiles a copy)
         extra = {"round": jax.device_put(np.int32(0))} if hasattr(o, "round") else {}
         return o.replace(pos=jax.device_put(pos), active=jax.device_put(active),
-                         cache=o.cache.with_lengths(jax.device_put(lengths)), **extra)
+                         cache=o.cache.replace(lengths=jax.device_put(lengths)), **extra)
     return feed
 
 
@@ -399,11 +402,11 @@ def shipped_programs(a: dict, names=("ar_step", "round"), compiler_options=None)
     ``compiler_options`` go to ``Lowered.compile`` (e.g. fast CPU compiles for smoke runs)."""
     out = {}
     if "ar_step" in names:
-        tp, (temp, stop) = a["ar_step"].args
+        tp, dp, extra = a["ar_step"].args  # dp, conf_temps: None (one signature for both modes)
         stay = _stay(a["ar_state"])
         out["ar_step"] = Program("ar_step", a["ar_step"].lower(a["ar_state"]).compile(compiler_options),
-                                 (tp, a["ar_state"], temp, stop),
-                                 feed=lambda args, o: (args[0], stay(o), *args[2:]))
+                                 (tp, dp, a["ar_state"], *extra),
+                                 feed=lambda args, o: (args[0], args[1], stay(o), *args[3:]))
     if "round" in names:
         tp, dp, extra = a["round"].args
         stay = _stay(a["spec_state"])
@@ -543,7 +546,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-new-tokens", type=int, default=256, help="sets the cache capacity")
     ap.add_argument("--cache-spans", type=int, nargs="+", default=None, metavar="S",
-                    help="compiled cache spans of the shipped programs (default: loop.default_spans of "
+                    help="compiled cache spans of the shipped programs (default: shapes.default_spans of "
                          "the capacity); when the span read at --prompt-len is below the capacity, "
                          "round@capacity / ar_step@capacity (attention over the whole cache) run beside")
     ap.add_argument("--temperature", type=float, default=0.0)

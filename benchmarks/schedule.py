@@ -123,7 +123,7 @@ def dataset_rounds(target_dir, draft_dir, dataset: str, max_samples: int | None,
     tokenizer); the target's greedy continuations (up to ``max_new_tokens``, cut at its stop
     tokens) are generated here with the real decode loop, then replayed as in the fixture mode."""
     from dspark_jax.data import eval_datasets
-    from dspark_jax.decode import loop
+    from dspark_jax.decode import autoregressive_generate
     from dspark_jax.decode.settings import DecodeOptions, resolve
     from dspark_jax.tokenizer import encode_prompt, load_tokenizer
 
@@ -136,7 +136,7 @@ def dataset_rounds(target_dir, draft_dir, dataset: str, max_samples: int | None,
     prompts = [encode_prompt(tok, t, raw=options.raw_prompt) for t in texts]
     stops = resolve(options, target_dir, tokenizer=tok).stop_ids
     t0 = time.time()
-    res = loop.autoregressive_generate(tcfg, tparams, prompts, max_new_tokens=max_new_tokens, temperature=0.0,
+    res = autoregressive_generate(tcfg, tparams, prompts, max_new_tokens=max_new_tokens, temperature=0.0,
                                        batch_size=batch_size, stop_token_ids=stops)
     outs = [r.output_ids for r in res]
     print(f"greedy continuations: {len(prompts)} prompts, mean {np.mean([len(o) for o in outs]):.1f} new "

@@ -1,10 +1,12 @@
 """Registry of model families: a checkpoint's ``architectures`` / ``model_type`` -> its Family.
 
 A family (``params.Family``: config class, parameter declaration, forward module, tied-head
-rule) is declared next to its model code as ``FAMILY = params.Family(...)`` and registered
-here by one line in ``_BUILTIN``. Everything that needs to tell models apart (conversion,
-streaming, checkpoint validation, the planner) asks this registry instead of testing
-``isinstance(config, ...)`` or ``kind`` strings.
+rule, runtime record) is declared next to its model code as ``FAMILY = params.Family(...)`` and
+registered here by one line in ``_BUILTIN``. Everything that needs to tell models apart
+(conversion, streaming, checkpoint validation, the planner, decoding, training) asks this
+registry instead of testing ``isinstance(config, ...)`` or ``kind`` strings; decoding and
+training call only the family's runtime record (``target_runtime`` / ``draft_ops``; the
+protocol is ``dspark_jax.runtime``).
 
 Adding a family::
 
@@ -13,7 +15,10 @@ Adding a family::
                            architectures=("Gemma4ForCausalLM", "Gemma4UnifiedForCausalLM"),
                            model_types=("gemma4_text", "gemma4_unified_text"),
                            config_cls=Gemma4Config, declare=declare, forward=__name__,
-                           tied_head=_tied_head, ignored_tensors=("model.vision_tower.",))
+                           tied_head=_tied_head, ignored_tensors=("model.vision_tower.",),
+                           runtime=runtime.TargetRuntime(init_cache=init_cache,
+                                                         forward=forward_pure, logits=...,
+                                                         feature_dim=...))
     # dspark_jax/families.py, _BUILTIN:
     gemma4.FAMILY,
 """
@@ -147,11 +152,27 @@ def drafter_family(target_config) -> Family:
     return found[0]
 
 
+def runtime_of(config):
+    """The runtime record (``runtime.TargetRuntime`` / ``runtime.DraftRuntime``) of ``config``'s
+    family; ConfigError when the family registered none."""
+    family = for_config(config)
+    if family.runtime is None:
+        raise ConfigError(f"model family {family.name!r} has no runtime (decode/train) functions")
+    return family.runtime
+
+
+def target_runtime(target_config):
+    """The ``runtime.TargetRuntime`` of a target config (ConfigError for a drafter's)."""
+    if for_config(target_config).kind != "target":
+        raise ConfigError(f"{type(target_config).__name__} is not a target model config")
+    return runtime_of(target_config)
+
+
 def draft_ops(draft_config):
-    """The drafter's backbone functions (``draft.model`` ``ops`` argument): the family module's
-    ``OPS`` (the Qwen3 drafter: ``draft.model.QWEN3_OPS``)."""
-    module = for_config(draft_config).module()
-    return getattr(module, "OPS", None) or draft_model.QWEN3_OPS
+    """The drafter's ``runtime.DraftRuntime`` (its backbone functions: ``draft.model``'s ``ops``)."""
+    if for_config(draft_config).kind != "draft":
+        raise ConfigError(f"{type(draft_config).__name__} is not a drafter config")
+    return runtime_of(draft_config)
 
 
 def init_params(config, rng, dtype=None, **shared):
@@ -168,11 +189,8 @@ def lm_head_kernel(target_config, target_params):
 
 def compute_logits(config, params, hidden):
     """Family-level logits of any registered target or drafter: hidden [..., H] (after the final
-    norm) -> [..., V] float32 (softcapped where the family caps). One signature for every
-    family; the module functions differ (``qwen3.compute_logits(params, hidden)``,
-    ``gemma4.compute_logits(params, cfg, hidden)``)."""
-    import inspect
-    fn = for_config(config).module().compute_logits
-    if len(inspect.signature(fn).parameters) == 2:  # (params, hidden): the config carries nothing it needs
-        return fn(params, hidden)
+    norm) -> [..., V] float32 (softcapped where the family caps), through its runtime record."""
+    family = for_config(config)
+    rt = runtime_of(config)
+    fn = rt.logits if family.kind == "target" else rt.compute_logits
     return fn(params, config, hidden)

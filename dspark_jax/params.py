@@ -176,6 +176,8 @@ class Family:
     aside_tensors: torch-name prefixes of tensors this family does not read but conversion keeps:
                    copied byte for byte into ``aside.safetensors`` next to the converted model
                    (DeepSeek-V4's in-checkpoint DSpark module, ``mtp.*``).
+    runtime:       the ``runtime.TargetRuntime`` / ``runtime.DraftRuntime`` record the decode
+                   engine and the trainer call (``families.target_runtime`` / ``draft_runtime``).
     """
 
     name: str
@@ -191,6 +193,7 @@ class Family:
     source_prefixes: Any = None
     source_names: Any = None
     aside_tensors: tuple[str, ...] = ()
+    runtime: Any = None
 
     def __post_init__(self):
         if self.kind not in KINDS:

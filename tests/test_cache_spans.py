@@ -1,4 +1,4 @@
-"""Attention over the used prefix of the cache (``loop.compiled_spans``): same outputs, fewer slots read.
+"""Attention over the used prefix of the cache (``shapes.compiled_spans``): same outputs, fewer slots read.
 
 A round (and an AR step) attends over the smallest compiled span >= its longest active row instead
 of the whole capacity. Spans small enough that generations cross several of them must reproduce the
@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from dspark_jax.decode import autoregressive_generate, loop, speculative_generate
+from dspark_jax.decode import autoregressive_generate, shapes, speculative_generate
+from dspark_jax.decode.state import DecodeStatic
 from dspark_jax.errors import ConfigError, InputError
 
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
@@ -25,23 +26,23 @@ SPANS = (16, 32, 48, 64)  # fixture prompts are 5..36 tokens, + 48 new: every ro
 
 
 def test_default_spans_follow_the_capacity():
-    assert loop.default_spans(64) == (64,)
-    assert loop.default_spans(128) == (128,)
-    assert loop.default_spans(192) == (128, 192)
-    assert loop.default_spans(448) == (128, 256, 384, 448)
-    assert loop.default_spans(4096) == (1024, 2048, 3072, 4096)
-    static = loop._Static(None, None, None, True, 8, spans=(48, 16))
-    assert loop.compiled_spans(static, 128) == (16, 48, 128)
+    assert shapes.default_spans(64) == (64,)
+    assert shapes.default_spans(128) == (128,)
+    assert shapes.default_spans(192) == (128, 192)
+    assert shapes.default_spans(448) == (128, 256, 384, 448)
+    assert shapes.default_spans(4096) == (1024, 2048, 3072, 4096)
+    static = DecodeStatic(None, None, None, True, 8, spans=(48, 16))
+    assert shapes.compiled_spans(static, 128) == (16, 48, 128)
 
 
 def test_span_index_takes_the_longest_active_row():
     spans = (16, 32, 48, 128)
     pos, active = jnp.array([10, 40, 100]), jnp.array([True, True, False])
-    assert int(loop.span_index(pos, active, spans)) == 2        # 40 -> 48 (the finished row is ignored)
-    assert int(loop.span_index(pos, jnp.array([True, False, False]), spans)) == 0
-    assert int(loop.span_index(jnp.array([32]), jnp.array([True]), spans)) == 1  # p <= span
-    assert int(loop.span_index(jnp.array([33]), jnp.array([True]), spans)) == 2
-    assert int(loop.span_index(pos, jnp.zeros(3, bool), spans)) == 0
+    assert int(shapes.span_index(pos, active, spans)) == 2        # 40 -> 48 (the finished row is ignored)
+    assert int(shapes.span_index(pos, jnp.array([True, False, False]), spans)) == 0
+    assert int(shapes.span_index(jnp.array([32]), jnp.array([True]), spans)) == 1  # p <= span
+    assert int(shapes.span_index(jnp.array([33]), jnp.array([True]), spans)) == 2
+    assert int(shapes.span_index(pos, jnp.zeros(3, bool), spans)) == 0
 
 
 @pytest.mark.parametrize("spans,error", [([0], InputError), (["a"], InputError), ([1.5], InputError),

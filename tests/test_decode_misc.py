@@ -14,7 +14,7 @@ from dspark_jax.config import DraftConfig
 from dspark_jax.compiles import COMPILES
 from dspark_jax.decode import (FixedPolicy, FullPolicy, ThresholdPolicy, autoregressive_generate,
                                parse_policy, speculative_generate)
-from dspark_jax.decode import loop as decode_loop
+from dspark_jax.decode import programs as decode_programs
 from dspark_jax.decode.verify import rejection_sample
 from dspark_jax.errors import ConfigError, InputError
 
@@ -37,7 +37,7 @@ def test_no_recompilation(pair):
     for loop in ("device", "host"):
         speculative_generate(tc, tp, dc, dp, prompts(4, 1, 4), seed=0, loop=loop, **kw)  # warm-up
     autoregressive_generate(tc, tp, prompts(4, 1, 4), max_new_tokens=6, batch_size=4, max_cache_len=32)
-    before, sizes = COMPILES[0], decode_loop.compile_cache_sizes()
+    before, sizes = COMPILES[0], decode_programs.compile_cache_sizes()
     rounds = set()
     for seed, (n, lo, hi), stops in [(1, (7, 9, 16), [0]), (2, (3, 1, 16), [4, 6]),
                                      (4, (2, 16, 16), [1, 2, 7])]:
@@ -49,7 +49,7 @@ def test_no_recompilation(pair):
         autoregressive_generate(tc, tp, prompts(n, lo, hi), max_new_tokens=6, batch_size=4,
                                 max_cache_len=32, seed=seed, stop_token_ids=stops)
     assert len(rounds) > 3  # really different round counts / accepted lengths / finished rows
-    assert decode_loop.compile_cache_sizes() == sizes
+    assert decode_programs.compile_cache_sizes() == sizes
     assert COMPILES[0] == before, "recompiled after warm-up"
 
 

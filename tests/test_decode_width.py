@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from dspark_jax.compiles import COMPILES
-from dspark_jax.decode import loop as L
+from dspark_jax.decode import shapes as L
+from dspark_jax.decode.state import DecodeStatic
 from dspark_jax.decode import scheduler as S
 from dspark_jax.decode import speculative_generate
 from dspark_jax.decode.policies import FixedPolicy, FullPolicy, ThresholdPolicy
@@ -26,7 +27,7 @@ def test_default_and_round_widths(tiny_reference):
     assert L.verify_widths(7, [4, 2]) == (2, 4, 8)
     with pytest.raises(ConfigError, match="widths"):
         L.verify_widths(7, [9])
-    st = lambda policy, widths=None: L.DecodeStatic(tc, dc, policy, True, 8, widths=widths)
+    st = lambda policy, widths=None: DecodeStatic(tc, dc, policy, True, 8, widths=widths)
     assert L.round_widths(st(FullPolicy())) == (8,)            # full: one branch, as before
     assert L.round_widths(st(FixedPolicy(1))) == (2,)
     assert L.round_widths(st(FixedPolicy(3))) == (4,)

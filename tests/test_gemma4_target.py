@@ -60,7 +60,7 @@ def test_ring_cache_matches_full_length_cache(fixture_target):
     b, max_extend, max_len = 3, 8, 160
     ring = gemma4.ring_slots(cfg, max_extend)
     full = gemma4.init_cache(cfg, b, max_len)
-    small = gemma4.init_cache(cfg, b, max_len, sliding_slots=ring)
+    small = gemma4.init_cache(cfg, b, max_len, max_extend=max_extend)
     assert small.k["sliding"].shape[2] == ring < max_len and small.k["full"].shape[2] == max_len
     step = jax.jit(lambda p, i, c, n: gemma4.forward(p, cfg, i, c, num_new=n))
     lens = jnp.asarray([40, 9, 25])
@@ -76,7 +76,7 @@ def test_ring_cache_matches_full_length_cache(fixture_target):
         (h_full, _, full), (h_small, _, small) = (step(params, tokens, c, num) for c in (full, small))
         np.testing.assert_allclose(np.asarray(h_full[:, :t]), np.asarray(h_small[:, :t]), atol=1e-4)
         keep = np.asarray(full.lengths) - t + rng.integers(1, t + 1, b)
-        full, small = full.with_lengths(jnp.asarray(keep)), small.with_lengths(jnp.asarray(keep))
+        full, small = full.replace(lengths=jnp.asarray(keep)), small.replace(lengths=jnp.asarray(keep))
     assert int(np.asarray(full.lengths).min()) > ring + cfg.sliding_window   # every ring wrapped
 
 
@@ -203,8 +203,8 @@ def test_matches_transformers_prefill_and_extends(name):
 
     # prefill 20 then extends of 6 + 5 + 3 (well past the window of 8); full-length and ring sliding caches
     step = jax.jit(lambda p, i, c: gemma4.forward(p, cfg, i, c))
-    for slots in (None, gemma4.ring_slots(cfg, 6)):
-        cache = gemma4.init_cache(cfg, 2, 40, sliding_slots=slots)
+    for slots in (None, 6):
+        cache = gemma4.init_cache(cfg, 2, 40, max_extend=slots)
         start = 0
         for size in (20, 6, 5, 3):
             hidden, _, cache = step(params, jnp.asarray(ids[:, start:start + size]), cache)
@@ -215,7 +215,7 @@ def test_matches_transformers_prefill_and_extends(name):
     # per-row lengths + rollback: row 1 keeps only 17 of the first 20 tokens, then both extend
     cache = gemma4.init_cache(cfg, 2, 40)
     _, _, cache = step(params, jnp.asarray(ids[:, :20]), cache)
-    cache = cache.with_lengths(jnp.asarray([20, 17]))
+    cache = cache.replace(lengths=jnp.asarray([20, 17]))
     other = rng.integers(0, cfg.vocab_size, (2, 6))
     hidden, _, cache = step(params, jnp.asarray(other), cache)
     got = np.asarray(gemma4.compute_logits(params, cfg, hidden))

@@ -83,7 +83,7 @@ def test_per_row_positions_and_rollback():
     _, _, cache = qwen3.forward(params, cfg, jnp.asarray(toks), cache, num_new=jnp.array([6, 3]))
     # Garbage extend, then roll back to the committed lengths.
     _, _, cache = qwen3.forward(params, cfg, jnp.full((2, 3), 7), cache)
-    cache = cache.with_lengths(jnp.array([6, 3]))
+    cache = cache.replace(lengths=jnp.array([6, 3]))
     ext = np.zeros((2, 3), np.int64)
     ext[0], ext[1, :2] = a[6:9], b[3:5]
     hid, _, cache = qwen3.forward(params, cfg, jnp.asarray(ext), cache, num_new=jnp.array([3, 2]))

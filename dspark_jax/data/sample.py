@@ -9,19 +9,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.config import TargetConfig
-from dspark_jax import families
+from dspark_jax import families, runtime
 
 
 @functools.partial(jax.jit, static_argnames=("config", "length", "temperature"))
 def _sample(params, config: TargetConfig, first: jax.Array, rng: jax.Array, length: int, temperature: float):
     b = first.shape[0]
-    module = families.for_config(config).module()  # any target family
-    cache = module.init_cache(config, b, length)
+    rt = families.target_runtime(config)  # any target family
+    cache = rt.init_cache(config, b, length, jnp.float32, None)  # None: no extend bound
 
     def body(carry, key):
         cache, tok = carry
-        hidden, _, cache = module.forward(params, config, tok[:, None], cache)
-        logits = families.compute_logits(config, params, hidden[:, -1])
+        hidden, _, delta = rt.forward(params, config, tok[:, None], cache, ctx=runtime.LOCAL,
+                                      taps=(), span=None)
+        cache = cache.commit(delta, jnp.ones((b,), jnp.int32))
+        logits = rt.logits(params, config, hidden[:, -1])
         if temperature == 0:  # greedy
             nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         else:

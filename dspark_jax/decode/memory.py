@@ -21,8 +21,7 @@ GIB = float(1 << 30)
 
 def tree_bytes(tree) -> int:
     """Bytes of every array leaf of ``tree`` (abstract shapes count too)."""
-    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree)
-               if hasattr(a, "shape"))
+    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
 
 
 def capacity(mesh=None) -> tuple[int, str]:
@@ -41,12 +40,14 @@ def capacity(mesh=None) -> tuple[int, str]:
 
 
 def decode_bytes(tcfg, tparams, dcfg, dparams, batch: int, max_len: int) -> dict:
-    """{part: bytes} of a decode of ``batch`` rows with cache capacity ``max_len``."""
-    from dspark_jax.decode.loop import init_target_cache
+    """{part: bytes} of a decode of ``batch`` rows with cache capacity ``max_len`` (the target's
+    cache from its family's ``init_cache``, abstractly: nothing is allocated)."""
+    from dspark_jax import families, runtime
 
-    dtype = tparams["embed_tokens"].dtype
+    dtype = runtime.compute_dtype(tparams)
     g = dcfg.block_size if dcfg is not None else 0
-    cache = jax.eval_shape(lambda: init_target_cache(tcfg, batch, max_len, dtype, g + 1))
+    rt = families.target_runtime(tcfg)
+    cache = jax.eval_shape(lambda: rt.init_cache(tcfg, batch, max_len, dtype, g + 1))
     parts = {"weights": tree_bytes(tparams) + (tree_bytes(dparams) if dparams is not None else 0),
              "target KV cache": tree_bytes(cache),
              "tokens and logits": batch * (max_len * 4 + 3 * (g + 1) * tcfg.vocab_size * 4)}

@@ -16,7 +16,7 @@ decode round)::
 
 A policy may also declare ``constant_length(block_size) -> int | None``: the one length it
 always returns (``full``: G, ``fixed:K``: min(K, G)); the decode round then compiles only the
-verification width that length needs (``loop.round_widths``). A policy whose lengths vary
+verification width that length needs (``shapes.round_widths``). A policy whose lengths vary
 gets every compiled width and the round picks one per round from the lengths of its active
 rows. A policy may declare ``verify_widths``: the widths its cost model assumes (the
 scheduler's round table); the round compiles those unless the decode program sets its own.

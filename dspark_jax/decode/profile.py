@@ -1,9 +1,9 @@
 """Profile the decode cost the prefix scheduler plans with.
 
 Round tables (``measure_rounds``; ``profile-sps --draft``, what the scheduler should use): whole
-speculative rounds per second of the program that decodes (``loop.build_decode(mesh).chunk``,
+speculative rounds per second of the program that decodes (``programs.build_decode(mesh).spec.chunk``,
 the continuous engine's device loop of rounds), at each slot count B and each compiled
-verification width w (``loop.round_widths``). The policy is a forced length (every row l = w-1,
+verification width w (``shapes.round_widths``). The policy is a forced length (every row l = w-1,
 read from the policy state), so the one compiled program per B (every width a ``lax.switch``
 branch, as under the scheduler) is timed at every width. Each (B, w) runs chunks of ``rounds``
 rounds from a cache of ``cache_length`` positions (rolled back between chunks); per B, chunks go
@@ -15,7 +15,7 @@ noise and is capped by it (reverse cumulative min). Raw values: ``meta["raw_rps"
 Token tables (``measure_sps``, ``profile-sps`` without ``--draft``): SPS(B), target
 verification steps per second at B verification tokens (the verify forward alone).
 
-The measured call is the real verification forward: ``qwen3.forward`` extending a static KV
+The measured call is the real verification forward: the target family's runtime forward over a
 cache that already holds ``cache_length`` positions, plus the LM head over every new
 position (what rejection sampling reads), jitted with the cache donated. Layouts:
 
@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax import families, sampling
+from dspark_jax import families, runtime, sampling
 from dspark_jax.config import TargetConfig
 from dspark_jax.decode.scheduler import DEFAULT_FIT, FITS, SPSTable, fit_sps, isotonic_decreasing  # noqa: F401
 from dspark_jax.errors import InputError
@@ -67,14 +67,14 @@ def default_batch_sizes(max_batch: int, dense_up_to: int = 16, growth: float = 1
 
 
 def _verify_fn(config: TargetConfig, compute_dtype):
-    from dspark_jax.decode.loop import target_module
-    tm = target_module(config)
+    rt = families.target_runtime(config)
 
     def verify(params, cache, tokens):
-        start = cache.lengths
-        hidden, _, cache = tm.forward(params, config, tokens, cache, compute_dtype=compute_dtype)
-        logits = families.compute_logits(config, params, hidden)         # [rows, T, V]
-        return jnp.argmax(logits, axis=-1), cache.with_lengths(start)   # roll back, as a reject would
+        hidden, _, delta = rt.forward(params, config, tokens, cache,
+                                      ctx=runtime.Context(dtype=compute_dtype), taps=(), span=None)
+        logits = rt.logits(params, config, hidden)                        # [rows, T, V]
+        # Commit nothing, as a fully rejected round would (the masked scatter still runs).
+        return jnp.argmax(logits, axis=-1), cache.commit(delta, jnp.zeros_like(cache.lengths))
     return jax.jit(verify, donate_argnums=(1,))
 
 
@@ -108,7 +108,7 @@ def measure_sps(
     if monotone:
         fit = "monotone"
     sizes = _check_inputs(config, batch_sizes, cache_length, fit, layout, warmup, iters)
-    dtype = cache_dtype or params["embed_tokens"].dtype
+    dtype = cache_dtype or runtime.compute_dtype(params)
     verify = _verify_fn(config, compute_dtype)
     if mesh is not None:
         sharded.check_mesh(mesh, config, None, 1)
@@ -152,17 +152,16 @@ def _place(x, axes, mesh):
 def _warm_states(config, params, verify, sizes, cache_length, layout, dtype, warmup,
                  mesh=None) -> list:
     """Per size: [cache, tokens] after ``max(warmup, 1)`` untimed calls (the first compiles)."""
-    from dspark_jax.decode.loop import target_module
-    tm = target_module(config)
+    rt = families.target_runtime(config)
     rng = np.random.default_rng(0)
     state = []
     for b in sizes:
         rows, t = (b, 1) if layout == "rows" else (1, b)
-        cache = tm.init_cache(config, rows, cache_length + t, dtype)
-        cache = cache.with_lengths(jnp.full((rows,), cache_length, jnp.int32))
+        cache = rt.init_cache(config, rows, cache_length + t, dtype, t)
+        # A cache that claims cache_length committed positions (timing only: its zeros stand in).
+        cache = cache.replace(lengths=jnp.full((rows,), cache_length, jnp.int32))
         if mesh is not None:
-            cache = cache.replace(**{k: _place(getattr(cache, k), a, mesh)
-                                     for k, a in sharded.CACHE_AXES.items()})
+            cache = jax.tree.map(lambda x, a: _place(x, a, mesh), cache, cache.axes())
         tokens = _place(jnp.asarray(rng.integers(0, config.vocab_size, (rows, t)), jnp.int32),
                         ("batch", None), mesh)
         for _ in range(max(warmup, 1)):  # the first call compiles: never timed
@@ -238,6 +237,41 @@ def default_round_batches(max_batch: int) -> list[int]:
     return out + [max_batch]
 
 
+def _time_rounds(sizes, ws, prefill, reset, chunk, rounds, warmup, repeats, min_seconds):
+    """(latency, raw) seconds per round [len(sizes), len(ws)]: per B a prefilled state
+    (``prefill(B)``) warmed at every width, then chunks round-robin over the widths (at least
+    ``repeats`` passes and ``min_seconds`` per width), the fastest chunk of each counting.
+    Noise only ever slows a chunk down: a latency above that of a wider width (or more rows) is
+    noise, so each entry is capped by every wider / taller one (reverse cumulative min)."""
+    states = {}
+    for b in sizes:
+        state = prefill(b)
+        for w in ws:
+            for _ in range(max(warmup, 1)):
+                state = chunk(reset(state, b, w))
+        jax.block_until_ready(state.pos)
+        states[b] = state
+    best = {(b, w): np.inf for b in sizes for w in ws}
+    for b in sizes:
+        spent = {w: 0.0 for w in ws}
+        done = 0
+        while done < repeats or min(spent.values()) < min_seconds:
+            for w in ws:  # one chunk per width in turn: a busy spell hits every width alike
+                state = reset(states[b], b, w)
+                jax.block_until_ready(state.pos)
+                t0 = time.perf_counter()
+                state = chunk(state)
+                jax.block_until_ready(state.pos)
+                dt = time.perf_counter() - t0
+                states[b] = state
+                spent[w] += dt
+                best[(b, w)] = min(best[(b, w)], dt / rounds)
+            done += 1
+    raw = np.array([[best[(b, w)] for w in ws] for b in sizes])
+    lat = np.minimum.accumulate(raw[:, ::-1], axis=1)[:, ::-1]
+    return np.minimum.accumulate(lat[::-1], axis=0)[::-1], raw
+
+
 def measure_rounds(
     target_cfg: TargetConfig,
     target_params: dict,
@@ -256,93 +290,70 @@ def measure_rounds(
     progress: Callable[[int, int, float], None] | None = None,
 ):
     """Round table (``scheduler.RoundTable``) of the decode program for ``batch_sizes`` slot counts
-    at widths ``loop.verify_widths(G, widths)``, from a cache of ``cache_length`` positions.
+    at widths ``shapes.verify_widths(G, widths)``, from a cache of ``cache_length`` positions.
 
     ``progress(B, w, rps)`` is called per (B, w) after the last pass. InputError on bad sizes or
     a cache that does not fit."""
-    from dspark_jax.decode import loop as L
+    from dspark_jax.decode import programs, shapes
+    from dspark_jax.decode.state import DecodeStatic
     from dspark_jax.decode.scheduler import RoundTable
 
     g = draft_cfg.block_size
-    ws = L.verify_widths(g, widths)
+    ws = shapes.verify_widths(g, widths)
     sizes = sorted(set(int(b) for b in batch_sizes))
     if not sizes or sizes[0] < 1:
         raise InputError(f"batch sizes must be positive ints, got {list(batch_sizes)}")
     if rounds < 1 or warmup < 0 or repeats < 1:
         raise InputError("rounds and repeats must be >= 1, warmup >= 0")
-    max_len = L._round_up(cache_length + (g + 1) * (rounds + 1), L.CACHE_BUCKET)
+    max_len = shapes.round_up(cache_length + (g + 1) * (rounds + 1), shapes.CACHE_BUCKET)
     max_pos = min(target_cfg.max_position_embeddings, draft_cfg.max_position_embeddings)
     if cache_length < 1 or max_len > max_pos:
         raise InputError(f"cache length {cache_length} + {rounds} rounds of {g + 1} tokens needs "
                          f"{max_len} positions; the pair has {max_pos}")
     if mesh is not None:
         sharded.check_mesh(mesh, target_cfg, draft_cfg, 1)
-    prog = L.build_decode(mesh)
+    prog = programs.build_decode(mesh, sharded.decode_rules(target_cfg))
     tp = prog.place_params(target_params, target_cfg)
     dp = prog.place_params(draft_params, draft_cfg)
     policy = ForcedLength()
-    static = L.DecodeStatic(target_cfg, draft_cfg, policy, True, rounds, widths=ws)
+    static = DecodeStatic(target_cfg, draft_cfg, policy, True, rounds, widths=ws)
     pre = dataclasses.replace(static, policy=None)
     rep = (lambda x: x) if mesh is None else (
         lambda x: jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())))
     temp = rep(jnp.float32(sampling.GREEDY_EPS))
-    stop = rep(jnp.full((L.MAX_STOP_IDS,), -1, jnp.int32))
+    stop = rep(jnp.full((shapes.MAX_STOP_IDS,), -1, jnp.int32))
     conf_t = rep(jnp.ones((g,), jnp.float32))
     steps, until = rep(np.int32(rounds)), rep(np.bool_(False))
     rng = np.random.default_rng(0)
 
     def reset(state, b, w):
         pos = np.full((b,), cache_length, np.int32)
+        # Timing only: a cache told it holds cache_length positions again (a family with folded
+        # state would be corrupted by this, but the round's cost does not depend on its values).
         return state.replace(pos=prog.place(pos), active=prog.place(np.ones((b,), bool)),
-                             cache=state.cache.with_lengths(prog.place(pos)),
+                             cache=state.cache.replace(lengths=prog.place(pos)),
                              policy_state=rep(jnp.int32(w - 1)))
 
     def chunk(state):
-        return prog.chunk(tp, dp, state, temp, stop, conf_t, steps, until, static=static)
+        return prog.spec.chunk(tp, dp, state, temp, stop, conf_t, steps, until, static=static)
 
-    states = {}
-    for b in sizes:
+    def prefill(b):
         if mesh is not None:
             sharded.check_mesh(mesh, target_cfg, draft_cfg, b)
         prompts = rng.integers(0, target_cfg.vocab_size, (b, cache_length)).astype(np.int32)
         lens = np.full((b,), cache_length, np.int32)
         budget = np.full((b,), (g + 1) * (rounds + 1), np.int32)
-        state = prog.prefill(tp, dp, prog.place(prompts), prog.place(lens),
-                             prog.place(np.ones((b,), bool)), rep(jax.random.PRNGKey(0)), temp, stop,
-                             static=pre, max_len=max_len, max_new=prog.place(budget))
-        for w in ws:
-            for _ in range(max(warmup, 1)):
-                state = chunk(reset(state, b, w))
-        jax.block_until_ready(state.pos)
-        states[b] = state
+        return prog.spec.prefill(tp, dp, prog.place(prompts), prog.place(lens),
+                                 prog.place(np.ones((b,), bool)), rep(jax.random.PRNGKey(0)), temp,
+                                 stop, static=pre, max_len=max_len, max_new=prog.place(budget))
 
-    best = {(b, w): np.inf for b in sizes for w in ws}
-    for b in sizes:
-        spent = {w: 0.0 for w in ws}
-        done = 0
-        while done < repeats or min(spent.values()) < min_seconds:
-            for w in ws:  # one chunk per width in turn: a busy spell hits every width alike
-                state = reset(states[b], b, w)
-                jax.block_until_ready(state.pos)
-                t0 = time.perf_counter()
-                state = chunk(state)
-                jax.block_until_ready(state.pos)
-                dt = time.perf_counter() - t0
-                states[b] = state
-                spent[w] += dt
-                best[(b, w)] = min(best[(b, w)], dt / rounds)
-            done += 1
-    raw = np.array([[best[(b, w)] for w in ws] for b in sizes])            # seconds per round
-    # Noise only ever slows a chunk down: a latency above that of a wider width (or more rows)
-    # is noise, so each entry is capped by every wider / taller one (reverse cumulative min).
-    lat = np.minimum.accumulate(raw[:, ::-1], axis=1)[:, ::-1]
-    lat = np.minimum.accumulate(lat[::-1], axis=0)[::-1]
+    lat, raw = _time_rounds(sizes, ws, prefill, reset, chunk, rounds, warmup, repeats, min_seconds)
     if progress is not None:
         for i, b in enumerate(sizes):
             for j, w in enumerate(ws):
                 progress(b, w, float(1.0 / lat[i, j]))
-    info = _table_meta(target_cfg, cache_length, "rounds", target_params["embed_tokens"].dtype,
+    info = _table_meta(target_cfg, cache_length, "rounds", runtime.compute_dtype(target_params),
                        meta, rounds=rounds, warmup=warmup, min_seconds=min_seconds, repeats=repeats)
-    info.update(block_size=g, program="loop.build_decode().chunk",
+    info.update(block_size=g, program="programs.build_decode().spec.chunk",
                 raw_rps=[[float(1.0 / v) for v in row] for row in raw])
     return RoundTable(tuple(sizes), ws, tuple(tuple(float(1.0 / v) for v in row) for row in lat), info)

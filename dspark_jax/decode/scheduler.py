@@ -24,9 +24,9 @@ hashable, pure, ``init_state(batch, block) -> state``,
   (no history yet) use Algorithm 1. ``delay=0`` is the *retrospective* same-round global
   search of Appendix A: NOT lossless, provided only to demonstrate the counterexample.
 
-Round tables and the width-aware objective. The decode round (``loop._round``) verifies a
+Round tables and the width-aware objective. The decode round (``step.speculative_round``) verifies a
 padded block: every one of its B rows (slots) runs ``w`` tokens, w the smallest compiled width
-(``loop.round_widths``, default 1, 2, 4, .., G+1) >= the longest active proposal + 1, so a round
+(``shapes.round_widths``, default 1, 2, 4, .., G+1) >= the longest active proposal + 1, so a round
 costs what its *width* costs, not what its ``sum_r (1 + l_r)`` tokens would. A
 :class:`RoundTable` (``profile-sps --draft``, ``profile.measure_rounds``) holds whole rounds per
 second of that program at each (slot count B, width w). With such a table the

@@ -111,8 +111,10 @@ def advisories(options: DecodeOptions, policy, block_size: int | None = None) ->
             return [f"--verify {options.verify}: the drafter proposes {block_size} tokens per round, "
                     f"so fixed:{k} verifies {block_size} (clamped)"]
         return []
+    from dspark_jax.decode.scheduler import SPSTable  # jax: imported once a policy exists
+
     sps = getattr(policy, "sps", None)
-    if sps is not None and name.startswith("scheduler") and not hasattr(sps, "widths"):  # token table
+    if isinstance(sps, SPSTable) and name.startswith("scheduler"):  # a token table
         # Algorithm 1 admits the first draft token of a row only if (R + c) * SPS(R + 1) beats
         # R * SPS(R): it needs a survival c above R * (SPS(R) / SPS(R + 1) - 1)
         r = options.batch_size

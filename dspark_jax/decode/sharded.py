@@ -8,19 +8,18 @@ leaf                        logical axes
 seq [B, L]                  ("batch", "sequence")
 pos/num_input/active/...    ("batch",)
 acc/prop/drafts rec [B, R]  ("batch", None); conf_rec [B, R, G] ("batch", None, None)
-target cache k, v           ("layers", "batch", "sequence", "kv_heads", "head_dim") (Gemma4: each
-                            layer-type group of the k/v dicts)
+target cache                its own declaration, ``cache.axes()`` (``dspark_jax.runtime``)
 draft context cache k, v    ("layers", "batch", "sequence", "kv_heads", "head_dim")
-cache lengths [B]           ("batch",)
-key, round, policy state    replicated
+key, round, policy state    replicated (``()``)
 ==========================  =========================================================
 
 ``DECODE_RULES`` extends ``sharding.DEFAULT_RULES``: requests (batch) over ``data``/``fsdp``,
-KV heads over ``tensor``, sequence and head_dim unsharded. Params use their declared axes
+KV heads over ``tensor``, sequence and head_dim unsharded; ``decode_rules(target_cfg)`` adds the
+target family's own rules (``TargetRuntime.rules``). Params use their declared axes
 (``families.declare``), so tensor parallelism splits heads and MLP of target and drafter alike.
 ``check_mesh`` refuses a mesh that does not divide heads / MLP / the batch, before compiling
-(Gemma4's KV heads excepted: an indivisible KV-head dim stays replicated). ``state_sharding_tree``
-derives the full tree from the actual state pytree, so Qwen3 and Gemma4 caches both fit.
+(an axis the family declares ``replicable`` stays replicated instead). ``state_sharding_tree``
+derives the full tree from the state's own declarations (``state_axes``).
 
 Multi-process (``jax.distributed``, a mesh over several processes' devices): every host->device
 and device->host transfer of the decode loop and engine goes through ``sharding.to_global`` /
@@ -30,74 +29,54 @@ the same host control flow from the same gathered values, so the collectives sta
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Mapping
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from dspark_jax import families, params as params_lib, sharding
+from dspark_jax import families, params as params_lib, runtime, sharding
 from dspark_jax.errors import ConfigError
 
 DECODE_RULES: dict[str, object] = {**sharding.DEFAULT_RULES, "sequence": None, "head_dim": None}
 
-KV_AXES = ("layers", "batch", "sequence", "kv_heads", "head_dim")
-ROW = ("batch",)
+ROW = (runtime.BATCH,)
+REPLICATED = ()
 
-# DecodeState / ARState field -> logical axes (None: replicated, the whole subtree).
+# DecodeState / ARState field -> logical axes of each of its leaves (the caches declare theirs).
 STATE_AXES: dict[str, Any] = {
-    "seq": ("batch", "sequence"), "pos": ROW, "num_input": ROW, "max_new": ROW, "active": ROW,
-    "key": None, "round": None, "rounds": ROW, "acc_rec": ("batch", None),
-    "prop_rec": ("batch", None), "drafts_rec": ("batch", None),
-    "conf_rec": ("batch", None, None), "policy_state": None,
+    "seq": (runtime.BATCH, runtime.STEP), "pos": ROW, "num_input": ROW, "max_new": ROW,
+    "active": ROW, "key": REPLICATED, "round": REPLICATED, "rounds": ROW,
+    "acc_rec": (runtime.BATCH, None), "prop_rec": (runtime.BATCH, None),
+    "drafts_rec": (runtime.BATCH, None), "conf_rec": (runtime.BATCH, None, None),
+    "policy_state": REPLICATED,
 }
-CACHE_AXES = {"k": KV_AXES, "v": KV_AXES, "lengths": ROW}
+CACHE_FIELDS = ("cache", "ctx")  # state fields that are self-declaring caches
 
 
-def _named(mesh: Mesh, axes, rules) -> NamedSharding:
-    return NamedSharding(mesh, P() if axes is None else sharding.logical_to_spec(axes, rules))
+def decode_rules(target_cfg) -> dict[str, object]:
+    """``DECODE_RULES`` plus the target family's extra rules."""
+    return {**DECODE_RULES, **families.target_runtime(target_cfg).rules}
 
 
-def state_shardings(state_cls, mesh: Mesh, rules: Mapping[str, object] = DECODE_RULES,
-                    with_ctx: bool = True):
-    """A ``state_cls`` (DecodeState / ARState) whose leaves are NamedShardings (a pytree prefix
-    of the state: the policy state subtree is one replicated sharding)."""
-    from dspark_jax.draft.decode import ContextCache
-    fields = {}
-    for name in state_cls.__dataclass_fields__:
-        if name == "cache":
-            cache_cls = _cache_cls()
-            fields[name] = cache_cls(**{k: _named(mesh, a, rules) for k, a in CACHE_AXES.items()})
-        elif name == "ctx":
-            fields[name] = (ContextCache(_named(mesh, KV_AXES, rules), _named(mesh, KV_AXES, rules))
-                            if with_ctx else None)
-        else:
-            fields[name] = _named(mesh, STATE_AXES[name], rules)
-    return state_cls(**fields)
+def state_axes(state):
+    """The logical axes of every leaf of a decode state (the same pytree, tuple leaves)."""
+    def field(name, value):
+        if value is None or name in CACHE_FIELDS:
+            return None if value is None else value.axes()
+        return jax.tree.map(lambda _: STATE_AXES[name], value)
+    return state.replace(**{f.name: field(f.name, getattr(state, f.name))
+                            for f in dataclasses.fields(state)})
 
 
 def state_sharding_tree(state, mesh: Mesh, rules: Mapping[str, object] = DECODE_RULES):
-    """Full NamedSharding tree of ``state`` (arrays or ShapeDtypeStructs) from its leaves' shapes.
-
-    Works off the actual cache pytree (Qwen3 KVCache, or Gemma4Cache whose k/v are dicts of
-    per-layer-type groups): every k/v leaf takes ``KV_AXES``, ``lengths`` ``ROW``, other fields
-    ``STATE_AXES``. A dim its mesh axes do not divide stays replicated (e.g. Gemma4's full-attention
-    group with 1 KV head under tensor=2)."""
-    def leaf(path, x):
-        name = path[0].name
-        if name in ("cache", "ctx"):
-            axes = ROW if path[1].name == "lengths" else KV_AXES
-        else:
-            axes = STATE_AXES[name]
-        if axes is None:
-            return NamedSharding(mesh, P())
-        return NamedSharding(mesh, sharding.logical_to_spec(axes, rules, x.shape, mesh))
-    return jax.tree_util.tree_map_with_path(leaf, state)
-
-
-def _cache_cls():
-    from dspark_jax.target import qwen3
-    return qwen3.KVCache
+    """Full NamedSharding tree of ``state`` (arrays or ShapeDtypeStructs) from its declared axes
+    (``state_axes``). A dim its mesh axes do not divide stays replicated (e.g. a
+    full-attention group with 1 KV head under tensor=2; ``check_mesh`` refused the others)."""
+    return jax.tree.map(
+        lambda x, axes: NamedSharding(mesh, sharding.logical_to_spec(axes, rules, x.shape, mesh)),
+        state, state_axes(state))
 
 
 def batch_multiple(mesh: Mesh | None, rules: Mapping[str, object] = DECODE_RULES) -> int:
@@ -109,25 +88,27 @@ def batch_multiple(mesh: Mesh | None, rules: Mapping[str, object] = DECODE_RULES
     return math.prod(mesh.shape[n] for n in names)
 
 
+# Config fields whose size a tensor-parallel mesh splits, and their logical axes.
+_SPLIT_FIELDS = (("num_attention_heads", "heads"), ("num_key_value_heads", "kv_heads"),
+                 ("intermediate_size", "mlp"))
+
+
 def check_mesh(mesh: Mesh | None, target_cfg, draft_cfg, batch_size: int,
                rules: Mapping[str, object] = DECODE_RULES) -> None:
-    """ConfigError unless ``mesh`` splits heads, KV heads, MLP of both models and the batch."""
+    """ConfigError unless ``mesh`` splits heads, KV heads, MLP of both models and the batch
+    (an axis in the family runtime's ``replicable`` may stay replicated instead)."""
     if mesh is None:
         return
-    t = rules.get("heads")
-    tnames = (t,) if isinstance(t, str) else tuple(t or ())
-    tp = math.prod(mesh.shape[n] for n in tnames)
     for cfg, who in ((target_cfg, "target"), (draft_cfg, "drafter")):
         if cfg is None:
             continue
-        gemma4 = families.for_config(cfg).name.startswith("gemma4")
-        for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-            if field == "num_key_value_heads" and gemma4:
-                # Gemma4 (1 KV head in full layers / the drafter): an indivisible KV-head dim
-                # stays replicated, in params (params.shardings) and cache (state_sharding_tree).
-                continue
+        replicable = families.runtime_of(cfg).replicable
+        for field, axis in _SPLIT_FIELDS:
+            target = rules.get(axis)
+            names = (target,) if isinstance(target, str) else tuple(target or ())
+            tp = math.prod(mesh.shape[n] for n in names)
             size = getattr(cfg, field, None)
-            if size is not None and size % tp:
+            if size is not None and size % tp and axis not in replicable:
                 raise ConfigError(f"mesh {dict(mesh.shape)}: tensor parallelism {tp} does not divide "
                                   f"the {who}'s {field} = {size}")
     dp = batch_multiple(mesh, rules)
@@ -167,8 +148,3 @@ def make_decode_mesh(spec: str | None) -> Mesh | None:
     if need > len(have):
         raise ConfigError(sharding.too_few_devices(repr(spec), need, len(have)))
     return sharding.make_mesh(spec, have[:need])
-
-
-def expand(prefix, shapes):
-    """The full sharding tree of ``shapes`` from a sharding pytree ``prefix`` of it."""
-    return jax.tree.map(lambda sh, sub: jax.tree.map(lambda _: sh, sub), prefix, shapes)

@@ -19,8 +19,11 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.config import DraftConfig
-from dspark_jax import families, sampling
+from dspark_jax import families, runtime, sampling
 from dspark_jax.draft import confidence, markov
+
+
+CONTEXT_AXES = ("layers", runtime.BATCH, runtime.STEP, "kv_heads", "head_dim")
 
 
 @flax.struct.dataclass
@@ -33,6 +36,10 @@ class ContextCache:
     @property
     def max_len(self) -> int:
         return self.k.shape[2]
+
+    def axes(self) -> "ContextCache":
+        """Logical axes of k and v (``runtime``'s cache declaration)."""
+        return ContextCache(CONTEXT_AXES, CONTEXT_AXES)
 
     @classmethod
     def from_prefix(cls, k_new: jax.Array, v_new: jax.Array, max_len: int) -> "ContextCache":

@@ -23,7 +23,6 @@ Params (kernels ``[in, out]``)::
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 from typing import Any, Mapping
 
 import jax
@@ -31,6 +30,7 @@ import jax.numpy as jnp
 
 from dspark_jax import nn
 from dspark_jax import params as params_lib
+from dspark_jax import runtime
 from dspark_jax.config import DraftConfig, dspark_hf_fields
 from dspark_jax.draft import backbone, confidence
 from dspark_jax.draft import model as draft_model
@@ -291,12 +291,15 @@ def compute_logits(params: dict, cfg: Gemma4DraftConfig, hidden: jax.Array) -> j
     return tg.softcap(logits, cfg.final_logit_softcapping)
 
 
+OPS = runtime.DraftRuntime(project_context=project_context, context_kv=context_kv,
+                           block_forward=block_forward, embed_block=embed_block,
+                           compute_logits=compute_logits,
+                           replicable=frozenset({"kv_heads"}))  # 1 KV head: stays replicated
+
 FAMILY = params_lib.Family(
     name="gemma4_dspark", kind="draft", architectures=(ARCHITECTURE,), model_types=tg.MODEL_TYPES,
-    config_cls=Gemma4DraftConfig, declare=declare, forward=__name__, pairs_with="gemma4")
-
-OPS = SimpleNamespace(project_context=project_context, context_kv=context_kv, block_forward=block_forward,
-                      embed_block=embed_block, compute_logits=compute_logits)
+    config_cls=Gemma4DraftConfig, declare=declare, forward=__name__, pairs_with="gemma4",
+    runtime=OPS)
 
 
 def training_forward(params: dict, cfg: Gemma4DraftConfig, *args, **kwargs) -> draft_model.TrainForward:

@@ -10,13 +10,13 @@ Params (names follow the PyTorch state dict; kernels are [in, out])::
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from dspark_jax import params as params_lib
+from dspark_jax import runtime
 from dspark_jax.config import DraftConfig
 from dspark_jax.params import ParamSpec
 from dspark_jax.draft import backbone, confidence, markov
@@ -61,11 +61,6 @@ def init_params(config: DraftConfig, rng: jax.Array, dtype=jnp.float32, *,
 def param_axes(config: DraftConfig) -> dict:
     """Logical axis names, same tree structure as ``init_params``."""
     return params_lib.param_axes(declare(config))
-
-
-FAMILY = params_lib.Family(
-    name="qwen3_dspark", kind="draft", architectures=("Qwen3DSparkModel",), model_types=("qwen3", None),
-    config_cls=DraftConfig, declare=declare, forward=__name__, pairs_with="qwen3")
 
 
 def compute_logits(params: dict, hidden: jax.Array) -> jax.Array:
@@ -201,12 +196,17 @@ def block_heads(p: dict, config: DraftConfig, hidden: jax.Array, prev_ids: jax.A
     return logits, conf, aligned
 
 
-# A family's drafter backbone functions, as ``training_forward``/``training_hidden``/``block_heads``
-# call them (``ops`` argument). Gemma4 passes its module ``dspark_jax.draft.gemma4``.
-QWEN3_OPS = SimpleNamespace(
+# The Qwen3 drafter's runtime record (``runtime.DraftRuntime``): the backbone functions
+# ``training_forward``/``training_hidden``/``block_heads`` (``ops`` argument) and the decode-time
+# drafter call. Gemma4's is ``dspark_jax.draft.gemma4.OPS``.
+QWEN3_OPS = runtime.DraftRuntime(
     project_context=backbone.project_context,          # (params, config, features [B,S,n*H]) -> ctx
     context_kv=backbone.context_kv,                    # (params, config, ctx, positions) -> k, v
     block_forward=backbone.block_forward,              # (params, config, embeds, positions, ...) -> h
     embed_block=lambda p, config, ids: p["embed_tokens"][ids],        # block input embeddings
     compute_logits=lambda p, config, hidden: compute_logits(p, hidden),  # [..., H] -> [..., V] f32
 )
+
+FAMILY = params_lib.Family(
+    name="qwen3_dspark", kind="draft", architectures=("Qwen3DSparkModel",), model_types=("qwen3", None),
+    config_cls=DraftConfig, declare=declare, forward=__name__, pairs_with="qwen3", runtime=QWEN3_OPS)

@@ -418,7 +418,7 @@ def measure_continuations(cfg: TargetConfig, params, *, dataset: str = "stdlib-h
     """
     from dspark_jax import degeneracy
     from dspark_jax.data.eval_datasets import load_dataset
-    from dspark_jax.decode.loop import autoregressive_generate
+    from dspark_jax.decode import autoregressive_generate
 
     tok = ByteTokenizer()
     records = load_dataset(dataset, max_samples=num_prompts)

@@ -43,11 +43,11 @@ def timed_decode(target_cfg, target_params, prompts: Sequence[Sequence[int]], *,
 
     The cache capacity is fixed from all prompts, and with ``warmup`` one batch holding the
     longest prompt is decoded first with identical shapes, so the timed run (the returned
-    ``decode.loop.Result`` list, one per prompt) does not include compilation.
+    ``decode.Result`` list, one per prompt) does not include compilation.
     """
     from dspark_jax.decode import autoregressive_generate, speculative_generate
-    from dspark_jax.decode.engine import warmup_prompts
-    from dspark_jax.decode.loop import plan_shapes, validate_prompts
+    from dspark_jax.decode.requests import validate_prompts
+    from dspark_jax.decode.shapes import plan_shapes, warmup_prompts
     from dspark_jax.decode.sharded import make_decode_mesh
 
     prompts = validate_prompts(list(prompts), target_cfg.vocab_size)

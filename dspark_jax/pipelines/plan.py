@@ -184,27 +184,28 @@ def sharding_summary(tree) -> dict[str, str]:
 def plan_decode_round(draft_cfg: DraftConfig, target_cfg: TargetConfig, mesh: Mesh, *, batch: int,
                       max_len: int, dtype=jnp.bfloat16, max_new_tokens: int = 1024) -> tuple[ProgramPlan, dict]:
     """Compile one speculative decode round (draft, Markov sampling, verify, commit) on ``mesh``
-    for abstract state: the very jitted ``round`` of ``decode.build_decode(mesh)`` that
+    for abstract state: the very jitted round (``spec.step``) of ``decode.build_decode(mesh)`` that
     ``generate --mesh`` runs, with params and state placed by their declared logical axes."""
     import types
 
-    from dspark_jax.decode import loop as decode_loop
+    from dspark_jax.decode import programs, shapes
+    from dspark_jax.decode.state import DecodeStatic
     from dspark_jax.decode import sharded
     from dspark_jax.decode.policies import FullPolicy
 
     sharded.check_mesh(mesh, target_cfg, draft_cfg, batch)
-    prog = decode_loop.build_decode(mesh)
+    prog = programs.build_decode(mesh, sharded.decode_rules(target_cfg))
     t_abs, _ = families.abstract_params(target_cfg, mesh, dtype, prog.rules)
     d_abs, _ = families.abstract_params(draft_cfg, mesh, dtype, prog.rules)
-    static = decode_loop.DecodeStatic(target_cfg, draft_cfg, FullPolicy(), False, max_new_tokens)
-    state_shapes = decode_loop.abstract_decode_state(t_abs, d_abs, static, batch, max_len)
-    state_sh = prog.state_sharding(like=state_shapes)
+    static = DecodeStatic(target_cfg, draft_cfg, FullPolicy(), False, max_new_tokens)
+    state_shapes = programs.abstract_decode_state(t_abs, d_abs, static, batch, max_len)
+    state_sh = prog.state_sharding(state_shapes)
     rep = shard_lib.replicated(mesh)
     args = (t_abs, d_abs, abstract(state_shapes, state_sh),
             jax.ShapeDtypeStruct((), jnp.float32, sharding=rep),
-            jax.ShapeDtypeStruct((decode_loop.MAX_STOP_IDS,), jnp.int32, sharding=rep),
+            jax.ShapeDtypeStruct((shapes.MAX_STOP_IDS,), jnp.int32, sharding=rep),
             jax.ShapeDtypeStruct((draft_cfg.block_size,), jnp.float32, sharding=rep))
-    round_program = types.SimpleNamespace(lower=lambda *a: prog.round.lower(*a, static=static))
+    round_program = types.SimpleNamespace(lower=lambda *a: prog.spec.step.lower(*a, static=static))
     plan = compile_plan("decode_round", round_program, *args)
     sizes = {"target_bytes": tree_bytes_per_device(t_abs), "draft_bytes": tree_bytes_per_device(d_abs),
              "state_bytes": tree_bytes_per_device(args[2]),

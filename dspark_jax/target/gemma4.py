@@ -16,16 +16,13 @@ Layer (SPEC section 13)::
     h = h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))
     out = h * layer_scalar
 
-KV cache (``Gemma4Cache``): static, per layer type, K and V ``[L_type, B, slots, Hkv_type,
-D_type]`` plus per-row ``lengths [B]``; rolling back is setting ``lengths`` (nothing is copied).
-Full layers hold ``max_len`` slots (position p in slot p, as Qwen3). Sliding layers hold a
-ring of R slots (position p in slot p mod R; key j visible to query i iff i - window < j <= i):
-R = max_len by default (then any rollback is fine), or ``ring_slots(cfg, max_extend)`` =
-window - 1 + max_extend, which stays exact as long as every extend of T tokens is at most
-``max_extend`` long *if it is later rolled back*, and rollbacks go no further back than the
-length before the last extend (or to 0). Prefill extends of any length are fine (only the
-last R of each row's ``num_new`` tokens are kept). That is what speculative decoding does:
-verify G+1 tokens, keep a prefix.
+KV cache (``Gemma4Cache``, a ``runtime.Cache``): static, per layer type, K and V ``[L_type, B,
+slots, Hkv_type, D_type]`` plus per-row ``lengths [B]``. Full layers hold ``capacity`` slots
+(position p in slot p, as Qwen3). Sliding layers hold a ring of R slots (position p in slot
+p mod R; key j visible to query i iff i - window < j <= i): R = capacity when ``init_cache`` gets
+no ``max_extend``, else ``ring_slots(cfg, max_extend)`` = window - 1 + max_extend. ``commit``
+writes only accepted tokens (a prefill longer than R keeps each row's last R), so the ring
+always holds the last R committed positions, all an extend needs.
 """
 
 from __future__ import annotations
@@ -34,12 +31,14 @@ import dataclasses
 import math
 from typing import Any, Mapping, Sequence
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax import nn
 from dspark_jax import params as params_lib
+from dspark_jax import runtime
 from dspark_jax.errors import CheckpointError, ConfigError
 from dspark_jax.params import ParamSpec
 
@@ -416,51 +415,62 @@ def sandwich(x: jax.Array, attn_out: jax.Array, p: dict, eps: float) -> jax.Arra
 # ----------------------------------------------------------------------------- cache and forward
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+KV_AXES = ("layers", runtime.BATCH, runtime.STEP, "kv_heads", "head_dim")
+
+
+@flax.struct.dataclass
 class Gemma4Cache:
-    """Static cache. k/v: {"sliding": [Ls, B, R, Hkv, D] (ring), "full": [Lf, B, max_len, Hkv_g, D_g]};
-    lengths [B]; ``max_len`` (static): the position capacity."""
+    """Static cache. k/v: {"sliding": [Ls, B, R, Hkv, D] (ring), "full": [Lf, B, capacity, Hkv_g,
+    D_g]}; lengths [B]; ``capacity`` (static): positions per row. The delta of T tokens is
+    ``(k_new, v_new)``, dicts {group: [L_g, B, T, Hkv_g, D_g]}."""
 
     k: dict
     v: dict
     lengths: jax.Array
-    max_len: int = dataclasses.field(metadata=dict(static=True), default=0)
+    capacity: int = flax.struct.field(pytree_node=False, default=0)
 
-    def with_lengths(self, lengths: jax.Array) -> "Gemma4Cache":
-        return dataclasses.replace(self, lengths=lengths.astype(jnp.int32))
+    def axes(self) -> "Gemma4Cache":
+        return self.replace(k={g: KV_AXES for g in self.k}, v={g: KV_AXES for g in self.v},
+                            lengths=(runtime.BATCH,))
 
-    def write(self, k_new: dict, v_new: dict, positions: jax.Array,
-              ring_keep: jax.Array | None = None) -> "Gemma4Cache":
-        """k_new, v_new {group: [L_g, B, T, Hkv_g, D_g]} written for positions [B, T]: full layers at
-        slot p, the sliding ring at p mod R (positions >= max_len are dropped; lengths unchanged).
-        ``ring_keep`` [B, T] (default all): which positions the ring takes; without it T <= R.
-        One scatter per tensor, in place when donated (``qwen3.KVCache.write``'s contract)."""
-        rows = jnp.arange(positions.shape[0])[:, None]
-        live = positions < self.max_len
-        if ring_keep is not None:
-            live = live & ring_keep
-        slots = {"full": positions}
+    def delta_axes(self) -> tuple:
+        return ({g: KV_AXES for g in self.k}, {g: KV_AXES for g in self.v})
+
+    def commit(self, delta: tuple, n_new: jax.Array) -> "Gemma4Cache":
+        """Write each row's first ``n_new`` delta tokens: full layers at slot p, the sliding ring
+        at p mod R (only a row's last R committed positions); positions >= capacity are dropped.
+        One masked scatter per tensor, in place when donated; ``lengths`` advance by n_new."""
+        k_new, v_new = delta
+        t = next(iter(k_new.values())).shape[2]
+        n_new = n_new.astype(jnp.int32)
+        positions = self.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        live = runtime.step_mask(n_new, t) & (positions < self.capacity)
+        slots = {"full": jnp.where(live, positions, self.capacity)}
         if "sliding" in self.k:
             ring = self.k["sliding"].shape[2]
-            slots["sliding"] = jnp.where(live, positions % ring, ring)
+            end = (self.lengths + n_new)[:, None]
+            slots["sliding"] = jnp.where(live & (positions >= end - ring), positions % ring, ring)
+        rows = jnp.arange(positions.shape[0])[:, None]
 
         def put(buf, new, g):
             return buf.at[:, rows, slots[g]].set(new.astype(buf.dtype), mode="drop")
 
-        return dataclasses.replace(self, k={g: put(a, k_new[g], g) for g, a in self.k.items()},
-                                   v={g: put(a, v_new[g], g) for g, a in self.v.items()})
+        return self.replace(k={g: put(a, k_new[g], g) for g, a in self.k.items()},
+                            v={g: put(a, v_new[g], g) for g, a in self.v.items()},
+                            lengths=self.lengths + n_new)
 
 
 def ring_slots(cfg: Gemma4TargetConfig, max_extend: int) -> int:
-    """Sliding-layer ring size that keeps rolled-back extends of up to ``max_extend`` tokens exact."""
+    """Sliding-layer ring size for extends of up to ``max_extend`` tokens: window - 1 + max_extend."""
     return cfg.sliding_window - 1 + max_extend
 
 
-def init_cache(cfg: Gemma4TargetConfig, batch: int, max_len: int, dtype=jnp.float32,
-               sliding_slots: int | None = None) -> Gemma4Cache:
-    """Empty cache for ``max_len`` positions; ``sliding_slots`` (default max_len): the sliding ring size."""
-    slots = {"sliding": min(sliding_slots or max_len, max_len), "full": max_len}
+def init_cache(cfg: Gemma4TargetConfig, batch: int, capacity: int, dtype=jnp.float32,
+               max_extend: int | None = None) -> Gemma4Cache:
+    """Empty cache for ``capacity`` positions; the sliding ring has ``ring_slots(cfg,
+    max_extend)`` slots (at most ``capacity``; all ``capacity`` without ``max_extend``)."""
+    ring = capacity if max_extend is None else min(ring_slots(cfg, max_extend), capacity)
+    slots = {"sliding": ring, "full": capacity}
     k, v = {}, {}
     for group, layer_type in GROUPS:
         n = len(cfg.layer_ids(layer_type))
@@ -468,7 +478,7 @@ def init_cache(cfg: Gemma4TargetConfig, batch: int, max_len: int, dtype=jnp.floa
             kv, d, _ = cfg.group_shape(group)
             k[group] = jnp.zeros((n, batch, slots[group], kv, d), dtype)
             v[group] = jnp.zeros((n, batch, slots[group], kv, d), dtype)
-    return Gemma4Cache(k, v, jnp.zeros((batch,), jnp.int32), max_len)
+    return Gemma4Cache(k, v, jnp.zeros((batch,), jnp.int32), capacity)
 
 
 def lm_head_kernel(params: dict) -> jax.Array:
@@ -492,31 +502,23 @@ def _period(layer_types: tuple[str, ...]) -> int:
     return n
 
 
-def forward(
-    params: dict,
-    cfg: Gemma4TargetConfig,
-    tokens: jax.Array,
-    cache: Gemma4Cache | None = None,
-    *,
-    num_new: jax.Array | None = None,
-    tap_layer_ids: Sequence[int] = (),
-    compute_dtype=None,
-    write_cache: bool = True,
-    cache_span: int | None = None,
-):
-    """Run the decoder over ``tokens [B, T]``; same contract as ``target.qwen3.forward``
-    (``write_cache=False`` returns the new ``(k, v)`` as dicts {group: [L_g, B, T, Hkv_g, D_g]} for
-    ``Gemma4Cache.write``; ``cache_span`` limits the full layers' cache reads, the sliding ring is
-    read whole).
+def forward_pure(params: dict, cfg: Gemma4TargetConfig, tokens: jax.Array,
+                 cache: Gemma4Cache | None = None, *, ctx: runtime.Context = runtime.LOCAL,
+                 taps: Sequence[int] = (), span: int | None = None):
+    """The runtime protocol's forward over ``tokens [B, T]`` (``dspark_jax.runtime``; same
+    contract as ``target.qwen3.forward_pure``; ``span`` limits the full layers' cache reads, the
+    sliding ring is read whole).
 
     Without a cache: a causal pass over positions 0..T-1. With one: an extend at positions
-    ``lengths[b] + t`` that sees the committed slots (and, on sliding layers, only those
-    inside the window); the returned cache has ``lengths + num_new`` (default T).
-    Returns ``(hidden [B, T, H] after the final norm, taps [B, T, n*H] or None, cache or None)``;
-    taps are decoder-layer outputs after ``layer_scalar`` (-1 = the scaled embedding).
+    ``lengths[b] + t`` that sees the committed slots (and, on sliding layers, only those inside
+    the window). Returns ``(hidden [B, T, H] after the final norm, features [B, T, n*H] or None,
+    delta)``: features are decoder-layer outputs after ``layer_scalar`` (-1 = the scaled
+    embedding); delta the new ``(k, v)`` dicts {group: [L_g, B, T, Hkv_g, D_g]} (None without a
+    cache), for ``Gemma4Cache.commit``.
     """
     b, t = tokens.shape
-    dtype = compute_dtype or params["embed_tokens"].dtype
+    tap_ids = tuple(taps)
+    dtype = ctx.dtype or params["embed_tokens"].dtype
     eps, hq = cfg.rms_norm_eps, cfg.num_attention_heads
     x = embed(params["embed_tokens"], tokens, dtype)
     if cache is None:
@@ -530,7 +532,7 @@ def forward(
     if cache is not None:
         lengths = cache.lengths[:, None, None]
         if "full" in cache.k:
-            span = nn.read_span(cache_span, cache.k["full"].shape[2])
+            span = nn.read_span(span, cache.k["full"].shape[2])
             slots = jnp.arange(span, dtype=jnp.int32)[None, None, :]
             cache_mask["full"] = jnp.broadcast_to(slots < lengths, (b, t, span))
         if "sliding" in cache.k:  # ring: slot s holds the last position < lengths that is s mod R
@@ -540,7 +542,6 @@ def forward(
             cache_mask["sliding"] = (held >= 0) & (held > positions[:, :, None] - cfg.sliding_window)
     rope = {g: rope_cos_sin(positions, group_rope(cfg, g), dtype) for g, _ in GROUPS}
 
-    tap_ids = tuple(tap_layer_ids)
     n_taps = max(len(tap_ids), 1)
     taps = jnp.zeros((n_taps, b, t, cfg.hidden_size), dtype)
     if -1 in tap_ids:
@@ -595,19 +596,26 @@ def forward(
     features = None
     if tap_ids:
         features = jnp.moveaxis(taps, 0, 2).reshape(b, t, len(tap_ids) * cfg.hidden_size)
-    new_cache = None
-    if cache is not None:
-        flat = lambda kv: {g: a.reshape(-1, *a.shape[2:]) for g, a in kv.items()}  # [L_g, B, T, ..]
-        k_new, v_new = flat(new_kv[0]), flat(new_kv[1])
-        if not write_cache:
-            return hidden, features, (k_new, v_new)
-        step = jnp.full((b,), t, jnp.int32) if num_new is None else num_new.astype(jnp.int32)
-        keep = None
-        if "sliding" in cache.k:  # the ring takes the last R of each row's num_new tokens
-            end = (cache.lengths + step)[:, None]          # (a prefill may be longer than R)
-            keep = (positions >= end - cache.k["sliding"].shape[2]) & (positions < end)
-        new_cache = cache.write(k_new, v_new, positions, ring_keep=keep).with_lengths(cache.lengths + step)
-    return hidden, features, new_cache
+    if cache is None:
+        return hidden, features, None
+    flat = lambda kv: {g: a.reshape(-1, *a.shape[2:]) for g, a in kv.items()}  # [L_g, B, T, ..]
+    return hidden, features, (flat(new_kv[0]), flat(new_kv[1]))
+
+
+def forward(params: dict, cfg: Gemma4TargetConfig, tokens: jax.Array,
+            cache: Gemma4Cache | None = None, *, num_new: jax.Array | None = None,
+            tap_layer_ids: Sequence[int] = (), compute_dtype=None, cache_span: int | None = None):
+    """``forward_pure`` then ``cache.commit`` of each row's first ``num_new`` tokens (default T):
+    ``(hidden, taps or None, updated cache or None)`` (training, feature extraction, tests)."""
+    hidden, features, delta = forward_pure(params, cfg, tokens, cache,
+                                           ctx=runtime.Context(dtype=compute_dtype),
+                                           taps=tap_layer_ids, span=cache_span)
+    if cache is None:
+        return hidden, features, None
+    n = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32) if num_new is None else num_new
+    return hidden, features, cache.commit(delta, n)
+
+
 
 
 def _tied_head(cfg: Gemma4TargetConfig) -> tuple[str, str] | None:
@@ -626,7 +634,11 @@ TOWERS = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "m
 FAMILY = params_lib.Family(
     name="gemma4", kind="target", architectures=tuple(TEXT_ARCHITECTURES.values()) + tuple(MULTIMODAL.values()),
     model_types=MODEL_TYPES + tuple(MULTIMODAL), config_cls=Gemma4TargetConfig, declare=declare,
-    forward=__name__, tied_head=_tied_head, ignored_tensors=TOWERS, source_prefixes=_source_prefixes)
+    forward=__name__, tied_head=_tied_head, ignored_tensors=TOWERS, source_prefixes=_source_prefixes,
+    runtime=runtime.TargetRuntime(
+        init_cache=init_cache, forward=forward_pure, logits=compute_logits,
+        feature_dim=lambda cfg, taps: runtime.concat_features(cfg.hidden_size, taps),
+        replicable=frozenset({"kv_heads"})))  # 1 KV head in full layers: stays replicated
 
 
 def read_state(directory, decl: Mapping[tuple, ParamSpec], ignore: tuple[str, ...] = ()) -> dict:

@@ -5,10 +5,11 @@ Params::
     {"embed_tokens": [V, H], "norm": [H], "lm_head": [H, V] (absent when tied),
      "layers": {stacked decoder-layer params, leading axis L}}
 
-The KV cache holds ``k, v [L, B, max_len, Hkv, D]`` and per-row ``lengths [B]``;
-an extend of T tokens writes them at slots ``lengths[b] .. lengths[b]+T-1``
-(out-of-range writes are dropped) and queries see every slot ``<=`` their own
-position. Rolling back is setting ``lengths``: nothing is copied.
+The KV cache holds ``k, v [L, B, capacity, Hkv, D]`` and per-row ``lengths [B]``; an extend of
+T tokens at positions ``lengths[b] .. lengths[b]+T-1`` sees every committed slot and the new
+tokens causally. ``forward_pure`` is the runtime protocol's forward (``dspark_jax.runtime``:
+returns the new k/v, never writes); ``KVCache.commit`` writes the accepted ones (out-of-range
+slots are dropped); ``forward`` is the two together (training, tests, sampling).
 """
 
 from __future__ import annotations
@@ -21,35 +22,51 @@ import jax.numpy as jnp
 
 from dspark_jax import nn
 from dspark_jax import params as params_lib
+from dspark_jax import runtime
 from dspark_jax.config import TargetConfig
 from dspark_jax.params import ParamSpec
 
 
+KV_AXES = ("layers", runtime.BATCH, runtime.STEP, "kv_heads", "head_dim")
+
+
 @flax.struct.dataclass
 class KVCache:
-    """Static-shape KV cache. k, v: [L, B, max_len, Hkv, D]; lengths: [B] int32."""
+    """Static-shape KV cache (``runtime.Cache``). k, v: [L, B, capacity, Hkv, D]; lengths: [B]
+    int32; the delta of T tokens is ``(k_new, v_new)`` [L, B, T, Hkv, D]."""
 
     k: jax.Array
     v: jax.Array
     lengths: jax.Array
 
     @property
-    def max_len(self) -> int:
+    def capacity(self) -> int:
         return self.k.shape[2]
 
-    def with_lengths(self, lengths: jax.Array) -> "KVCache":
-        return self.replace(lengths=lengths.astype(jnp.int32))
+    def axes(self) -> "KVCache":
+        return KVCache(KV_AXES, KV_AXES, (runtime.BATCH,))
 
-    def write(self, k_new: jax.Array, v_new: jax.Array, positions: jax.Array) -> "KVCache":
-        """k_new, v_new [L, B, T, Hkv, D] written at slots ``positions`` [B, T] (slots >= max_len
-        are dropped; lengths unchanged). One scatter per tensor, in place when donated."""
+    def delta_axes(self) -> tuple:
+        return (KV_AXES, KV_AXES)
+
+    def commit(self, delta: tuple, n_new: jax.Array) -> "KVCache":
+        """Write the first ``n_new[b]`` of the delta's tokens at slots ``lengths[b] + t`` (one
+        masked scatter per tensor, in place when donated) and advance ``lengths``."""
+        k_new, v_new = delta
+        t = k_new.shape[2]
+        positions = self.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        slots = jnp.where(runtime.step_mask(n_new, t), positions, self.capacity)
         rows = jnp.arange(k_new.shape[1])[:, None]
-        return self.replace(k=self.k.at[:, rows, positions].set(k_new.astype(self.k.dtype), mode="drop"),
-                            v=self.v.at[:, rows, positions].set(v_new.astype(self.v.dtype), mode="drop"))
+        return KVCache(self.k.at[:, rows, slots].set(k_new.astype(self.k.dtype), mode="drop"),
+                       self.v.at[:, rows, slots].set(v_new.astype(self.v.dtype), mode="drop"),
+                       self.lengths + n_new.astype(jnp.int32))
 
 
-def init_cache(config: TargetConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
-    shape = (config.num_hidden_layers, batch, max_len, config.num_key_value_heads, config.head_dim)
+def init_cache(config: TargetConfig, batch: int, capacity: int, dtype=jnp.float32,
+               max_extend: int | None = None) -> KVCache:
+    """Empty cache of ``capacity`` positions per row (``max_extend``: unused, every slot is kept)."""
+    del max_extend
+    shape = (config.num_hidden_layers, batch, capacity, config.num_key_value_heads, config.head_dim)
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
 
 
@@ -127,11 +144,6 @@ def _tied_head(config: TargetConfig) -> tuple[str, str] | None:
     return ("lm_head.weight", "model.embed_tokens.weight") if config.tie_word_embeddings else None
 
 
-FAMILY = params_lib.Family(
-    name="qwen3", kind="target", architectures=("Qwen3ForCausalLM",), model_types=("qwen3",),
-    config_cls=TargetConfig, declare=declare, forward=__name__, tied_head=_tied_head)
-
-
 def lm_head_kernel(params: dict) -> jax.Array:
     """[H, V] output projection (the embedding's transpose when tied)."""
     return params["lm_head"] if "lm_head" in params else params["embed_tokens"].T
@@ -141,6 +153,12 @@ def compute_logits(params: dict, hidden: jax.Array) -> jax.Array:
     """hidden [..., H] (after the final norm) -> logits [..., V] in float32."""
     return jnp.einsum("...h,hv->...v", hidden, lm_head_kernel(params),
                       preferred_element_type=jnp.float32)
+
+
+def logits(params: dict, config: TargetConfig, hidden: jax.Array) -> jax.Array:
+    """The runtime protocol's ``logits`` (Qwen3 needs nothing from the config)."""
+    del config
+    return compute_logits(params, hidden)
 
 
 def _layer(config: TargetConfig, x, p, positions, mask, k_cache=None, v_cache=None, cache_mask=None):
@@ -168,49 +186,34 @@ def _layer(config: TargetConfig, x, p, positions, mask, k_cache=None, v_cache=No
     return x, k, v
 
 
-def forward(
-    params: dict,
-    config: TargetConfig,
-    tokens: jax.Array,
-    cache: KVCache | None = None,
-    *,
-    num_new: jax.Array | None = None,
-    tap_layer_ids: Sequence[int] = (),
-    compute_dtype=None,
-    write_cache: bool = True,
-    cache_span: int | None = None,
-):
-    """Run the target over ``tokens [B, T]``.
+def forward_pure(params: dict, config: TargetConfig, tokens: jax.Array, cache: KVCache | None = None,
+                 *, ctx: runtime.Context = runtime.LOCAL, taps: Sequence[int] = (),
+                 span: int | None = None):
+    """The runtime protocol's forward over ``tokens [B, T]`` (``dspark_jax.runtime``).
 
-    Without a cache: a causal pass over positions 0..T-1 (training / feature
-    extraction). With a cache: an extend at positions ``lengths[b] + t``; the
-    returned cache has ``lengths + num_new`` (``num_new`` [B] defaults to T).
-
-    Returns ``(hidden [B, T, H] after the final norm, taps [B, T, n*H] or None,
-    cache or None)``; with ``write_cache=False`` the third item is the new ``(k, v)``
-    [L, B, T, Hkv, D] instead, unwritten (``KVCache.write`` them at ``lengths[b] + t``: a caller
-    that runs the forward inside a ``lax.switch`` branch writes outside it, so the cache is
-    updated in place rather than copied). ``taps`` concatenates the raw outputs of decoder layers
-    ``tap_layer_ids`` (-1 = embedding output), the drafter's context features.
+    Without a cache: a causal pass over positions 0..T-1. With one: an extend at positions
+    ``lengths[b] + t`` reading the first ``span`` cache slots (default all). Returns ``(hidden
+    [B, T, H] after the final norm, features [B, T, n*H] or None, delta)``: features concatenate
+    the raw outputs of decoder layers ``taps`` (-1 = embedding output); delta is the new
+    ``(k, v)`` [L, B, T, Hkv, D] (None without a cache), for ``KVCache.commit``.
     """
     b, t = tokens.shape
     embed = params["embed_tokens"]
-    dtype = compute_dtype or embed.dtype
+    dtype = ctx.dtype or embed.dtype
     x = embed[tokens].astype(dtype)
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
     if cache is None:
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         cache_mask = None
     else:
-        # The cache is read-only inside the layer loop: queries see the committed slots
-        # < lengths[b] plus the new tokens causally; the new k/v are written once at the end.
+        # The cache is read-only here: queries see the committed slots < lengths[b] plus the
+        # new tokens causally.
         positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-        span = nn.read_span(cache_span, cache.max_len)
-        slots = jnp.arange(span, dtype=jnp.int32)
+        slots = jnp.arange(nn.read_span(span, cache.capacity), dtype=jnp.int32)
         cache_mask = jnp.broadcast_to(slots[None, None, :] < cache.lengths[:, None, None],
-                                      (b, t, span))
+                                      (b, t, slots.shape[0]))
 
-    tap_ids = tuple(tap_layer_ids)
+    tap_ids = tuple(taps)
     tap_index = [-1] * config.num_hidden_layers
     for n, layer_id in enumerate(tap_ids):
         if layer_id >= 0:
@@ -237,18 +240,33 @@ def forward(
     xs = (layers, jnp.asarray(tap_index, jnp.int32))
     if cache is not None:
         xs = xs + (cache.k, cache.v)
-    (x, taps), new_kv = jax.lax.scan(body, (x, taps0), xs)
+    (x, taps_out), delta = jax.lax.scan(body, (x, taps0), xs)     # delta: [Lyr, B, T, Hkv, D] x2
     hidden = nn.rms_norm(x, params["norm"].astype(dtype), config.rms_norm_eps)
-    tap_features = None
+    features = None
     if tap_ids:
-        tap_features = jnp.moveaxis(taps, 0, 2).reshape(b, t, len(tap_ids) * config.hidden_size)
-    new_cache = None
-    if cache is not None:
-        # One scatter per tensor for all layers: row b's tokens go to slots lengths[b] + t
-        # (slots >= max_len are dropped). In place when the cache buffer is donated.
-        k_new, v_new = new_kv                                     # [Lyr, B, T, Hkv, D]
-        if not write_cache:
-            return hidden, tap_features, (k_new, v_new)
-        step = jnp.full((b,), t, jnp.int32) if num_new is None else num_new.astype(jnp.int32)
-        new_cache = cache.write(k_new, v_new, positions).with_lengths(cache.lengths + step)
-    return hidden, tap_features, new_cache
+        features = jnp.moveaxis(taps_out, 0, 2).reshape(b, t, len(tap_ids) * config.hidden_size)
+    return hidden, features, delta
+
+
+def forward(params: dict, config: TargetConfig, tokens: jax.Array, cache: KVCache | None = None,
+            *, num_new: jax.Array | None = None, tap_layer_ids: Sequence[int] = (),
+            compute_dtype=None, cache_span: int | None = None):
+    """``forward_pure`` then ``cache.commit`` of each row's first ``num_new`` tokens (default T):
+    ``(hidden, taps or None, updated cache or None)`` (training, feature extraction, tests)."""
+    hidden, features, delta = forward_pure(params, config, tokens, cache,
+                                           ctx=runtime.Context(dtype=compute_dtype),
+                                           taps=tap_layer_ids, span=cache_span)
+    if cache is None:
+        return hidden, features, None
+    n = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32) if num_new is None else num_new
+    return hidden, features, cache.commit(delta, n)
+
+
+RUNTIME = runtime.TargetRuntime(
+    init_cache=init_cache, forward=forward_pure, logits=logits,
+    feature_dim=lambda config, taps: runtime.concat_features(config.hidden_size, taps))
+
+FAMILY = params_lib.Family(
+    name="qwen3", kind="target", architectures=("Qwen3ForCausalLM",), model_types=("qwen3",),
+    config_cls=TargetConfig, declare=declare, forward=__name__, tied_head=_tied_head,
+    runtime=RUNTIME)

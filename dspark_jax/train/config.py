@@ -316,7 +316,7 @@ def load_config(path, overrides=()) -> TrainConfig:
     for name in PATH_FIELDS:
         value = merged.get(name)
         if name in ("target", "tokenizer") and value in TARGETS and not Path(value).exists():
-            continue  # a preset / Hub name (e.g. "Qwen/Qwen3-4B"), not a path next to the config
+            continue  # a preset / Hub name (e.g. "org/model-4B"), not a path next to the config
         if value and not Path(value).is_absolute() and name in base and merged[name] == base[name]:
             merged[name] = str((path.parent / value).resolve())
     try:

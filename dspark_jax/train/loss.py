@@ -102,7 +102,7 @@ def chunked_loss_sums(p: dict, config: DraftConfig, th: TrainHidden, cfg: LossCo
     backward pass recomputes it. N is padded with empty (not kept, not evaluated)
     blocks to a multiple of ``chunk``; they add exactly 0 to every sum. chunk 0 (or
     >= N): one piece, no loop. ``constrain`` (x -> x) pins chunk activations' sharding.
-    ``ops``: the drafter family's backbone functions (``families.draft_ops``; None = Qwen3).
+    ``ops``: the drafter family's backbone functions (``families.draft_ops``; None = ``draft.model``'s default).
     """
     b, n, g = th.target_ids.shape
     pin = constrain or (lambda x: x)

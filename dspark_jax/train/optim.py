@@ -1,8 +1,8 @@
 """Optimizer: AdamW, linear warm-up then cosine decay to 0, global grad-norm clipping.
 
 Only trainable params reach the optimizer: ``split_params`` moves the leaves the drafter's
-declaration marks frozen (the embedding and LM head shared with the target; Gemma4's
-``layers/layer_scalar`` buffers) out of the tree, so no Adam moments are ever allocated for them.
+declaration marks frozen (the embedding and LM head shared with the target; a family's
+per-layer buffers such as ``layers/layer_scalar``) out of the tree, so no Adam moments are ever allocated for them.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dspark_jax.train.config import OptimizerConfig
 def split_params(params: dict, config=None) -> tuple[dict, dict]:
     """(trainable, frozen) subtrees of a drafter params-shaped tree (params, axes, shapes...):
     frozen = exactly the leaves ``config``'s declaration marks ``frozen``. Without ``config``
-    the Qwen3 drafter's top-level ``FROZEN_KEYS`` (its declaration's frozen leaves)."""
+    ``draft.model.FROZEN_KEYS`` (the default drafter declaration's frozen leaves)."""
     if config is not None:
         return params_lib.split_frozen(families.declare(config), params)
     trainable = {k: v for k, v in params.items() if k not in FROZEN_KEYS}

@@ -8,7 +8,7 @@ its abstract arguments, and the tests call it too, so all three see the same pro
 
     state          TrainState: step int32 [], fp32 trainable params, optax state, rng uint32 [2]
     frozen         the drafter's declared-frozen leaves: {"embed_tokens", "lm_head"} (shared with
-                   the target), plus {"layers": {"layer_scalar"}} for Gemma4
+                   the target), plus any declared-frozen buffers (e.g. {"layers": {"layer_scalar"}})
     target_params  the frozen target's params (online mode) or None (cache mode)
     batch          input_ids int32 [A, Bm, S], loss_mask float32 [A, Bm, S]; cache mode also
                    features [A, Bm, S, n*H] and last_hidden [A, Bm, S, H]
@@ -121,7 +121,7 @@ def build_program(draft_cfg: DraftConfig, target_cfg: TargetConfig, train_cfg: T
     arguments (shardings do not depend on either). ``fast_compile`` lowers XLA's backend
     optimisation (``FAST_COMPILE_OPTIONS``). Params, frozen leaves and logical axes come from
     the drafter's and target's family declarations (``families.declare``); a drafter of another
-    family than the target's (e.g. Gemma4 on Qwen3) is a ConfigError before anything compiles.
+    family than the target's (a drafter made for another target family) is a ConfigError before anything compiles.
     """
     if target_cfg is not None:
         families.check_pair(draft_cfg, target_cfg)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from dspark_jax import families
+from dspark_jax import families, runtime
 from dspark_jax import sharding as shard_lib
 from dspark_jax.config import DraftConfig, LossConfig, TargetConfig
 from dspark_jax.draft import model as draft_model
@@ -136,14 +136,17 @@ def global_anchors(state: TrainState, batch: dict, draft_cfg: DraftConfig, loss_
     return rng, anchors.reshape(a, bm, -1), keep.reshape(a, bm, -1), den, flat_lm.sum()
 
 
-def make_features(draft_cfg: DraftConfig, target_cfg: TargetConfig | None, compute_dtype, pin):
+def make_features(draft_cfg: DraftConfig, target_cfg: TargetConfig | None, compute_dtype, pin,
+                  mesh: Mesh | None = None):
     """(target_params, micro-batch) -> (features [Bm, S, n*H], last_hidden [Bm, S, H]): the frozen
-    target's (online, gradients stopped) or the cached ones."""
-    def features(target_params, mb):  # any target family (``target_features`` dispatches)
+    target's (online, gradients stopped; its forward sees ``mesh``) or the cached ones."""
+    ctx = runtime.Context.make(mesh, shard_lib.DEFAULT_RULES, compute_dtype)
+
+    def features(target_params, mb):  # any target family (its runtime forward)
         if target_cfg is None:
             return mb["features"], mb["last_hidden"]
         feats, last, _ = jax.lax.stop_gradient(target_features(
-            target_params, target_cfg, draft_cfg.target_layer_ids, mb["input_ids"], compute_dtype=compute_dtype))
+            target_params, target_cfg, draft_cfg.target_layer_ids, mb["input_ids"], ctx=ctx))
         if pin is not None:
             feats, last = pin(feats), pin(last)
         return feats, last
@@ -214,7 +217,7 @@ def build_train_step(draft_cfg: DraftConfig, loss_cfg: LossConfig, optimizer: op
     _check_memory_options(remat, loss_chunk)
     objective = make_loss_terms(loss_cfg)
     pin = activation_constraint(mesh)
-    features = make_features(draft_cfg, target_cfg, compute_dtype, pin)
+    features = make_features(draft_cfg, target_cfg, compute_dtype, pin, mesh)
     loss_sums = make_loss_sums(draft_cfg, loss_cfg, compute_dtype, remat, loss_chunk, mesh, pin)
 
     def step(state: TrainState, frozen: dict, target_params, batch: dict):

@@ -1,0 +1,190 @@
+"""The runtime protocol: the functions a model family gives the decode engine and the trainer.
+
+A family registers one record next to its model code (``params.Family(..., runtime=...)``);
+``families.target_runtime(cfg)`` / ``families.draft_runtime(cfg)`` find it. Nothing under
+``decode/`` or ``train/`` knows a family by name, tests for attributes or sniffs signatures:
+everything model-specific goes through these records and the cache's own declarations.
+
+Target (``TargetRuntime``)
+--------------------------
+Shapes: B rows, T new tokens, S cache capacity, H hidden size, n = len(taps), V vocab.
+
+- ``init_cache(cfg, batch, capacity, dtype, max_extend) -> cache``: an empty cache (``lengths``
+  zeros) holding up to ``capacity`` positions per row; ``max_extend`` is the longest extend
+  after the prefill (G + 1 verified tokens for speculative decoding, 1 autoregressive; None: no
+  bound): a family may size windows / rings from it. ``dtype``: the cache's storage dtype.
+- ``forward(params, cfg, tokens [B, T], cache | None, *, ctx, taps, span) -> (hidden, features,
+  delta)``: ``hidden [B, T, H]`` after the final norm; ``features [B, T, feature_dim]`` the
+  concatenated outputs of layers ``taps`` (-1 = the embedding output; None when ``taps`` is
+  empty): the drafter's context features. Without a cache: a causal pass over positions 0..T-1,
+  ``delta`` None. With one: token t of row b sits at position ``cache.lengths[b] + t`` and sees
+  the committed positions < ``lengths[b]`` plus the new tokens causally; ``delta`` holds what
+  the T tokens would add to the cache. **forward never writes**: the caller commits (below),
+  outside any ``lax.switch``, so donated buffers are updated in place. ``span`` (static int or
+  None = all): the caller guarantees every row it reads has ``lengths <= span``; a family may read
+  only the first ``span`` slots of position-indexed leaves. ``ctx`` (``Context``): the mesh, the
+  logical->mesh rules and the compute dtype, so a forward may shard inside itself (e.g.
+  ``shard_map`` an expert dispatch over ``ctx.mesh``); ``ctx.mesh`` None = one device.
+- ``logits(params, cfg, hidden [..., H]) -> [..., V] float32`` (softcapped where the family caps).
+- ``feature_dim(cfg, taps) -> int``: the width of ``features`` for layer ids ``taps``.
+- ``rules``: extra logical->mesh rules the family's declarations use (e.g. ``{"expert":
+  "expert"}``), merged over the decode rules; ``replicable``: logical axes a mesh may leave
+  replicated where it does not divide them (``check_mesh`` refuses any other indivisible
+  head / MLP dimension before compiling).
+
+Cache (any pytree, e.g. a ``flax.struct.dataclass``) declares itself:
+
+- ``lengths [B] int32``: committed positions per row (row b holds positions < lengths[b]);
+- ``capacity`` (static int): positions a row can hold;
+- ``axes()``: the same pytree with every array leaf replaced by its logical axes (a tuple of
+  names or None, one per dim). Every leaf has one ``BATCH`` axis; position-indexed leaves have
+  one ``STEP`` axis. The engine derives from it the shardings (``decode.sharded``), writing one
+  request into a batch row (``put_row``) and the mesh checks;
+- ``delta_axes()``: the same for the delta ``forward`` returns: every delta leaf has one
+  ``BATCH`` axis and one ``STEP`` axis (its T tokens), along which the engine zero-pads a delta
+  of a narrow verification to the widest (so every ``lax.switch`` branch returns one shape);
+- ``commit(delta, n_new [B] int32) -> cache``: fold in the first ``n_new[b]`` tokens of row b's
+  delta (0 <= n_new <= T; 0 for rows that are done) and advance ``lengths`` by ``n_new``. Only
+  accepted tokens ever reach a cache (there is no rollback), so a family whose state folds
+  tokens in (pooled / compressed entries, running sums) stays exact. Positions past
+  ``capacity`` are dropped.
+
+Drafter (``DraftRuntime``)
+--------------------------
+The backbone functions the training step (``draft.model``) and the decode-time drafter
+(``draft.decode``) call: ``project_context(params, cfg, features [B, S, n*H]) -> ctx [B, S, H]``,
+``context_kv(params, cfg, ctx, positions [B, S]) -> (k, v) [Ld, B, S, Hkv, D]``,
+``embed_block(params, cfg, ids [B, G]) -> [B, G, H]``, ``block_forward(params, cfg, embeds,
+positions, k_ctx, v_ctx, ctx_mask, block_valid, ...) -> hidden``, ``compute_logits(params, cfg,
+hidden) -> [..., V] float32``, and ``replicable`` as for a target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Mapping, Protocol
+
+import jax
+import jax.numpy as jnp
+
+BATCH = "batch"      # the request-row axis of every cache / delta leaf
+STEP = "sequence"    # the position (cache) / token (delta) axis
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What a forward may need to know about where it runs (hashable: a jit static).
+
+    mesh: a ``jax.sharding.Mesh`` or None (one device); rules: logical->mesh rules as sorted
+    ``(name, mesh axes)`` pairs (``rule_map`` gives the dict); dtype: the compute dtype (None:
+    the params' own, ``compute_dtype``)."""
+
+    mesh: Any = None
+    rules: tuple = ()
+    dtype: Any = None
+
+    @classmethod
+    def make(cls, mesh=None, rules: Mapping[str, Any] | None = None, dtype=None) -> "Context":
+        frozen = tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
+                              for k, v in (rules or {}).items()))
+        return cls(mesh, frozen, dtype)
+
+    @property
+    def rule_map(self) -> dict:
+        return dict(self.rules)
+
+    def for_params(self, params) -> "Context":
+        """This context with ``dtype`` set (``compute_dtype(params)`` when None)."""
+        return self if self.dtype is not None else dataclasses.replace(self, dtype=compute_dtype(params))
+
+
+LOCAL = Context()
+
+
+def compute_dtype(params):
+    """The dtype a model computes in by default: that of its largest floating-point leaf."""
+    leaves = [x for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return max(leaves, key=lambda x: math.prod(x.shape)).dtype
+
+
+class Cache(Protocol):
+    """A target family's decode cache (see the module docstring)."""
+
+    lengths: jax.Array
+
+    @property
+    def capacity(self) -> int: ...
+
+    def axes(self) -> Any: ...
+
+    def delta_axes(self) -> Any: ...
+
+    def commit(self, delta: Any, n_new: jax.Array) -> "Cache": ...
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetRuntime:
+    """A target family's runtime functions (see the module docstring for each contract)."""
+
+    init_cache: Callable[..., Any]
+    forward: Callable[..., tuple]
+    logits: Callable[..., jax.Array]
+    feature_dim: Callable[[Any, tuple], int]
+    rules: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    replicable: frozenset = frozenset()
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftRuntime:
+    """A drafter family's backbone functions (see the module docstring)."""
+
+    project_context: Callable[..., jax.Array]
+    context_kv: Callable[..., tuple]
+    embed_block: Callable[..., jax.Array]
+    block_forward: Callable[..., jax.Array]
+    compute_logits: Callable[..., jax.Array]
+    replicable: frozenset = frozenset()
+
+
+def concat_features(hidden_size: int, taps) -> int:
+    """``feature_dim`` of a family whose features concatenate ``len(taps)`` hidden states."""
+    return len(tuple(taps)) * hidden_size
+
+
+# --------------------------------------------------------------------------- generic cache helpers
+
+
+def axis_of(axes, name: str) -> int | None:
+    """Index of logical axis ``name`` in ``axes`` (None when absent)."""
+    return axes.index(name) if axes is not None and name in axes else None
+
+
+def map_axes(fn: Callable[[jax.Array, tuple], Any], tree, axes_tree):
+    """``fn(leaf, its axes)`` over ``tree`` (``axes_tree``: the same pytree, tuple leaves)."""
+    return jax.tree.map(fn, tree, axes_tree)
+
+
+def pad_steps(delta, axes_tree, width: int):
+    """``delta`` with every leaf zero-padded along its ``STEP`` axis to ``width`` tokens."""
+    def pad(x, axes):
+        i = axis_of(axes, STEP)
+        widths = [(0, 0)] * x.ndim
+        widths[i] = (0, width - x.shape[i])
+        return jnp.pad(x, widths)
+    return map_axes(pad, delta, axes_tree)
+
+
+def put_row(big, one, axes_tree, slot):
+    """``big`` (a batched pytree) with batch row ``slot`` replaced by ``one``'s only row (every
+    leaf along its ``BATCH`` axis; one ``dynamic_update_slice`` per leaf)."""
+    def put(x, y, axes):
+        idx = [jnp.zeros((), jnp.int32)] * x.ndim
+        idx[axis_of(axes, BATCH)] = slot
+        return jax.lax.dynamic_update_slice(x, y.astype(x.dtype), idx)
+    return jax.tree.map(put, big, one, axes_tree)
+
+
+def step_mask(n_new: jax.Array, steps: int) -> jax.Array:
+    """[B, T] bool: token t of row b is committed (t < n_new[b])."""
+    return jnp.arange(steps, dtype=jnp.int32)[None, :] < n_new.astype(jnp.int32)[:, None]

@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from dspark_jax.hardware import quiet_cpu_host
+    quiet_cpu_host()  # libtpu installed on a host without a TPU: JAX stays on the CPU
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -49,6 +49,7 @@ class ProgramPlan:
     collectives: dict[str, dict[str, int]]
     compile_seconds: float
     upcast_bytes: int = 0
+    platform: str = "cpu"
 
     @property
     def peak_bytes(self) -> int:
@@ -134,10 +135,19 @@ def upcast_bytes(hlo_text: str) -> int:
     return total
 
 
-def compile_plan(name: str, fn: Callable, *abstract_args, **jit_kwargs) -> ProgramPlan:
+def mesh_platform(mesh: Mesh) -> str:
+    """The platform the program is compiled for: its mesh devices' (compile-only TPU/GPU devices
+    included), not ``jax.default_backend()``."""
+    return mesh.devices.flat[0].platform
+
+
+def compile_plan(name: str, fn: Callable, *abstract_args, platform: str | None = None,
+                 **jit_kwargs) -> ProgramPlan:
     """Lower + compile ``fn`` (jitted with ``jit_kwargs`` unless it is jitted already) on
-    abstract args; return its ProgramPlan."""
+    abstract args for ``platform`` (default: the default backend's; the args' shardings choose
+    the devices); return its ProgramPlan. XLA:CPU's bf16->f32 copies are counted on CPU only."""
     import time
+    platform = platform or jax.default_backend()
     start = time.perf_counter()
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn, **jit_kwargs)
     compiled = jitted.lower(*abstract_args).compile()
@@ -148,7 +158,7 @@ def compile_plan(name: str, fn: Callable, *abstract_args, **jit_kwargs) -> Progr
     return ProgramPlan(name, get("argument_size_in_bytes"), get("output_size_in_bytes"),
                        get("temp_size_in_bytes"), get("alias_size_in_bytes"),
                        get("generated_code_size_in_bytes"), collectives_in(text), seconds,
-                       upcast_bytes(text) if jax.default_backend() == "cpu" else 0)
+                       upcast_bytes(text) if platform == "cpu" else 0, platform)
 
 
 def plan_train_step(draft_cfg: DraftConfig, target_cfg: TargetConfig, train_cfg: TrainConfig,
@@ -162,7 +172,8 @@ def plan_train_step(draft_cfg: DraftConfig, target_cfg: TargetConfig, train_cfg:
     dtype = compute_dtype(train_cfg)
     program = build_program(draft_cfg, target_cfg, train_cfg, mesh, total_steps=total_steps,
                             weights_dtype=dtype, feature_dtype=dtype)
-    plan = compile_plan(f"train_step[{train_cfg.features}]", program.step, *program.abstract_args)
+    plan = compile_plan(f"train_step[{train_cfg.features}]", program.step, *program.abstract_args,
+                        platform=mesh_platform(mesh))
     sizes = {"params_bytes": tree_bytes_per_device(program.state.params),
              "optimizer_bytes": tree_bytes_per_device(program.state.opt_state),
              "frozen_bytes": tree_bytes_per_device(program.frozen),
@@ -205,7 +216,7 @@ def plan_decode_round(draft_cfg: DraftConfig, target_cfg: TargetConfig, mesh: Me
             jax.ShapeDtypeStruct((decode_loop.MAX_STOP_IDS,), jnp.int32, sharding=rep),
             jax.ShapeDtypeStruct((draft_cfg.block_size,), jnp.float32, sharding=rep))
     round_program = types.SimpleNamespace(lower=lambda *a: prog.round.lower(*a, static=static))
-    plan = compile_plan("decode_round", round_program, *args)
+    plan = compile_plan("decode_round", round_program, *args, platform=mesh_platform(mesh))
     sizes = {"target_bytes": tree_bytes_per_device(t_abs), "draft_bytes": tree_bytes_per_device(d_abs),
              "state_bytes": tree_bytes_per_device(args[2]),
              "kv_cache_bytes": tree_bytes_per_device(args[2].cache),

@@ -13,6 +13,7 @@ devices, ``program_cost`` the flops / bytes of a compiled program, ``project`` t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import importlib.util
@@ -155,6 +156,11 @@ def compile_devices(hw: Hardware) -> list:
             chip_config_name=hw.chip.chip_config, chips_per_host_bounds=tuple(min(2, d) for d in dims3),
             num_slices=1, wrap=(False, False, False))
     else:
+        # XLA:GPU's Triton gemm emitter fails on some small dots of these programs when compiling
+        # without a device ("Couldn't find output tile sizes"): gemms go to cuBLAS. Read by XLA
+        # once per process, so this holds where no XLA flag was parsed yet (the CLI, benchmarks).
+        if "xla_gpu_enable_triton_gemm" not in os.environ.get("XLA_FLAGS", ""):
+            os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_triton_gemm=false").strip()
         hosts, per_host = (1, *hw.shape) if len(hw.shape) == 1 else hw.shape
         topo = topologies.get_topology_desc(platform="cuda", target_config=gpu_target_config(hw.chip),
                                             topology=f"1x{hosts}x{per_host}")
@@ -177,6 +183,36 @@ def quiet_cpu_host() -> None:
 
 
 # --------------------------------------------------------------------------- costs
+
+
+@contextlib.contextmanager
+def unrolled_loops():
+    """Lower with every ``lax.scan`` / ``lax.map`` fully unrolled, for per-step costs.
+
+    XLA's cost analysis counts a while loop's body once, whatever its trip count: the 36-layer
+    scan of a Qwen3-8B forward would count as one layer. Inside this context ``jax.lax.scan``
+    (and ``lax.map``, written as a scan) unroll completely, so the lowered program holds every
+    layer (loop bodies x trip counts) and its cost analysis counts all of them. Values are
+    unchanged. JAX's trace caches are cleared on entry and exit (a jitted function traced
+    outside would otherwise be reused with its loops).
+    """
+    import jax
+
+    scan, lmap = jax.lax.scan, jax.lax.map
+
+    def scan_unrolled(f, init, xs=None, length=None, reverse=False, unroll=1, **kw):
+        return scan(f, init, xs, length=length, reverse=reverse, unroll=True, **kw)
+
+    def map_unrolled(f, xs, **kw):
+        return scan(lambda c, x: (c, f(x)), None, xs, unroll=True)[1]
+
+    jax.clear_caches()
+    jax.lax.scan, jax.lax.map = scan_unrolled, map_unrolled
+    try:
+        yield
+    finally:
+        jax.lax.scan, jax.lax.map = scan, lmap
+        jax.clear_caches()
 
 
 def _gpu_gemm_flops(hlo_text: str) -> float:

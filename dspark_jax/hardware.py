@@ -217,24 +217,27 @@ def unrolled_loops():
 
 def _gpu_gemm_flops(hlo_text: str) -> float:
     """FLOPs of the cuBLAS / cuBLASLt gemm custom calls of compiled GPU HLO (which XLA's generic
-    cost analysis counts as 0): 2 x output elements x contracted size, from the operand shapes
-    and the call's dot dimension numbers."""
-    total = 0.0
+    cost analysis counts as 0): 2 x output elements x contracted size, from the shapes of the
+    call's result and first operand (looked up by name) and its dot dimension numbers."""
     shape_re = r"([a-z]+[0-9]*)\[([0-9,]*)\]"
+    dims = lambda text: [int(d) for d in text.split(",") if d]
+    shapes = {m.group(1): dims(m.group(3)) for m in
+              re.finditer(r"(%[\w.\-]+) = " + shape_re, hlo_text)}
+    total = 0.0
     for line in hlo_text.splitlines():
-        if "custom_call_target=\"__cublas$" not in line:
+        if 'custom_call_target="__cublas$' not in line:
             continue
-        m = re.search(r"=\s*\(?\s*" + shape_re + r".*?custom-call\((.*?)\)", line)
-        if not m:
+        m = re.search(r"=\s*\(?\s*" + shape_re + r".*?custom-call\(([^)]*)\)", line)
+        contract = re.search(r'"lhs_contracting_dimensions":\[([0-9",]*)\]', line)
+        if not m or not contract:
             continue
-        out = [int(d) for d in m.group(2).split(",") if d]
-        operands = re.findall(shape_re, m.group(3))
-        contract = re.search(r'"lhs_contracting_dimensions":\["?([0-9",]*)\]', line)
-        if not operands or not contract:
+        inline = re.match(r"\s*" + shape_re, m.group(3))  # operand printed with its shape
+        name = re.search(r"%[\w.\-]+", m.group(3))
+        lhs = dims(inline.group(2)) if inline else (shapes.get(name.group(0)) if name else None)
+        if lhs is None:
             continue
-        lhs = [int(d) for d in operands[0][1].split(",") if d]
         k = math.prod(lhs[int(i)] for i in contract.group(1).replace('"', "").split(",") if i)
-        total += 2.0 * math.prod(out) * k
+        total += 2.0 * math.prod(dims(m.group(2))) * k
     return total
 
 

@@ -133,9 +133,11 @@ device_description_str: "{chip.description}"
 
 
 def _quiet_libtpu(hw: Hardware) -> None:
-    """libtpu asks the cloud metadata server and TPU_* variables what host it is on; a compile-only
-    topology needs neither: name the host here so it neither queries the network nor warns."""
+    """libtpu asks the cloud metadata server and TPU_* variables what host it is on, and locks the
+    host's chips; a compile-only topology needs none of it: name the host here so it neither
+    queries the network nor warns, and let several compiling processes load libtpu."""
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # no chip to lock: several compilers may run
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{hw.chip.topology}-{hw.num_devices}")
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     os.environ.setdefault("TPU_WORKER_ID", "0")

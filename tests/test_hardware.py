@@ -72,3 +72,44 @@ def test_plan_compiles_tiny_fixture_for_tpu(tmp_path, tiny_dir):
         assert prog["platform"] == "tpu" and prog["fits"] and prog["upcast_bytes"] == 0
         assert 0 < prog["peak_bytes"] < 2**30 and prog["argument_bytes"] > 0
     assert report["programs"]["decode"]["alias_bytes"] > 0  # the decode state is donated on TPU too
+
+
+def test_gpu_cache_attention_forms_match_the_dots():
+    """The forms GPU decode uses to read a [B, S, Hkv, D] cache in place (nn.cache_scores /
+    cache_values under CUDA) compute what the dots do (checked here, on CPU, directly)."""
+    import jax
+    import numpy as np
+
+    from dspark_jax import nn
+    k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(0), 4)
+    qg = jax.random.normal(k1, (2, 5, 2, 3, 16))
+    k = jax.random.normal(k2, (2, 40, 2, 16))
+    np.testing.assert_allclose(nn._scores_in_place(qg, k), nn._scores_dot(qg, k), rtol=1e-5, atol=1e-5)
+    probs = jax.nn.softmax(jax.random.normal(k3, (2, 2, 3, 5, 40)), axis=-1)
+    v = jax.random.normal(k4, (2, 40, 2, 16))
+    np.testing.assert_allclose(nn._values_in_place(probs, v), nn._values_dot(probs, v), rtol=1e-5, atol=1e-5)
+    assert nn.cache_scores(qg, k).shape == (2, 2, 3, 5, 40) and nn.cache_values(probs, v).shape == (2, 5, 2, 3, 16)
+
+
+def test_round_cost_compile_only_for_tpu(tmp_path):
+    """benchmarks/round_cost.py --compile-only: the tiny fixture's AR step and round compiled for
+    one TPU v5e chip, memory and cost from that compiler, JSON written (libtpu as above)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    if not hardware.has_extra("tpu"):
+        if os.environ.get("CI"):
+            pytest.fail('libtpu is not installed in CI: .ci/run must pip install -e ".[test,tpu]"')
+        pytest.skip('libtpu not installed (pip install -e ".[tpu]")')
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "benchmarks/round_cost.py"), "--compile-only", "--smoke",
+                           "--hardware", "tpu-v5e:1x1", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, cwd=root,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(root)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = json.loads((tmp_path / "round_cost_compiled.json").read_text())["rows"][0]
+    for name in ("ar_step", "round"):
+        prog = row[name]
+        assert prog["platform"] == "tpu" and prog["fits"] and prog["flops"] > 0 and prog["bytes_accessed"] > 0
+        assert prog["largest"] and prog["projected"]["seconds"] > 0
+    assert row["round"]["flops"] > row["ar_step"]["flops"]  # the round also drafts and verifies G+1 tokens

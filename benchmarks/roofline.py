@@ -30,6 +30,11 @@ Families (``FAMILIES``, keyed by name) give the target, the drafter and the trai
 shape of any registered family (Qwen3, Gemma4), the drafter that family's drafter shaped by the
 config file's ``draft`` section, the train options its ``compute_dtype`` and ``memory`` section.
 
+``--hardware CHIP:GRID`` (e.g. ``h200:1``, ``tpu-v5e:2x4``; the ``cuda`` / ``tpu`` extra): instead,
+the round and the AR step are compiled by that accelerator's compiler for compile-only devices
+(mesh ``tensor=N``, loops unrolled), and flops, bytes, memory and the projection come from the
+compiled programs themselves (``compiled_decode_costs``).
+
 Writes ``roofline.json`` to ``--out``; prints the tables.
 """
 

@@ -30,6 +30,10 @@ Each program's XLA op count is the number of HLO instructions in ``compiled.as_t
 (``hlo_ops``: all, fusion bodies included; ``hlo_top``: instructions outside fusion bodies,
 about the number of kernels/loops the backend runs).
 
+``--compile-only --hardware CHIP:GRID`` times nothing: it compiles the shipped AR step and
+round for compile-only TPU / GPU devices and prints that compiler's memory, largest values and
+flops / bytes (``compile_only``).
+
 Writes ``round_cost.json`` (and ``round_cost.png``, a stacked bar of the parts per
 (size, B) in units of one AR step) to ``--out``; prints a table.
 """

@@ -30,13 +30,17 @@ Families (``FAMILIES``, keyed by name) give the target, the drafter and the trai
 shape of any registered family (Qwen3, Gemma4), the drafter that family's drafter shaped by the
 config file's ``draft`` section, the train options its ``compute_dtype`` and ``memory`` section.
 
+``--hardware CHIP:GRID`` (e.g. ``h200:1``, ``tpu-v5e:2x4``; the ``cuda`` / ``tpu`` extra): instead,
+the round and the AR step are compiled by that accelerator's compiler for compile-only devices
+(mesh ``tensor=N``, loops unrolled), and flops, bytes, memory and the projection come from the
+compiled programs themselves (``compiled_decode_costs``).
+
 Writes ``roofline.json`` to ``--out``; prints the tables.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import importlib.util
 import sys
@@ -53,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import round_cost  # noqa: E402  (the decode adapter lives there, once)
 
-from dspark_jax import families  # noqa: E402
+from dspark_jax import families, hardware  # noqa: E402
 from dspark_jax.config import DraftConfig, TargetConfig  # noqa: E402
 from dspark_jax.draft import model as draft_model  # noqa: E402
 from dspark_jax.target import gemma4, qwen3  # noqa: E402
@@ -138,28 +142,7 @@ FAMILIES: dict[str, Callable[[], dict]] = {
 # --------------------------------------------------------------------------- costs
 
 
-@contextlib.contextmanager
-def unrolled_loops():
-    """Lower with every ``lax.scan`` / ``lax.map`` fully unrolled.
-
-    XLA's HLO cost analysis counts a while loop's body once, whatever its trip count: the
-    36-layer scan of a Qwen3-8B forward would count as one layer. Inside this context
-    ``jax.lax.scan`` (and ``lax.map``, written as a scan) unroll completely, so the lowered
-    HLO holds every layer and its cost analysis counts all of them. Values are unchanged.
-    """
-    scan, lmap = jax.lax.scan, jax.lax.map
-
-    def scan_unrolled(f, init, xs=None, length=None, reverse=False, unroll=1, **kw):
-        return scan(f, init, xs, length=length, reverse=reverse, unroll=True, **kw)
-
-    def map_unrolled(f, xs, **kw):
-        return scan(lambda c, x: (c, f(x)), None, xs, unroll=True)[1]
-
-    jax.lax.scan, jax.lax.map = scan_unrolled, map_unrolled
-    try:
-        yield
-    finally:
-        jax.lax.scan, jax.lax.map = scan, lmap
+unrolled_loops = hardware.unrolled_loops  # lower with every scan unrolled (loop bodies x trip counts)
 
 
 def tree_bytes(tree) -> int:
@@ -263,6 +246,56 @@ def decode_costs(fam: dict, batch: int, prompt_len: int, max_new: int) -> dict:
                                / proj_a[hw]["seconds_hlo_bytes"],
                                "round_bound": proj_r[hw]["bound"], "ar_bound": proj_a[hw]["bound"]}
                           for hw in HARDWARE}}
+
+
+def compiled_decode_costs(fam: dict, batch: int, prompt_len: int, max_new: int, hw, devices) -> dict:
+    """The round and the AR step compiled for ``hw`` (compile-only devices, mesh ``tensor=N``),
+    every loop unrolled: per-device flops and bytes from that compiler's own cost analysis
+    (``hardware.program_cost``), memory from its buffer assignment, projected on ``hw.chip``.
+    The cache capacity is the CPU projection's (prompt + new tokens, ``decode_programs``);
+    attention reads all of it (one compiled span, the capacity)."""
+    from dspark_jax import sharding
+    from dspark_jax.pipelines import plan as plan_lib
+
+    tcfg, dcfg = fam["target"], fam["draft"]
+    key = jax.random.PRNGKey(0)
+    tp = abstract(jax.eval_shape(fam["init_target"], key), jnp.bfloat16)
+    dp = abstract(jax.eval_shape(lambda k: families.init_params(dcfg, k), key), jnp.bfloat16)
+    cap = round_cost.decode_programs(tcfg, tp, dcfg, dp, batch, prompt_len, max_new, abstract=True)["max_len"]
+    mesh = sharding.make_mesh(f"tensor={len(devices)}", devices)
+    out = {"batch": batch, "prompt_len": prompt_len, "cache_len": cap, "block_size": dcfg.block_size,
+           "hardware": hw.spec, "mesh": dict(mesh.shape)}
+    for name, draft in (("round", dcfg), ("ar_step", None)):
+        with hardware.unrolled_loops():
+            plan, sizes = plan_lib.plan_decode_round(draft, tcfg, mesh, batch=batch, max_len=cap,
+                                                     max_new_tokens=max_new, spans=(cap,))
+        proj = hardware.project(plan.flops, plan.bytes_accessed, hw.chip)
+        out[name] = dict(plan.to_json(), **sizes, projected=proj, fits=hardware.fits(plan.peak_bytes, hw.chip),
+                         compulsory_bytes=sizes["target_bytes"] + sizes["draft_bytes"] + sizes["state_bytes"])
+    out["round_over_ar"] = out["round"]["projected"]["seconds"] / out["ar_step"]["projected"]["seconds"]
+    return out
+
+
+def print_compiled(report: dict) -> None:
+    for name, fam in report["families"].items():
+        rows = fam.get("compiled_decode") or []
+        if not rows:
+            continue
+        d0 = rows[0]
+        print(f"\n{name}: decode compiled for {d0['hardware']} (mesh {d0['mesh']}, cache {d0['cache_len']}, "
+              f"block {d0['block_size']}; per device, every loop unrolled)")
+        print(f"{'B':>4} {'round GFLOP':>12} {'round GB':>9} {'AR GFLOP':>9} {'AR GB':>7} {'round/AR ms':>18} "
+              f"{'ratio':>6} {'temp rnd/AR GiB':>16} {'fits':>5} {'compile s':>10}")
+        for d in rows:
+            r, a = d["round"], d["ar_step"]
+            print(f"{d['batch']:>4} {r['flops'] / 1e9:>12.1f} {r['bytes_accessed'] / 1e9:>9.2f} "
+                  f"{a['flops'] / 1e9:>9.1f} {a['bytes_accessed'] / 1e9:>7.2f} "
+                  f"{r['projected']['seconds'] * 1e3:>8.3f}/{a['projected']['seconds'] * 1e3:<9.3f} "
+                  f"{d['round_over_ar']:>6.2f} {r['temp_bytes'] / 2**30:>7.2f}/{a['temp_bytes'] / 2**30:<8.2f} "
+                  f"{str(r['fits'] and a['fits']):>5} {r['compile_seconds']:>5.0f}/{a['compile_seconds']:<4.0f}")
+            for prog in (r, a):
+                big = ", ".join(f"{v['shape']} {v['op']}" for v in prog["largest"][:3])
+                print(f"       {prog['name']} largest: {big}")
 
 
 def _matmul_params(layers: dict) -> int:
@@ -401,6 +434,10 @@ def main(argv=None) -> int:
     ap.add_argument("--train-seq", type=int, default=0, help="train tokens per chip (0: the config's max_length)")
     ap.add_argument("--no-train", action="store_true")
     ap.add_argument("--compile-cost", action="store_true", help="also record this host's compiled cost analysis")
+    ap.add_argument("--hardware", default=None, metavar="CHIP:GRID",
+                    help="instead of the abstract projection, compile the round and AR step for these "
+                         "compile-only devices (tpu-v5e:2x4, h200:1, ...; mesh tensor=N) and project from the "
+                         "compiler's own flops / bytes / memory (needs the tpu or cuda extra)")
     ap.add_argument("--out", default=None, help="folder for roofline.json")
     ap.add_argument("--smoke", action="store_true", help="tiny Qwen3 and Gemma4 families, B=1,2 (seconds)")
     args = ap.parse_args(argv)
@@ -408,11 +445,20 @@ def main(argv=None) -> int:
         args.families, args.batch_sizes, args.prompt_len, args.max_new_tokens = "tiny,tiny-gemma4", [1, 2], 64, 64
         args.train_seq = 128
     COMPILE_COST[0] = args.compile_cost
+    hw = devices = None
+    if args.hardware:
+        from dspark_jax.errors import InputError
+        try:
+            hw = hardware.parse(args.hardware)
+            devices = hardware.compile_devices(hw)
+        except InputError as e:
+            raise SystemExit(f"roofline.py: {e}")
     compiles_before = COMPILES[0]
     report = {"benchmark": "roofline",
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "backend": jax.default_backend(), "jax": jax.__version__,
-              "hardware": {k: {"peak_flops": p, "bandwidth": b} for k, (p, b) in HARDWARE.items()},
+              "hardware": (hw.to_json() if hw else
+                           {k: {"peak_flops": p, "bandwidth": b} for k, (p, b) in HARDWARE.items()}),
               "assumptions": "random bf16 weights (abstract), static cache of cache_len slots read in full, "
                              "greedy decoding, FullPolicy; time = max(flops/peak, bytes/bandwidth)",
               "families": {}}
@@ -427,13 +473,17 @@ def main(argv=None) -> int:
         entry = {"target": config_json(fam["target"]), "draft": config_json(fam["draft"]),
                  "config_file": fam["config_file"], "decode": []}
         for b in args.batch_sizes:
-            entry["decode"].append(decode_costs(fam, b, args.prompt_len, args.max_new_tokens))
+            if hw is not None:
+                entry.setdefault("compiled_decode", []).append(
+                    compiled_decode_costs(fam, b, args.prompt_len, args.max_new_tokens, hw, devices))
+            else:
+                entry["decode"].append(decode_costs(fam, b, args.prompt_len, args.max_new_tokens))
             print(f"{name} B={b}: done", flush=True)
-        if not args.no_train:
+        if not args.no_train and hw is None:
             entry["train"] = train_costs(fam, args.train_seq or int(fam["train"].get("max_length", 4096)))
         report["families"][name] = entry
     report["compiles"] = (COMPILES[0] - compiles_before)
-    print_tables(report)
+    (print_compiled if hw else print_tables)(report)
     print(f"compiles: {(COMPILES[0] - compiles_before)} (costs come from lowered programs; nothing is timed)")
     if args.out:
         round_cost.write_json(Path(args.out) / "roofline.json", report)

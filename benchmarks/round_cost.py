@@ -30,6 +30,10 @@ Each program's XLA op count is the number of HLO instructions in ``compiled.as_t
 (``hlo_ops``: all, fusion bodies included; ``hlo_top``: instructions outside fusion bodies,
 about the number of kernels/loops the backend runs).
 
+``--compile-only --hardware CHIP:GRID`` times nothing: it compiles the shipped AR step and
+round for compile-only TPU / GPU devices and prints that compiler's memory, largest values and
+flops / bytes (``compile_only``).
+
 Writes ``round_cost.json`` (and ``round_cost.png``, a stacked bar of the parts per
 (size, B) in units of one AR step) to ``--out``; prints a table.
 """
@@ -37,6 +41,7 @@ Writes ``round_cost.json`` (and ``round_cost.png``, a stacked bar of the parts p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -530,6 +535,58 @@ def plot(rows: list[dict], path: Path) -> bool:
     return True
 
 
+def compile_only(sizes, batches, hw_spec: str, cache_len: int, unrolled: bool) -> list[dict]:
+    """The shipped round and AR step compiled (not run) for ``hw_spec``'s compile-only devices
+    (mesh ``tensor=N``), attention over the whole ``cache_len`` cache: per-device memory from
+    that compiler (arguments, temporaries, peak, fits), the largest values it materialises,
+    flops / bytes from its cost analysis (``unrolled``: every loop unrolled, so per step; else a
+    loop's body counted once). Sizes: ``presets.TARGETS`` names (released DSpark drafter) or
+    tiny / mid / large."""
+    from dspark_jax import hardware, presets, sharding
+    from dspark_jax.errors import InputError
+    from dspark_jax.pipelines import plan as plan_lib
+
+    try:
+        hw = hardware.parse(hw_spec)
+        devices = hardware.compile_devices(hw)
+    except InputError as e:
+        raise SystemExit(f"round_cost.py: {e}")
+    mesh = sharding.make_mesh(f"tensor={len(devices)}", devices)
+    rows = []
+    for size in sizes:
+        if size in presets.TARGETS:
+            tcfg, dcfg = presets.resolve_target(size), presets.released_drafter(size, kind="dspark")
+        elif size == "tiny":
+            from dspark_jax.convert.checkpoint import load_draft, load_target
+            tcfg, dcfg = load_target(FIXTURE / "target")[0], load_draft(FIXTURE / "draft")[0]
+        elif size in SIZES:
+            tcfg = TargetConfig(**SIZES[size][0])
+            dcfg = DraftConfig.for_target(tcfg, **SIZES[size][1])
+        else:
+            raise SystemExit(f"unknown size {size!r}; a preset ({', '.join(presets.TARGETS)}) or tiny,mid,large")
+        for b in batches:
+            row = {"size": size, "batch": b, "hardware": hw.spec, "cache_len": cache_len, "unrolled": unrolled}
+            for name, draft in (("ar_step", None), ("round", dcfg)):
+                ctx = hardware.unrolled_loops() if unrolled else contextlib.nullcontext()
+                with ctx:
+                    plan, sizes_ = plan_lib.plan_decode_round(draft, tcfg, mesh, batch=b, max_len=cache_len,
+                                                              spans=(cache_len,))
+                row[name] = dict(plan.to_json(), **sizes_, fits=hardware.fits(plan.peak_bytes, hw.chip),
+                                 projected=hardware.project(plan.flops, plan.bytes_accessed, hw.chip))
+                p = row[name]
+                print(f"{size} B={b} {name:<8} on {hw.spec}: args {p['argument_bytes'] / 2**30:.2f} GiB, "
+                      f"temporaries {p['temp_bytes'] / 2**30:.2f} GiB, peak {p['peak_bytes'] / 2**30:.2f} GiB "
+                      f"({'fits' if p['fits'] else 'DOES NOT FIT'}), {p['flops'] / 1e9:.1f} GFLOP, "
+                      f"{p['bytes_accessed'] / 1e9:.2f} GB accessed{'' if unrolled else ' (loop bodies once)'}, "
+                      f"projected {p['projected']['seconds'] * 1e3:.3f} ms, compiled in {p['compile_seconds']:.0f} s",
+                      flush=True)
+                for v in p["largest"]:
+                    print(f"    {v['bytes'] / 2**20:9.1f} MiB  {v['shape']:<28} {v['op']:<16} {v['name']}")
+            row["round_over_ar"] = row["round"]["projected"]["seconds"] / row["ar_step"]["projected"]["seconds"]
+            rows.append(row)
+    return rows
+
+
 def write_json(path: Path, obj) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -552,7 +609,24 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--out", default=None, help="folder for round_cost.json / round_cost.png")
     ap.add_argument("--smoke", action="store_true", help="tiny fixture, B=1,2, few repeats (seconds)")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="compile the round and AR step for --hardware (no timing): memory, largest values, "
+                         "flops / bytes from that compiler; --sizes may name presets (Qwen/Qwen3-8B)")
+    ap.add_argument("--hardware", default="h200:1", metavar="CHIP:GRID",
+                    help="compile-only target of --compile-only (default h200:1; tpu-v5e:2x4, ...)")
+    ap.add_argument("--cache-len", type=int, default=4096, help="--compile-only: cache capacity (default 4096)")
+    ap.add_argument("--unrolled", action="store_true",
+                    help="--compile-only: unroll every loop (flops / bytes per step, slower compiles)")
     args = ap.parse_args(argv)
+    if args.compile_only:
+        sizes = args.sizes.split(",") if not args.smoke else ["tiny"]
+        rows = compile_only(sizes, args.batch_sizes if not args.smoke else [1], args.hardware,
+                            args.cache_len if not args.smoke else 128, args.unrolled)
+        if args.out:
+            write_json(Path(args.out) / "round_cost_compiled.json",
+                       {"benchmark": "round_cost --compile-only", "jax": jax.__version__, "rows": rows,
+                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
+        return 0
     if args.smoke:
         args.sizes, args.batch_sizes, args.repeats, args.min_seconds = "tiny", [1, 2], 2, 0.01
         args.prompt_len, args.max_new_tokens = 16, 32

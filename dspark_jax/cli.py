@@ -34,7 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     from dspark_jax import interrupt
+    from dspark_jax.hardware import quiet_cpu_host
 
+    quiet_cpu_host()  # libtpu installed on a host without a TPU: JAX stays on the CPU
     command = "?"
     try:
         with interrupt.sigint_recorded():  # from the start: imports run JAX's gc callbacks too

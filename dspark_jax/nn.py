@@ -82,12 +82,59 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     k_pre, v_pre, pre_mask = prefix
     s = pre_mask.shape[-1]
     k_pre, v_pre = k_pre[:, :s], v_pre[:, :s]
-    s_pre = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k_pre, preferred_element_type=jnp.float32)
+    s_pre = cache_scores(qg, k_pre)
     m = jnp.concatenate([pre_mask, mask], axis=-1)[:, None, None]
     probs = masked_softmax(jnp.concatenate([s_pre, scores], axis=-1), m, scale).astype(v.dtype)
-    out = (jnp.einsum("bhgqk,bkhd->bqhgd", probs[..., :s], v_pre)
-           + jnp.einsum("bhgqk,bkhd->bqhgd", probs[..., s:], v))
+    out = cache_values(probs[..., :s], v_pre) + jnp.einsum("bhgqk,bkhd->bqhgd", probs[..., s:], v)
     return out.reshape(b, nq, hq, d)
+
+
+# Attention over a cache stored [B, S, Hkv, D] (the target's KV cache, the drafter's context
+# cache). A dot batched over (B, Hkv) wants those two axes leading, so XLA:GPU copies the cache
+# into that order first -- and hoists the copy of every layer's cache out of the layer loop: two
+# cache-sized temporaries and three cache reads per decode step. For the few queries of a decode
+# step (<= SMALL_QUERY per row) the GPU forms below avoid the dot batched over (B, Hkv): values
+# as one gemm batched over B alone ([B, Hkv*G*Q, S] x [B, S, Hkv*D], the cache as stored; Hkv
+# times the small PV FLOPs) keeping each head's own block -- no V copy; scores as a multiply
+# fused into a reduction over D (f32, like the dot's accumulation) -- no K copy at B = 1, but at
+# larger B XLA still re-lays K for the key-minor softmax (docs/performance.md section 0a).
+# Other backends, and long query blocks (prefill, training), keep the dots.
+SMALL_QUERY = 16
+
+
+def cache_scores(qg: jax.Array, k: jax.Array) -> jax.Array:
+    """f32 scores [B, Hkv, G, Q, S] of queries qg [B, Q, Hkv, G, D] against a cache k [B, S, Hkv, D]."""
+    if qg.shape[1] > SMALL_QUERY:
+        return _scores_dot(qg, k)
+    return jax.lax.platform_dependent(qg, k, default=_scores_dot, cuda=_scores_in_place)
+
+
+def cache_values(probs: jax.Array, v: jax.Array) -> jax.Array:
+    """[B, Q, Hkv, G, D] (v's dtype): probs [B, Hkv, G, Q, S] over a cache v [B, S, Hkv, D]."""
+    if probs.shape[3] > SMALL_QUERY:
+        return _values_dot(probs, v)
+    return jax.lax.platform_dependent(probs, v, default=_values_dot, cuda=_values_in_place)
+
+
+def _scores_dot(qg, k):
+    return jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32)
+
+
+def _scores_in_place(qg, k):
+    prod = qg[:, :, None].astype(jnp.float32) * k[:, None, :, :, None, :].astype(jnp.float32)
+    return jnp.sum(prod, axis=-1).transpose(0, 3, 4, 1, 2)
+
+
+def _values_dot(probs, v):
+    return jnp.einsum("bhgqk,bkhd->bqhgd", probs, v)
+
+
+def _values_in_place(probs, v):
+    b, h, g, q, s = probs.shape
+    full = jnp.einsum("bhgqk,bkx->bhgqx", probs, v.reshape(b, s, h * v.shape[-1]),
+                      preferred_element_type=jnp.float32).reshape(b, h, g, q, h, v.shape[-1])
+    own = jnp.eye(h, dtype=bool)[:, None, None, :, None]
+    return jnp.sum(jnp.where(own, full, 0.0), axis=4).transpose(0, 3, 1, 2, 4).astype(v.dtype)
 
 
 def swiglu_mlp(x: jax.Array, p: dict) -> jax.Array:

@@ -15,14 +15,17 @@ def register(sub) -> None:
         description=(
             "Build abstract params and optimizer state (jax.eval_shape: nothing full-size is\n"
             "allocated), lower and compile the sharded train step (online and/or cache mode)\n"
-            "and the decode round on a mesh of simulated CPU devices, and print parameter\n"
+            "and the decode round on a mesh of simulated CPU devices (or, with --hardware, of\n"
+            "compile-only TPU/GPU devices: the accelerator's own compiler), and print parameter\n"
             "counts, per-device bytes (params, optimizer state, activations from\n"
             "compiled.memory_analysis()) and the collectives in each compiled program.\n\n"
             "example:\n"
             "  dspark-jax plan --config configs/dspark_qwen3_4b.py --mesh data=1,fsdp=8 --modes online\n"
             "  dspark-jax plan --target Qwen/Qwen3-8B --kind dspark --mesh fsdp=8 --modes decode\n"
             "  dspark-jax plan --config configs/dspark_gemma4_12b.py --mesh data=1,fsdp=8 --modes online\n"
-            "  dspark-jax plan --target google/gemma-4-12B-it --kind dspark --mesh fsdp=8 --modes online"))
+            "  dspark-jax plan --target google/gemma-4-12B-it --kind dspark --mesh fsdp=8 --modes online\n"
+            "  dspark-jax plan --config configs/dspark_qwen3_4b.py --hardware tpu-v5e:2x4   # pip install -e \".[tpu]\"\n"
+            "  dspark-jax plan --config configs/dspark_qwen3_8b.py --hardware h200:8        # pip install -e \".[cuda]\""))
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--config", help="training config file (configs/<name>.py); its target may be a "
                                       "checkpoint dir or a preset name such as Qwen/Qwen3-4B")
@@ -35,6 +38,11 @@ def register(sub) -> None:
                                                 "(default: the config's mesh, else fsdp=<devices>)")
     p.add_argument("--devices", type=int, default=None,
                    help="simulated CPU devices (default: the mesh's size, else 8)")
+    p.add_argument("--hardware", default=None, metavar="CHIP:GRID",
+                   help="compile for real accelerators instead of simulated CPU devices (compile-only, no "
+                        "accelerator needed): tpu-v5e:2x4, tpu-v5p:2x2x4, tpu-v6e:2x4, tpu-v4:2x2x2, h100:8, "
+                        "h200:8, h200:1, ...; per-device memory then comes from the TPU/GPU compiler and is "
+                        "checked against the chip's HBM. TPU needs the tpu extra (libtpu), GPU the cuda extra")
     p.add_argument("--modes", default="online,cache,decode",
                    help="comma list of programs: online, cache (train step), decode (round)")
     p.add_argument("--seq-len", type=int, default=None, help="training sequence length (default: config max_length or 4096)")
@@ -110,12 +118,15 @@ def _configs(args):
     return tcfg, target_cfg, draft_cfg, mesh_spec
 
 
-def _mesh(args, mesh_spec):
+def _mesh(args, mesh_spec, devices=None):
+    """The mesh over ``devices`` (compile-only accelerator devices) or the simulated CPU devices."""
     import jax
 
     from dspark_jax import sharding
     from dspark_jax.errors import InputError
 
+    if devices is not None:
+        return sharding.make_mesh(mesh_spec or f"fsdp={len(devices)}", devices)
     if not args.mesh and mesh_spec:  # the config's mesh decides the device count
         sizes = sharding.parse_mesh_spec(mesh_spec)
         if -1 not in sizes.values():
@@ -127,7 +138,7 @@ def _mesh(args, mesh_spec):
     return sharding.make_mesh(mesh_spec or f"fsdp={len(devices)}", devices)
 
 
-def _print_program(plan, sizes: dict) -> None:
+def _print_program(plan, sizes: dict, hw=None) -> None:
     print(f"\n[{plan.name}] compiled in {plan.compile_seconds:.1f}s; per device:")
     for key, value in sizes.items():
         print(f"  {key:<22}{_mib(value)}")
@@ -137,6 +148,10 @@ def _print_program(plan, sizes: dict) -> None:
         print(f"  {'  bf16->f32 copies':<22}{_mib(plan.upcast_bytes)}  (XLA:CPU upcasts of bf16 weights/caches "
               "inside the temporaries, summed, not all live at once; not made on GPU/TPU)")
     print(f"  {'donated (aliased)':<22}{_mib(plan.alias_bytes)}\n  {'peak estimate':<22}{_mib(plan.peak_bytes)}")
+    if hw is not None:
+        from dspark_jax import hardware
+        verdict = "fits" if hardware.fits(plan.peak_bytes, hw.chip) else "DOES NOT FIT"
+        print(f"  {verdict} in {hw.chip.name}'s {_mib(hw.chip.hbm_bytes).strip()} of HBM")
     coll = ", ".join(f"{op} x{c['count']} ({_mib(c['bytes']).strip()})" for op, c in plan.collectives.items())
     print(f"  collectives: {coll or 'none'}")
 
@@ -159,21 +174,37 @@ def run(args) -> int:
     from dspark_jax.errors import InputError
 
     _check_args(args)
-    _use_devices(args)
+    hw = devices = None
+    if args.hardware:
+        from dspark_jax import hardware
+        hw = hardware.parse(args.hardware)
+        if args.devices is not None:
+            raise InputError("--devices simulates CPU devices; --hardware brings its own: give one of them")
+        devices = hardware.compile_devices(hw)
+    else:
+        _use_devices(args)
     from dspark_jax.pipelines import plan as plan_lib
 
     tcfg, target_cfg, draft_cfg, mesh_spec = _configs(args)
-    mesh = _mesh(args, mesh_spec)
+    if hw is not None and mesh_spec and not args.mesh:
+        from dspark_jax import sharding
+        sizes = sharding.parse_mesh_spec(mesh_spec)
+        if -1 not in sizes.values() and math.prod(sizes.values()) != hw.num_devices:
+            mesh_spec = None  # the config's mesh is for another device count: fsdp over the chips
+    mesh = _mesh(args, mesh_spec, devices)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = set(modes) - {"online", "cache", "decode"}
     if unknown:
         raise InputError(f"--modes: unknown programs {sorted(unknown)}")
     micro = args.micro_batch or mesh.shape["data"] * mesh.shape["fsdp"]
     report = plan_lib.param_report(draft_cfg, target_cfg)
-    report = {"mesh": dict(mesh.shape), "devices": mesh.size, "seq_len": tcfg.max_length, "micro_batch": micro,
+    report = {"mesh": dict(mesh.shape), "devices": mesh.size,
+              "hardware": hw.to_json() if hw is not None else "simulated cpu",
+              "seq_len": tcfg.max_length, "micro_batch": micro,
               "memory_options": dataclasses.asdict(tcfg.memory), **report, "programs": {}}
     mem = report["memory_options"]
-    print(f"mesh {dict(mesh.shape)} on {mesh.size} simulated devices; compute {args.dtype}; "
+    where = f"{hw.spec} compile-only ({mesh.devices.flat[0].device_kind})" if hw else "simulated CPU"
+    print(f"mesh {dict(mesh.shape)} on {mesh.size} {where} devices; compute {args.dtype}; "
           f"remat {mem['remat']}, loss_chunk {mem['loss_chunk']}, shard_activations {mem['shard_activations']}")
     print(f"target params {report['target_params']:,}; drafter params {report['draft_params']:,} "
           f"(trainable {report['draft_trainable_params']:,}; frozen (embed, head, declared buffers) "
@@ -190,7 +221,9 @@ def run(args) -> int:
                                     data=tcfg.data or "<plan>", batch_size=micro, grad_accum=1)
             plan, sizes = plan_lib.plan_train_step(draft_cfg, target_cfg, step_cfg, mesh)
         report["programs"][mode] = dict(plan.to_json(), **sizes)
-        _print_program(plan, sizes)
+        if hw is not None:
+            report["programs"][mode]["fits"] = hardware.fits(plan.peak_bytes, hw.chip)
+        _print_program(plan, sizes, hw)
     if args.json_out:
         from dspark_jax.fileio import write_json
         write_json(args.json_out, report, force=args.force)

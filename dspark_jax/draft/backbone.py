@@ -56,12 +56,12 @@ def _block_attention(q, k_blk, v_blk, k_ctx, v_ctx, visible, scale=None):
     b, n, g, hq, d = q.shape
     hkv = k_ctx.shape[2]
     q = q.reshape(b, n, g, hkv, hq // hkv, d)
-    s_ctx = jnp.einsum("bngjrd,bsjd->bjrngs", q, k_ctx, preferred_element_type=jnp.float32)
+    s = k_ctx.shape[1]
+    s_ctx = nn.cache_scores(q.reshape(b, n * g, hkv, hq // hkv, d), k_ctx).reshape(b, hkv, hq // hkv, n, g, s)
     s_blk = jnp.einsum("bngjrd,bnkjd->bjrngk", q, k_blk, preferred_element_type=jnp.float32)
     probs = nn.masked_softmax(jnp.concatenate([s_ctx, s_blk], axis=-1), visible,
                               d ** -0.5 if scale is None else scale).astype(v_ctx.dtype)
-    s = k_ctx.shape[1]
-    out = (jnp.einsum("bjrngs,bsjd->bngjrd", probs[..., :s], v_ctx)
+    out = (nn.cache_values(probs[..., :s].reshape(b, hkv, hq // hkv, n * g, s), v_ctx).reshape(q.shape)
            + jnp.einsum("bjrngk,bnkjd->bngjrd", probs[..., s:], v_blk))
     return out.reshape(b, n, g, hq * d)
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from dspark_jax import families
+from dspark_jax import families, hardware
 from dspark_jax import params as params_lib
 from dspark_jax import sharding as shard_lib
 from dspark_jax.config import DraftConfig, TargetConfig
@@ -49,6 +49,10 @@ class ProgramPlan:
     collectives: dict[str, dict[str, int]]
     compile_seconds: float
     upcast_bytes: int = 0
+    platform: str = "cpu"
+    flops: float = 0.0  # the compiler's cost analysis (a while loop's body counted once)
+    bytes_accessed: float = 0.0
+    largest: list = dataclasses.field(default_factory=list)  # largest_values of the compiled HLO
 
     @property
     def peak_bytes(self) -> int:
@@ -110,6 +114,30 @@ def collectives_in(hlo_text: str) -> dict[str, dict[str, int]]:
     return out
 
 
+_NOT_A_BUFFER = ("parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "conditional",
+                 "call", "after-all", "partition-id", "replica-id", "opt-barrier")
+
+
+def largest_values(hlo_text: str, n: int = 5) -> list[dict]:
+    """The ``n`` largest array values the compiled program computes outside fusion bodies (what
+    gets an HBM buffer: copies, transposes, slices the backend materialises), largest first:
+    {"bytes", "shape", "op", "name"}. Parameters, tuples and bitcasts (no new buffer) are left out."""
+    fused = set(re.findall(r"calls=(%[\w.\-]+)", hlo_text))
+    out, skip = [], False
+    for line in hlo_text.splitlines():
+        head = re.match(r"(?:ENTRY )?(%[\w.\-]+) .*\{$", line)
+        if head and not line.startswith(" "):
+            skip = head.group(1) in fused
+            continue
+        m = re.match(r"\s*(?:ROOT )?(%[\w.\-]+) = ([a-z]+[0-9]*)\[([0-9,]*)\]\S* ([\w\-]+)\(", line)
+        if skip or not m or m.group(4) in _NOT_A_BUFFER:
+            continue
+        kind = re.search(r"kind=(\w+)", line) if m.group(4) == "fusion" else None
+        out.append({"bytes": _shape_bytes(m.group(2), m.group(3)), "shape": f"{m.group(2)}[{m.group(3)}]",
+                    "op": m.group(4) + (f":{kind.group(1)}" if kind else ""), "name": m.group(1)})
+    return sorted(out, key=lambda v: -v["bytes"])[:n]
+
+
 def upcast_bytes(hlo_text: str) -> int:
     """Bytes of the float32 copies the backend made of bfloat16 *arguments* (weights, KV caches).
 
@@ -134,10 +162,19 @@ def upcast_bytes(hlo_text: str) -> int:
     return total
 
 
-def compile_plan(name: str, fn: Callable, *abstract_args, **jit_kwargs) -> ProgramPlan:
+def mesh_platform(mesh: Mesh) -> str:
+    """The platform the program is compiled for: its mesh devices' (compile-only TPU/GPU devices
+    included), not ``jax.default_backend()``."""
+    return mesh.devices.flat[0].platform
+
+
+def compile_plan(name: str, fn: Callable, *abstract_args, platform: str | None = None,
+                 **jit_kwargs) -> ProgramPlan:
     """Lower + compile ``fn`` (jitted with ``jit_kwargs`` unless it is jitted already) on
-    abstract args; return its ProgramPlan."""
+    abstract args for ``platform`` (default: the default backend's; the args' shardings choose
+    the devices); return its ProgramPlan. XLA:CPU's bf16->f32 copies are counted on CPU only."""
     import time
+    platform = platform or jax.default_backend()
     start = time.perf_counter()
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn, **jit_kwargs)
     compiled = jitted.lower(*abstract_args).compile()
@@ -145,10 +182,12 @@ def compile_plan(name: str, fn: Callable, *abstract_args, **jit_kwargs) -> Progr
     mem = compiled.memory_analysis()
     get = lambda attr: int(getattr(mem, attr, 0) or 0) if mem is not None else 0
     text = compiled.as_text()
+    cost = hardware.program_cost(compiled)
     return ProgramPlan(name, get("argument_size_in_bytes"), get("output_size_in_bytes"),
                        get("temp_size_in_bytes"), get("alias_size_in_bytes"),
                        get("generated_code_size_in_bytes"), collectives_in(text), seconds,
-                       upcast_bytes(text) if jax.default_backend() == "cpu" else 0)
+                       upcast_bytes(text) if platform == "cpu" else 0, platform, cost["flops"],
+                       cost["bytes"], largest_values(text))
 
 
 def plan_train_step(draft_cfg: DraftConfig, target_cfg: TargetConfig, train_cfg: TrainConfig,
@@ -162,7 +201,8 @@ def plan_train_step(draft_cfg: DraftConfig, target_cfg: TargetConfig, train_cfg:
     dtype = compute_dtype(train_cfg)
     program = build_program(draft_cfg, target_cfg, train_cfg, mesh, total_steps=total_steps,
                             weights_dtype=dtype, feature_dtype=dtype)
-    plan = compile_plan(f"train_step[{train_cfg.features}]", program.step, *program.abstract_args)
+    plan = compile_plan(f"train_step[{train_cfg.features}]", program.step, *program.abstract_args,
+                        platform=mesh_platform(mesh))
     sizes = {"params_bytes": tree_bytes_per_device(program.state.params),
              "optimizer_bytes": tree_bytes_per_device(program.state.opt_state),
              "frozen_bytes": tree_bytes_per_device(program.frozen),
@@ -181,11 +221,14 @@ def sharding_summary(tree) -> dict[str, str]:
     return out
 
 
-def plan_decode_round(draft_cfg: DraftConfig, target_cfg: TargetConfig, mesh: Mesh, *, batch: int,
-                      max_len: int, dtype=jnp.bfloat16, max_new_tokens: int = 1024) -> tuple[ProgramPlan, dict]:
+def plan_decode_round(draft_cfg: DraftConfig | None, target_cfg: TargetConfig, mesh: Mesh, *, batch: int,
+                      max_len: int, dtype=jnp.bfloat16, max_new_tokens: int = 1024,
+                      spans: tuple[int, ...] | None = None) -> tuple[ProgramPlan, dict]:
     """Compile one speculative decode round (draft, Markov sampling, verify, commit) on ``mesh``
     for abstract state: the very jitted round (``spec.step``) of ``decode.build_decode(mesh)`` that
-    ``generate --mesh`` runs, with params and state placed by their declared logical axes."""
+    ``generate --mesh`` runs, with params and state placed by their declared logical axes.
+    ``draft_cfg=None``: the autoregressive step (``ar.step``) instead. ``spans``: the compiled
+    cache spans (default: the shipped ones; ``(max_len,)``: attention over the whole cache)."""
     import types
 
     from dspark_jax.decode import programs, shapes
@@ -196,19 +239,31 @@ def plan_decode_round(draft_cfg: DraftConfig, target_cfg: TargetConfig, mesh: Me
     sharded.check_mesh(mesh, target_cfg, draft_cfg, batch)
     prog = programs.build_decode(mesh, sharded.decode_rules(target_cfg))
     t_abs, _ = families.abstract_params(target_cfg, mesh, dtype, prog.rules)
-    d_abs, _ = families.abstract_params(draft_cfg, mesh, dtype, prog.rules)
-    static = DecodeStatic(target_cfg, draft_cfg, FullPolicy(), False, max_new_tokens)
-    state_shapes = programs.abstract_decode_state(t_abs, d_abs, static, batch, max_len)
-    state_sh = prog.state_sharding(state_shapes)
     rep = shard_lib.replicated(mesh)
-    args = (t_abs, d_abs, abstract(state_shapes, state_sh),
-            jax.ShapeDtypeStruct((), jnp.float32, sharding=rep),
-            jax.ShapeDtypeStruct((shapes.MAX_STOP_IDS,), jnp.int32, sharding=rep),
-            jax.ShapeDtypeStruct((draft_cfg.block_size,), jnp.float32, sharding=rep))
-    round_program = types.SimpleNamespace(lower=lambda *a: prog.spec.step.lower(*a, static=static))
-    plan = compile_plan("decode_round", round_program, *args)
-    sizes = {"target_bytes": tree_bytes_per_device(t_abs), "draft_bytes": tree_bytes_per_device(d_abs),
-             "state_bytes": tree_bytes_per_device(args[2]),
-             "kv_cache_bytes": tree_bytes_per_device(args[2].cache),
-             "draft_context_cache_bytes": tree_bytes_per_device(args[2].ctx)}
+    temp_stop = (jax.ShapeDtypeStruct((), jnp.float32, sharding=rep),
+                 jax.ShapeDtypeStruct((shapes.MAX_STOP_IDS,), jnp.int32, sharding=rep))
+    if draft_cfg is None:
+        static = DecodeStatic(target_cfg, None, None, False, max_new_tokens, spans=spans)
+        state_shapes = jax.eval_shape(
+            lambda tp: prog.ar.prefill(tp, None, jnp.zeros((batch, 64), jnp.int32),
+                                       jnp.full((batch,), 64, jnp.int32), jnp.ones((batch,), bool),
+                                       jax.random.PRNGKey(0), jnp.float32(1.0),
+                                       jnp.full((shapes.MAX_STOP_IDS,), -1, jnp.int32), static=static,
+                                       max_len=max_len), t_abs)
+        args = (t_abs, None, abstract(state_shapes, prog.state_sharding(state_shapes)), *temp_stop, None)
+        program = types.SimpleNamespace(lower=lambda *a: prog.ar.step.lower(*a, static=static))
+        plan = compile_plan("ar_step", program, *args, platform=mesh_platform(mesh))
+        sizes = {"target_bytes": tree_bytes_per_device(t_abs), "draft_bytes": 0}
+    else:
+        d_abs, _ = families.abstract_params(draft_cfg, mesh, dtype, prog.rules)
+        static = DecodeStatic(target_cfg, draft_cfg, FullPolicy(), False, max_new_tokens, spans=spans)
+        state_shapes = programs.abstract_decode_state(t_abs, d_abs, static, batch, max_len)
+        args = (t_abs, d_abs, abstract(state_shapes, prog.state_sharding(state_shapes)), *temp_stop,
+                jax.ShapeDtypeStruct((draft_cfg.block_size,), jnp.float32, sharding=rep))
+        program = types.SimpleNamespace(lower=lambda *a: prog.spec.step.lower(*a, static=static))
+        plan = compile_plan("decode_round", program, *args, platform=mesh_platform(mesh))
+        sizes = {"target_bytes": tree_bytes_per_device(t_abs), "draft_bytes": tree_bytes_per_device(d_abs),
+                 "draft_context_cache_bytes": tree_bytes_per_device(args[2].ctx)}
+    state = args[2]
+    sizes.update(state_bytes=tree_bytes_per_device(state), kv_cache_bytes=tree_bytes_per_device(state.cache))
     return plan, sizes

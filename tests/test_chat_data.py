@@ -256,7 +256,7 @@ def test_data_inspect_bad_input_is_one_line_exit_2(tok_dir, tmp_path, capsys, ro
     rc, out, err = _run(capsys, path, *extra)
     assert rc == 2
     assert len(err.strip().splitlines()) == 1 and match in err, err
-    assert err.startswith("dspark-jax data: error: ")
+    assert err.startswith("dspark-jax data inspect: error: ")
 
 
 # ------------------------------------------------------------------- training

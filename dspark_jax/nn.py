@@ -21,6 +21,16 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * xf.astype(dtype)
 
 
+def rms_norm_f32(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
+    """RMSNorm scaled in float32 (Gemma4, DeepSeek-V4): ``x * rsqrt(mean(x^2) + eps) * weight``
+    (no 1 +; ``weight`` None: unweighted), cast back to x's dtype."""
+    xf = x.astype(jnp.float32)
+    out = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if weight is not None:
+        out = out * weight.astype(jnp.float32)
+    return out.astype(x.dtype)
+
+
 def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
     """cos/sin tables [*positions.shape, head_dim] for rotate-half RoPE (float32)."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))

@@ -188,3 +188,16 @@ def put_row(big, one, axes_tree, slot):
 def step_mask(n_new: jax.Array, steps: int) -> jax.Array:
     """[B, T] bool: token t of row b is committed (t < n_new[b])."""
     return jnp.arange(steps, dtype=jnp.int32)[None, :] < n_new.astype(jnp.int32)[:, None]
+
+
+def forward_and_commit(forward, params, cfg, tokens: jax.Array, cache, *, num_new=None, taps=(),
+                       compute_dtype=None, span=None):
+    """A family's protocol ``forward`` then ``cache.commit`` of each row's first ``num_new``
+    tokens (default all T of tokens [B, T]): ``(hidden, features, updated cache or None)``, the
+    one-call form training, feature extraction and tests use."""
+    hidden, features, delta = forward(params, cfg, tokens, cache, ctx=Context(dtype=compute_dtype),
+                                      taps=taps, span=span)
+    if cache is None:
+        return hidden, features, None
+    n = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32) if num_new is None else num_new
+    return hidden, features, cache.commit(delta, n)

@@ -345,13 +345,7 @@ def param_axes(cfg: Gemma4TargetConfig) -> dict:
 # ----------------------------------------------------------------------------- shared math
 
 
-def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
-    """Gemma4 RMSNorm: in float32 ``x * rsqrt(mean(x^2) + eps) * weight`` (no 1 +), cast back."""
-    xf = x.astype(jnp.float32)
-    out = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    if weight is not None:
-        out = out * weight.astype(jnp.float32)
-    return out.astype(x.dtype)
+rms_norm = nn.rms_norm_f32  # scaled in float32, cast back
 
 
 def inv_freq(head_dim: int, theta: float, rope_type: str = "default", partial: float = 1.0) -> np.ndarray:
@@ -607,13 +601,8 @@ def forward(params: dict, cfg: Gemma4TargetConfig, tokens: jax.Array,
             tap_layer_ids: Sequence[int] = (), compute_dtype=None, cache_span: int | None = None):
     """``forward_pure`` then ``cache.commit`` of each row's first ``num_new`` tokens (default T):
     ``(hidden, taps or None, updated cache or None)`` (training, feature extraction, tests)."""
-    hidden, features, delta = forward_pure(params, cfg, tokens, cache,
-                                           ctx=runtime.Context(dtype=compute_dtype),
-                                           taps=tap_layer_ids, span=cache_span)
-    if cache is None:
-        return hidden, features, None
-    n = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32) if num_new is None else num_new
-    return hidden, features, cache.commit(delta, n)
+    return runtime.forward_and_commit(forward_pure, params, cfg, tokens, cache, num_new=num_new,
+                                      taps=tap_layer_ids, compute_dtype=compute_dtype, span=cache_span)
 
 
 

@@ -253,13 +253,8 @@ def forward(params: dict, config: TargetConfig, tokens: jax.Array, cache: KVCach
             compute_dtype=None, cache_span: int | None = None):
     """``forward_pure`` then ``cache.commit`` of each row's first ``num_new`` tokens (default T):
     ``(hidden, taps or None, updated cache or None)`` (training, feature extraction, tests)."""
-    hidden, features, delta = forward_pure(params, config, tokens, cache,
-                                           ctx=runtime.Context(dtype=compute_dtype),
-                                           taps=tap_layer_ids, span=cache_span)
-    if cache is None:
-        return hidden, features, None
-    n = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32) if num_new is None else num_new
-    return hidden, features, cache.commit(delta, n)
+    return runtime.forward_and_commit(forward_pure, params, config, tokens, cache, num_new=num_new,
+                                      taps=tap_layer_ids, compute_dtype=compute_dtype, span=cache_span)
 
 
 RUNTIME = runtime.TargetRuntime(

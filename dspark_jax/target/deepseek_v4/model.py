@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspark_jax import nn
 from dspark_jax.target.deepseek_v4.config import CSA, HASH_MOE, HCA, MOE, SLIDING, DeepseekV4Config
 
 NEG_INF = -jnp.inf
@@ -48,13 +49,7 @@ NEG_INF = -jnp.inf
 
 # ----------------------------------------------------------------------------- small pieces
 
-def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
-    """RMSNorm over the last dim in float32 (``weight`` None: unweighted), cast back to x's dtype."""
-    xf = x.astype(jnp.float32)
-    out = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    if weight is not None:
-        out = out * weight.astype(jnp.float32)
-    return out.astype(x.dtype)
+rms_norm = nn.rms_norm_f32  # scaled in float32, cast back
 
 
 def inv_freq(cfg: DeepseekV4Config, compressed: bool) -> np.ndarray:

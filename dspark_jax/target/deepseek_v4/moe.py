@@ -75,6 +75,11 @@ def _rules(ctx) -> dict:
     return dict(rules) if rules else dict(sharding.DEFAULT_RULES)
 
 
+def _names(part) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (None, a name or a tuple of names)."""
+    return (part,) if isinstance(part, str) else tuple(part or ())
+
+
 def _mesh(ctx):
     return getattr(ctx, "mesh", None) if ctx is not None else None
 
@@ -207,9 +212,8 @@ def sorted_dispatch(cfg, x: jax.Array, combine: jax.Array, w1, w3, w2, ctx: Any 
     c_spec = P(*x_spec[:2], None)
     up_spec = spec(("expert", None, "mlp"), w1.shape)
     down_spec = spec(("expert", "mlp", None), w2.shape)
-    summed = tuple(a for part in (up_spec[0], up_spec[2]) if part
-                   for a in ((part,) if isinstance(part, str) else part))
-    ep = tuple(a for a in ((up_spec[0],) if isinstance(up_spec[0], str) else (up_spec[0] or ())))
+    ep = _names(up_spec[0])                       # mesh axes over the experts
+    summed = ep + _names(up_spec[2])              # ... and over their width: partial sums
 
     def local(x, combine, w1, w3, w2):
         bl, sl, _ = x.shape

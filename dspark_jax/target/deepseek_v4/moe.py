@@ -27,8 +27,9 @@ capacity, every assignment is computed (static shapes: the bound is M rows). Gro
   included), weight reads 3·H·I per used block; temporaries [M, H] (sorted rows), the block
   outputs [ceil(M / block) + G, block, H] and one block's [block, I].
 - ``ragged`` (default on TPU): ``jax.lax.ragged_dot``, three of them. TPU lowers it to its
-  grouped matmul (6·M·H·I FLOPs); XLA:CPU (and GPU without the ragged-dot instruction) lowers
-  it to a masked dense form over [E, M, H] (E times the FLOPs and memory): use ``blocks`` there.
+  grouped matmul (6·M·H·I FLOPs); XLA:CPU lowers it to a masked dense form over [E, M, H] (E
+  times the FLOPs and memory), so ``blocks`` is the default off TPU (GPU's ragged-dot lowering
+  was not measured here).
 
 Against dense: 6·M·H·I = k / E of dense's routed FLOPs plus padding; memory O(M·H) instead of
 O(T·E·(H + I)); the price is the sort (O(M log M)) and gathers of [M, H].

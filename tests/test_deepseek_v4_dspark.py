@@ -1,0 +1,219 @@
+"""DeepSeek-V4's in-checkpoint DSpark module: config, declaration, conversion, forward, decode step.
+
+Fixture: tests/fixtures/deepseek_v4_tiny/target_dspark (the tiny V4 target plus a random module in
+the released layout; its golden README section) and forward.npz (transformers' layer stream means,
+the module's input). The forward is checked against tests/torch_v4_dspark.py, an independent torch
+reference written from the layout facts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from dspark_jax import families
+from dspark_jax.config import LossConfig
+from dspark_jax.convert import dspark_v4, quant, safetensors_io
+from dspark_jax.draft import deepseek_v4 as dv4
+from dspark_jax.draft import model as draft_model
+from dspark_jax.errors import CheckpointError, ConfigError, InputError
+from dspark_jax.target.deepseek_v4 import DeepseekV4Config
+from dspark_jax.train import loss as loss_lib
+from tests import torch_v4_dspark
+
+FIX = Path(__file__).parent / "fixtures" / "deepseek_v4_tiny"
+SRC = FIX / "target_dspark"
+
+
+def _hf() -> dict:
+    return json.loads((SRC / "config.json").read_text())
+
+
+@functools.lru_cache(maxsize=None)
+def _module():
+    cfg, params = dspark_v4.load_module(SRC)
+    tensors = safetensors_io.read_tensors(SRC)
+    shared = {"embed": jnp.asarray(tensors["embed.weight"]), "head": jnp.asarray(tensors["head.weight"].T)}
+    return cfg, dv4.with_target(jax.tree.map(jnp.asarray, params), shared), tensors
+
+
+@functools.lru_cache(maxsize=None)
+def _golden():
+    ref = np.load(FIX / "forward.npz")
+    cfg = _module()[0]
+    feats = np.concatenate([ref["layer_mean"][i] for i in cfg.target_layer_ids], axis=-1)
+    return ref["input_ids"], feats, ref["last_hidden"]
+
+
+# ----------------------------------------------------------------------------- config, declaration
+
+
+def test_config_declaration_and_registry():
+    hf = _hf()
+    cfg = dv4.DeepseekV4DSparkConfig.from_hf(hf)
+    assert (cfg.block_size, cfg.target_layer_ids, cfg.markov_rank, cfg.noise_token_id) == (5, (3, 4, 5), 16, 511)
+    assert cfg.num_hidden_layers == 3 and cfg.window == 16 and cfg.mask_token_id == 511
+    assert dv4.DeepseekV4DSparkConfig.from_hf(cfg.to_hf()) == cfg
+    decl = dv4.declare(cfg)
+    names = {n for s in dv4.module_specs(cfg).values() for n in s.torch_names()}
+    stored = {n for n in safetensors_io.TensorReader(SRC).infos if n.startswith("mtp.")}
+    assert names == stored                                   # every mtp.* tensor declared once
+    assert decl[("embed",)].frozen and decl[("head",)].frozen and decl[("head",)].torch == "head.weight"
+    assert families.drafter_family(DeepseekV4Config.from_hf(hf)).name == "deepseek_v4_dspark"
+    assert families.draft_ops(cfg) is dv4.OPS
+    info = dv4.describe(hf)
+    assert info["present"] and info["target_layer_ids"] == [3, 4, 5] and info["heads"] == 4
+    assert dv4.describe({k: v for k, v in hf.items() if not k.startswith("dspark_")}) == {"present": False}
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"dspark_markov_rank": None}, "dspark_markov_rank"),
+    ({"dspark_target_layer_ids": [3, 4, 6]}, "dspark_target_layer_ids"),
+    ({"dspark_markov_rank": 0}, "dspark_markov_rank"),
+    ({"dspark_noise_token_id": 512}, "dspark_noise_token_id"),
+    ({"compress_ratios": [0, 4, 128, 4, 128, 0, 0, 4, 0]}, "compress_ratios"),
+])
+def test_config_refuses_by_name(change, match):
+    with pytest.raises(ConfigError, match=match):
+        dv4.DeepseekV4DSparkConfig.from_hf({**_hf(), **change})
+
+
+# ----------------------------------------------------------------------------- conversion
+
+
+def test_round_trip_byte_exact(tmp_path):
+    cfg, params, tensors = _module()
+    out = dspark_v4.module_tensors(cfg, jax.tree.map(np.asarray, params))
+    want = {k: v for k, v in tensors.items() if k.startswith("mtp.")}
+    assert set(out) == set(want)
+    assert all(out[k].dtype == want[k].dtype and out[k].tobytes() == want[k].tobytes() for k in want)
+    dspark_v4.save_module(tmp_path / "m", cfg, params)
+    cfg2, params2 = dspark_v4.load_module(tmp_path / "m")
+    assert cfg2 == cfg
+    again = dspark_v4.module_tensors(cfg2, params2)
+    assert all(again[k].tobytes() == want[k].tobytes() for k in want)
+    with pytest.raises(InputError):
+        dspark_v4.save_module(tmp_path / "m", cfg, params)
+
+
+def test_fp8_and_fp4_module_is_dequantized(tmp_path):
+    """A module stored as the released checkpoints store it (FP8 weights with ue8m0 block scales,
+    MXFP4 routed experts) reads back as the dequantized values; a missing scale is named."""
+    cfg, params, tensors = _module()
+    hf = dict(_hf(), quantization_config={"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                          "weight_block_size": [16, 16]}, expert_dtype="fp4")
+    qcfg = dv4.DeepseekV4DSparkConfig.from_hf(hf)
+    specs = dv4.module_specs(qcfg)
+    stored, want = {}, {}
+    for s in specs.values():
+        for name in s.torch_names():
+            w = tensors[name]
+            if s.quant is None:
+                stored[name] = want[name] = w
+                continue
+            data, scale = quant.quantize(w, s.quant)
+            stored[name], stored[s.quant.scale_name(name)] = data, scale
+            want[name] = quant.dequantize(data, scale, s.quant)
+    assert any(v.dtype == np.int8 for v in stored.values()) and any(v.dtype == quant.FP8 for v in stored.values())
+    (tmp_path / "q").mkdir()
+    safetensors_io.write_tensors(tmp_path / "q", stored)
+    (tmp_path / "q" / "config.json").write_text(json.dumps(hf))
+    got_cfg, got = dspark_v4.load_module(tmp_path / "q")
+    assert got_cfg.target.quant is None
+    out = dspark_v4.module_tensors(got_cfg, got)
+    assert all(np.array_equal(out[k], want[k]) for k in want)
+    del stored["mtp.1.attn.wq_b.scale"]
+    (tmp_path / "q" / "model.safetensors").unlink()
+    safetensors_io.write_tensors(tmp_path / "q", stored)
+    with pytest.raises(CheckpointError, match="mtp.1.attn.wq_b.scale"):
+        dspark_v4.load_module(tmp_path / "q")
+
+
+# ----------------------------------------------------------------------------- forward vs torch
+
+ANCHORS = np.array([[3, 20, 41, 77, 150], [0, 9, 16, 100, 154]], np.int32)
+KEEP = np.array([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]], bool)
+
+
+@functools.lru_cache(maxsize=None)
+def _train_forward():
+    cfg, params, _ = _module()
+    ids, feats, last = _golden()
+    fwd = jax.jit(dv4.training_forward, static_argnums=(1,))(
+        params, cfg, jnp.asarray(ids), jnp.asarray(feats), jnp.ones(ids.shape, jnp.float32),
+        jnp.asarray(ANCHORS), jnp.asarray(KEEP), jnp.asarray(last))
+    return fwd
+
+
+def test_training_forward_and_loss_equal_torch_reference():
+    cfg, params, tensors = _module()
+    ids, feats, last = _golden()
+    fwd = _train_forward()
+    ref = torch_v4_dspark.Module(tensors, _hf())
+    g, s = cfg.block_size, ids.shape[1]
+    logits, confs, labels, aligned, valid = [], [], [], [], []
+    with torch.no_grad():
+        for b in range(ids.shape[0]):
+            main_x = ref.main_x(torch.as_tensor(feats[b]))
+            rows = [ref.context_kv(st, main_x, torch.arange(s)) for st in range(cfg.num_hidden_layers)]
+            for n, a in enumerate(ANCHORS[b]):
+                if not KEEP[b, n]:
+                    continue
+                h = ref.block(int(ids[b, a]), int(a), rows)
+                pos = np.minimum(a + 1 + np.arange(g), s - 1)
+                lab = torch.as_tensor(ids[b, pos]).long()
+                lg, cf = ref.heads(h, torch.cat([torch.as_tensor(ids[b, a:a + 1]).long(), lab[:-1]]))
+                logits.append(lg), confs.append(cf), labels.append(lab)
+                aligned.append(torch.as_tensor(last[b, pos - 1]) @ ref.w("head.weight").T)
+                valid.append(torch.as_tensor(a + 1 + np.arange(g) < s).cumprod(0).bool())
+    mask = np.asarray(fwd.eval_mask)[KEEP]
+    np.testing.assert_array_equal(mask, torch.stack(valid).numpy())
+    ours = np.asarray(fwd.draft_logits)[KEEP]
+    np.testing.assert_allclose(ours[mask], torch.stack(logits).numpy()[mask], atol=2e-4, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(fwd.confidence_logits)[KEEP][mask], torch.stack(confs).numpy()[mask],
+                               atol=2e-4, rtol=1e-4)
+    want = torch_v4_dspark.loss_terms(torch.stack(logits), torch.stack(confs), torch.stack(labels),
+                                      torch.stack(aligned), torch.as_tensor(mask))
+    _, terms = loss_lib.dspark_loss(fwd, LossConfig())
+    for k, v in want.items():
+        np.testing.assert_allclose(float(terms[k]), float(v), rtol=1e-4, err_msg=k)
+
+
+# ----------------------------------------------------------------------------- decode step
+
+
+def test_propose_equals_training_block():
+    """The decode-time step (context ring of W rows, committed in chunks wider than W, one row past
+    the window and one inside it) gives the training forward's block at the same anchors."""
+    cfg, params, _ = _module()
+    ids, feats, _ = _golden()
+    anchors = np.array([50, 9], np.int32)
+    ring = dv4.init_ring(cfg, 2)
+    commit = jax.jit(dv4.commit, static_argnums=(1,))
+    for start, width in ((0, 30), (30, 25)):
+        n_new = np.clip(anchors - ring.length, 0, width).astype(np.int32)
+        idx = np.minimum(np.asarray(ring.length)[:, None] + np.arange(width), ids.shape[1] - 1)
+        chunk = np.take_along_axis(feats, idx[..., None], axis=1)
+        ring = commit(params, cfg, ring, jnp.asarray(chunk), jnp.asarray(n_new))
+    np.testing.assert_array_equal(ring.length, anchors)
+    anchor_tok = jnp.asarray(ids[np.arange(2), anchors])
+    drafts, logits, conf = jax.jit(dv4.propose, static_argnums=(1, 6))(
+        params, cfg, ring, anchor_tok, jax.random.key(0), 1.0, True)
+    th = draft_model.training_hidden(params, cfg, jnp.asarray(ids), jnp.asarray(feats), jnp.ones(ids.shape),
+                                     jnp.asarray(anchors[:, None]), jnp.ones((2, 1), bool),
+                                     compute_dtype=jnp.float32, ops=dv4.OPS)
+    h = dv4.propose_hidden(params, cfg, ring, anchor_tok)
+    np.testing.assert_allclose(h, th.hidden[:, 0], atol=2e-5, rtol=1e-5)
+    prev = jnp.concatenate([anchor_tok[:, None], drafts[:, :-1]], axis=1)
+    want_logits, want_conf, _ = dv4.block_heads(params, cfg, th.hidden[:, 0], prev)
+    np.testing.assert_allclose(logits, want_logits, atol=1e-4, rtol=1e-5)
+    np.testing.assert_allclose(conf, want_conf, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(drafts, np.argmax(want_logits, -1))   # greedy, left to right

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from dspark_jax import families
+from dspark_jax import params as params_lib
 from dspark_jax.config import LossConfig
 from dspark_jax.convert import dspark_v4, quant, safetensors_io
 from dspark_jax.draft import deepseek_v4 as dv4
@@ -205,15 +206,66 @@ def test_propose_equals_training_block():
         ring = commit(params, cfg, ring, jnp.asarray(chunk), jnp.asarray(n_new))
     np.testing.assert_array_equal(ring.length, anchors)
     anchor_tok = jnp.asarray(ids[np.arange(2), anchors])
-    drafts, logits, conf = jax.jit(dv4.propose, static_argnums=(1, 6))(
-        params, cfg, ring, anchor_tok, jax.random.key(0), 1.0, True)
-    th = draft_model.training_hidden(params, cfg, jnp.asarray(ids), jnp.asarray(feats), jnp.ones(ids.shape),
-                                     jnp.asarray(anchors[:, None]), jnp.ones((2, 1), bool),
-                                     compute_dtype=jnp.float32, ops=dv4.OPS)
-    h = dv4.propose_hidden(params, cfg, ring, anchor_tok)
-    np.testing.assert_allclose(h, th.hidden[:, 0], atol=2e-5, rtol=1e-5)
+
+    @functools.partial(jax.jit, static_argnums=(1,))
+    def both(params, cfg, ring):
+        drafts, logits, conf = dv4.propose(params, cfg, ring, anchor_tok, jax.random.key(0), 1.0, True)
+        th = draft_model.training_hidden(params, cfg, jnp.asarray(ids), jnp.asarray(feats), jnp.ones(ids.shape),
+                                         jnp.asarray(anchors[:, None]), jnp.ones((2, 1), bool),
+                                         compute_dtype=jnp.float32, ops=dv4.OPS)
+        return drafts, logits, conf, dv4.propose_hidden(params, cfg, ring, anchor_tok), th.hidden[:, 0]
+
+    drafts, logits, conf, h, h_train = both(params, cfg, ring)
+    np.testing.assert_allclose(h, h_train, atol=2e-5, rtol=1e-5)
     prev = jnp.concatenate([anchor_tok[:, None], drafts[:, :-1]], axis=1)
-    want_logits, want_conf, _ = dv4.block_heads(params, cfg, th.hidden[:, 0], prev)
+    want_logits, want_conf, _ = dv4.block_heads(params, cfg, h_train, prev)
     np.testing.assert_allclose(logits, want_logits, atol=1e-4, rtol=1e-5)
     np.testing.assert_allclose(conf, want_conf, atol=1e-5, rtol=1e-5)
     np.testing.assert_array_equal(drafts, np.argmax(want_logits, -1))   # greedy, left to right
+
+
+# ----------------------------------------------------------------------------- training
+
+
+@pytest.mark.slow  # ~40 s of CPU, nearly all XLA compile of the V4 target forward and the module's gradient
+def test_training_on_online_target_features_lowers_the_loss():
+    """Adam on the module (embed / head / gate bias frozen) with features computed online from the V4
+    target (``v4.forward`` taps: the stream means of ``target_layer_ids``), anchors packed by
+    ``train.batch.sample_anchors``, the DSpark loss: the loss falls and the training-batch
+    acceptance estimate rises."""
+    import optax
+
+    from dspark_jax.convert import checkpoint
+    from dspark_jax.target import deepseek_v4 as v4
+    from dspark_jax.train import batch as batch_lib
+
+    cfg, params, _ = _module()
+    tcfg, tparams = checkpoint.load_target(SRC)
+    trainable, frozen = params_lib.split_frozen(dv4.declare(cfg), params)
+    assert set(frozen) == {"embed", "head", "moe"}
+    ids = jnp.asarray(_golden()[0][:, :128])  # >= one HCA window: the target forward needs S >= 128
+    mask = jnp.ones(ids.shape, jnp.float32)
+    opt = optax.adam(3e-3)
+    loss_cfg = LossConfig()
+
+    def loss_fn(tp, key):
+        hidden, feats, _ = v4.forward(tparams, tcfg, ids, None, taps=cfg.target_layer_ids)
+        feats, hidden = jax.lax.stop_gradient((feats, hidden))
+        anchors, keep = batch_lib.sample_anchors(key, mask, 16)
+        fwd = dv4.training_forward({**tp, **frozen}, cfg, ids, feats, mask, anchors, keep, hidden)
+        return loss_lib.dspark_loss(fwd, loss_cfg)
+
+    @jax.jit
+    def step(tp, state, key):
+        (loss, terms), grads = jax.value_and_grad(loss_fn, has_aux=True)(tp, key)
+        updates, state = opt.update(grads, state, tp)
+        return optax.apply_updates(tp, updates), state, terms
+
+    state = opt.init(trainable)
+    history = []
+    for i in range(30):
+        trainable, state, terms = step(trainable, state, jax.random.key(i % 3))
+        history.append({k: float(v) for k, v in terms.items()})
+    first, last = history[0], history[-1]
+    assert last["loss"] < 0.7 * first["loss"], (first["loss"], last["loss"])
+    assert last["expected_accept_length"] > first["expected_accept_length"]

@@ -167,7 +167,10 @@ def declare(cfg: DeepseekV4DSparkConfig) -> dict[tuple, ParamSpec]:
             ("main_norm",): ParamSpec((h,), (None,), "mtp.0.main_norm.weight", init="ones", dtype=F32)}
     for path, spec in stage.items():
         if path[0] in ("layers", "moe"):
-            decl[path] = dataclasses.replace(spec, torch="mtp." + spec.torch[len("layers."):])
+            # the gate bias only selects experts (no gradient reaches it) and is V4's aux-loss-free
+            # balance term, set outside backprop: training keeps the checkpoint's (frozen)
+            decl[path] = dataclasses.replace(spec, torch="mtp." + spec.torch[len("layers."):],
+                                             frozen=spec.frozen or path == ("moe", "bias"))
         elif path[0] in ("norm", "hc_head"):
             decl[path] = dataclasses.replace(spec, torch=last + spec.torch)
     decl.update(params_lib.with_prefix(markov.declare(cfg), ("markov_head",), last + "markov_head."))
@@ -273,16 +276,19 @@ def stages_forward(p: dict, cfg: DeepseekV4DSparkConfig, embeds: jax.Array, posi
     tcfg, eps = cfg.stage_config, cfg.rms_norm_eps
     cos, sin = v4m.rope_table(tcfg, positions.reshape(b, n * g), compressed=False)
     streams = jnp.broadcast_to(embeds.reshape(b, n * g, 1, h), (b, n * g, tcfg.hc_mult, h))
-    for s in range(cfg.num_hidden_layers):
-        lp = jax.tree.map(lambda a: a[s], p["layers"])
+
+    def stage(streams, xs):  # one V4 layer; lax.scan over the stacked stages
+        lp, bias, rows = xs
         pre, post, comb = v4m.hc_weights(tcfg, streams, lp["hc_attn_fn"], lp["hc_attn_base"], lp["hc_attn_scale"])
         x = v4m.rms_norm(v4m.collapse(pre, streams), lp["attn_norm"], eps).reshape(b, n, g, h)
-        y = _attention(cfg, lp, x, cos, sin, ctx[s], ctx_visible).reshape(b, n * g, h)
+        y = _attention(cfg, lp, x, cos, sin, rows, ctx_visible).reshape(b, n * g, h)
         streams = v4m.expand(post, comb, y, streams)
         pre, post, comb = v4m.hc_weights(tcfg, streams, lp["hc_ffn_fn"], lp["hc_ffn_base"], lp["hc_ffn_scale"])
         x = v4m.rms_norm(v4m.collapse(pre, streams), lp["ffn_norm"], eps)
-        combine = v4m.route(tcfg, lp, x, None, None, p["moe"]["bias"][s])
-        streams = v4m.expand(post, comb, v4m.moe(tcfg, lp, x, combine, ctx_obj), streams)
+        combine = v4m.route(tcfg, lp, x, None, None, bias)
+        return v4m.expand(post, comb, v4m.moe(tcfg, lp, x, combine, ctx_obj), streams), None
+
+    streams, _ = jax.lax.scan(stage, streams, (p["layers"], p["moe"]["bias"], ctx))
     return v4m.hc_head(tcfg, p, streams).reshape(b, n, g, h)
 
 
@@ -336,7 +342,7 @@ def block_heads(p: dict, cfg: DeepseekV4DSparkConfig, h: jax.Array, prev: jax.Ar
 
 
 OPS = runtime.DraftRuntime(project_context=project_context, context_kv=context_kv, embed_block=embed_block,
-                           block_forward=block_forward, compute_logits=base_logits,
+                           block_forward=block_forward, compute_logits=base_logits, block_heads=block_heads,
                            replicable=frozenset({"kv_heads"}))
 
 
@@ -344,15 +350,12 @@ def training_forward(params: dict, cfg: DeepseekV4DSparkConfig, input_ids: jax.A
                      loss_mask: jax.Array, anchors: jax.Array, keep: jax.Array,
                      target_last_hidden: jax.Array | None = None,
                      compute_dtype=jnp.float32) -> draft_model.TrainForward:
-    """All anchors' blocks at once (``draft_model.training_hidden`` with this family's ``OPS``: the
-    same labels, eval mask and anchor packing as the other families), then this module's heads.
-    input_ids [B, S]; features [B, S, n*H] (stream means of the tapped layers); loss_mask [B, S];
-    anchors, keep [B, N]; target_last_hidden [B, S, H] (after the target's norm) or None."""
-    th = draft_model.training_hidden(params, cfg, input_ids, features, loss_mask, anchors, keep,
-                                     target_last_hidden, compute_dtype, ops=OPS)
-    p = draft_model.cast_params(params, compute_dtype)
-    logits, conf, aligned = block_heads(p, cfg, th.hidden, th.prev_ids, th.target_hidden)
-    return draft_model.TrainForward(logits, conf, th.target_ids, th.eval_mask, aligned, th.block_keep_mask)
+    """``draft_model.training_forward`` with this family's ``OPS`` (the same labels, eval mask and
+    anchor packing as the other families; this module's heads): input_ids [B, S]; features
+    [B, S, n*H] (stream means of the tapped layers); loss_mask [B, S]; anchors, keep [B, N];
+    target_last_hidden [B, S, H] (after the target's norm) or None."""
+    return draft_model.training_forward(params, cfg, input_ids, features, loss_mask, anchors, keep,
+                                        target_last_hidden, compute_dtype, ops=OPS)
 
 
 # ----------------------------------------------------------------------------- decode (context ring)

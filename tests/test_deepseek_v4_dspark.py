@@ -23,6 +23,7 @@ from dspark_jax import families
 from dspark_jax import params as params_lib
 from dspark_jax.config import LossConfig
 from dspark_jax.convert import dspark_v4, quant, safetensors_io
+from dspark_jax.draft import decode
 from dspark_jax.draft import deepseek_v4 as dv4
 from dspark_jax.draft import model as draft_model
 from dspark_jax.errors import CheckpointError, ConfigError, InputError
@@ -193,7 +194,9 @@ def test_training_forward_and_loss_equal_torch_reference():
 
 def test_propose_equals_training_block():
     """The decode-time step (context ring of W rows, committed in chunks wider than W, one row past
-    the window and one inside it) gives the training forward's block at the same anchors."""
+    the window and one inside it) gives the training forward's block at the same anchors, and the
+    engine's drafter path (``draft.decode`` over the family's ``DraftRuntime``, a position-indexed
+    context cache) gives the same drafts, logits and confidence."""
     cfg, params, _ = _module()
     ids, feats, _ = _golden()
     anchors = np.array([50, 9], np.int32)
@@ -213,9 +216,14 @@ def test_propose_equals_training_block():
         th = draft_model.training_hidden(params, cfg, jnp.asarray(ids), jnp.asarray(feats), jnp.ones(ids.shape),
                                          jnp.asarray(anchors[:, None]), jnp.ones((2, 1), bool),
                                          compute_dtype=jnp.float32, ops=dv4.OPS)
-        return drafts, logits, conf, dv4.propose_hidden(params, cfg, ring, anchor_tok), th.hidden[:, 0]
+        ctx = decode.init_context(params, cfg, jnp.asarray(feats[:, :64]), 64)  # the engine's drafter path
+        engine = decode.propose(params, cfg, anchor_tok, jnp.asarray(anchors), ctx, jax.random.key(0), 1.0, True)
+        return drafts, logits, conf, dv4.propose_hidden(params, cfg, ring, anchor_tok), th.hidden[:, 0], engine
 
-    drafts, logits, conf, h, h_train = both(params, cfg, ring)
+    drafts, logits, conf, h, h_train, engine = both(params, cfg, ring)
+    np.testing.assert_array_equal(engine.drafts, drafts)
+    np.testing.assert_allclose(engine.logits, logits, atol=1e-4, rtol=1e-5)
+    np.testing.assert_allclose(engine.conf_logits, conf, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(h, h_train, atol=2e-5, rtol=1e-5)
     prev = jnp.concatenate([anchor_tok[:, None], drafts[:, :-1]], axis=1)
     want_logits, want_conf, _ = dv4.block_heads(params, cfg, h_train, prev)

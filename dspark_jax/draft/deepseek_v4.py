@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from dspark_jax import params as params_lib
 from dspark_jax import runtime
-from dspark_jax.draft import markov
+from dspark_jax.draft import confidence, markov
 from dspark_jax.draft import model as draft_model
 from dspark_jax.errors import ConfigError
 from dspark_jax.params import ParamSpec
@@ -65,7 +65,6 @@ class DeepseekV4DSparkConfig:
 
     markov_head_type = "vanilla"      # the only Markov head V4's module has
     confidence_head_with_markov = True
-    confidence_fp32 = True            # the engines run the confidence head in float32
     num_key_value_heads = 1           # one shared K = V head
 
     def __post_init__(self):
@@ -323,9 +322,7 @@ def base_logits(p: dict, cfg: DeepseekV4DSparkConfig, h: jax.Array) -> jax.Array
 
 def confidence_logits(p: dict, cfg: DeepseekV4DSparkConfig, h: jax.Array, prev: jax.Array) -> jax.Array:
     """proj . [h ; markov_w1[prev]] in float32 (no bias): h [..., H], prev [...] -> [...]."""
-    feats = jnp.concatenate([h.astype(jnp.float32),
-                             markov.prev_embeddings(p["markov_head"], prev).astype(jnp.float32)], axis=-1)
-    return (feats @ p["confidence_head"]["kernel"].astype(jnp.float32))[..., 0]
+    return confidence.logits(p, cfg, h.astype(jnp.float32), prev)
 
 
 def block_heads(p: dict, cfg: DeepseekV4DSparkConfig, h: jax.Array, prev: jax.Array,

@@ -251,14 +251,17 @@ def test_training_on_online_target_features_lowers_the_loss():
     tcfg, tparams = checkpoint.load_target(SRC)
     trainable, frozen = params_lib.split_frozen(dv4.declare(cfg), params)
     assert set(frozen) == {"embed", "head", "moe"}
-    ids = jnp.asarray(_golden()[0][:, :128])  # >= one HCA window: the target forward needs S >= 128
+    golden_ids, golden_feats, _ = _golden()
+    ids = jnp.asarray(golden_ids[:, :128])  # >= one HCA window: the target forward needs S >= 128
     mask = jnp.ones(ids.shape, jnp.float32)
+    # online: the target's own forward (its taps are the stream means), once for this fixed batch;
+    # they equal the cached features (transformers' layer means in forward.npz)
+    hidden, feats, _ = jax.jit(lambda tp: v4.forward(tp, tcfg, ids, None, taps=cfg.target_layer_ids))(tparams)
+    np.testing.assert_allclose(feats, golden_feats[:, :128], atol=2e-4, rtol=1e-4)
     opt = optax.adam(3e-3)
     loss_cfg = LossConfig()
 
     def loss_fn(tp, key):
-        hidden, feats, _ = v4.forward(tparams, tcfg, ids, None, taps=cfg.target_layer_ids)
-        feats, hidden = jax.lax.stop_gradient((feats, hidden))
         anchors, keep = batch_lib.sample_anchors(key, mask, 16)
         fwd = dv4.training_forward({**tp, **frozen}, cfg, ids, feats, mask, anchors, keep, hidden)
         return loss_lib.dspark_loss(fwd, loss_cfg)

@@ -280,3 +280,24 @@ def test_training_on_online_target_features_lowers_the_loss():
     first, last = history[0], history[-1]
     assert last["loss"] < 0.7 * first["loss"], (first["loss"], last["loss"])
     assert last["expected_accept_length"] > first["expected_accept_length"]
+
+
+def test_write_checkpoint_replaces_only_the_module(tmp_path):
+    """A V4 checkpoint written back with a changed module: its mtp.* tensors are the module's, every
+    target tensor is the source's byte for byte, and both still read (target and module)."""
+    from dspark_jax.convert import checkpoint
+
+    cfg, params, tensors = _module()
+    changed = dict(params, main_norm=params["main_norm"] + 1.0)
+    out = dspark_v4.write_checkpoint(SRC, tmp_path / "v4", cfg, changed)
+    written = safetensors_io.read_tensors(out)
+    assert set(written) == set(tensors)
+    for name, value in tensors.items():
+        want = np.asarray(params["main_norm"] + 1.0) if name == "mtp.0.main_norm.weight" else value
+        assert written[name].tobytes() == np.asarray(want).tobytes(), name
+    assert dv4.DeepseekV4DSparkConfig.from_hf(json.loads((out / "config.json").read_text())) == cfg
+    tcfg, _ = checkpoint.load_target(out)
+    assert tcfg == checkpoint.load_target(SRC)[0]
+    with pytest.raises(CheckpointError, match="target config differs"):
+        dspark_v4.write_checkpoint(SRC, tmp_path / "v4b", dataclasses.replace(
+            cfg, target=dataclasses.replace(cfg.target, hidden_size=128)), changed)

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from dspark_jax import params as params_lib
 from dspark_jax import runtime
-from dspark_jax.draft import confidence, markov
+from dspark_jax.draft import backbone, confidence, markov
 from dspark_jax.draft import model as draft_model
 from dspark_jax.errors import ConfigError
 from dspark_jax.params import ParamSpec
@@ -266,11 +266,12 @@ def _attention(cfg: DeepseekV4DSparkConfig, lp: dict, x: jax.Array, cos, sin, ct
 
 
 def stages_forward(p: dict, cfg: DeepseekV4DSparkConfig, embeds: jax.Array, positions: jax.Array,
-                   ctx: jax.Array, ctx_visible: jax.Array, *, ctx_obj: Any = None) -> jax.Array:
+                   ctx: jax.Array, ctx_visible: jax.Array, remat: bool | str = False) -> jax.Array:
     """The stages over blocks: embeds [B, N, G, H] at positions [B, N, G]; ctx [Ls, B, N, W, D] (each
     block's window of context rows) visible where ``ctx_visible [B, N, W]`` -> h [B, N, G, H], the
     ``hc_head`` collapse (before ``norm``). Each stage is a V4 layer (``v4m.hc_weights`` / ``collapse``
-    / ``expand`` around attention and the score-routed MoE, ``v4m.route`` / ``v4m.moe``)."""
+    / ``expand`` around attention and the score-routed MoE, ``v4m.route`` / ``v4m.moe``); ``remat`` as
+    ``backbone.block_forward``'s (per stage)."""
     b, n, g, h = embeds.shape
     tcfg, eps = cfg.stage_config, cfg.rms_norm_eps
     cos, sin = v4m.rope_table(tcfg, positions.reshape(b, n * g), compressed=False)
@@ -285,8 +286,10 @@ def stages_forward(p: dict, cfg: DeepseekV4DSparkConfig, embeds: jax.Array, posi
         pre, post, comb = v4m.hc_weights(tcfg, streams, lp["hc_ffn_fn"], lp["hc_ffn_base"], lp["hc_ffn_scale"])
         x = v4m.rms_norm(v4m.collapse(pre, streams), lp["ffn_norm"], eps)
         combine = v4m.route(tcfg, lp, x, None, None, bias)
-        return v4m.expand(post, comb, v4m.moe(tcfg, lp, x, combine, ctx_obj), streams), None
+        return v4m.expand(post, comb, v4m.moe(tcfg, lp, x, combine), streams), None
 
+    if remat not in (False, None, "none"):
+        stage = jax.checkpoint(stage, policy=backbone.remat_policy(remat))
     streams, _ = jax.lax.scan(stage, streams, (p["layers"], p["moe"]["bias"], ctx))
     return v4m.hc_head(tcfg, p, streams).reshape(b, n, g, h)
 
@@ -308,16 +311,15 @@ def block_forward(p: dict, cfg: DeepseekV4DSparkConfig, embeds: jax.Array, posit
                   remat: bool | str = False) -> jax.Array:
     """``runtime.DraftRuntime.block_forward``: context rows indexed by position (ctx_k = ctx_v
     [Ls, B, S, 1, D]; ``ctx_mask [B, N, S]`` rows < anchor), each block windowed to its last W rows;
-    returns h [B, N, G, H] (pre-norm). ``remat`` is accepted for the protocol and unused."""
-    del ctx_v, remat
+    returns h [B, N, G, H] (pre-norm)."""
+    del ctx_v
     rows, visible = window_of(ctx_k[..., 0, :], ctx_mask & block_valid[:, :, None], positions[:, :, 0], cfg.window)
-    return stages_forward(p, cfg, embeds, positions, rows, visible)
+    return stages_forward(p, cfg, embeds, positions, rows, visible, remat)
 
 
 def base_logits(p: dict, cfg: DeepseekV4DSparkConfig, h: jax.Array) -> jax.Array:
     """head(norm(h)): h [..., H] (pre-norm, ``stages_forward``) -> [..., V] float32."""
-    x = v4m.rms_norm(h, p["norm"], cfg.rms_norm_eps)
-    return jnp.einsum("...h,hv->...v", x, p["head"].astype(x.dtype), preferred_element_type=jnp.float32)
+    return v4m.compute_logits(p, cfg.target, v4m.rms_norm(h, p["norm"], cfg.rms_norm_eps))
 
 
 def confidence_logits(p: dict, cfg: DeepseekV4DSparkConfig, h: jax.Array, prev: jax.Array) -> jax.Array:
@@ -331,10 +333,7 @@ def block_heads(p: dict, cfg: DeepseekV4DSparkConfig, h: jax.Array, prev: jax.Ar
     [..., G] or None, aligned target logits [..., G, V] = target head(target hidden) or None)."""
     logits = markov.teacher_forced(p["markov_head"], cfg, base_logits(p, cfg, h), prev, h)
     conf = confidence_logits(p, cfg, h, prev) if cfg.enable_confidence_head else None
-    aligned = None
-    if target_hidden is not None:
-        aligned = jnp.einsum("...h,hv->...v", target_hidden, p["head"].astype(target_hidden.dtype),
-                             preferred_element_type=jnp.float32)
+    aligned = v4m.compute_logits(p, cfg.target, target_hidden) if target_hidden is not None else None
     return logits, conf, aligned
 
 
@@ -367,6 +366,7 @@ class Ring(NamedTuple):
 
 
 def init_ring(cfg: DeepseekV4DSparkConfig, batch: int, dtype=jnp.float32) -> Ring:
+    """An empty ring (nothing committed) for ``batch`` rows."""
     return Ring(jnp.zeros((cfg.num_hidden_layers, batch, cfg.window, cfg.head_dim), dtype),
                 jnp.zeros((batch,), jnp.int32))
 

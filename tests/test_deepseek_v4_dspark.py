@@ -301,3 +301,25 @@ def test_write_checkpoint_replaces_only_the_module(tmp_path):
     with pytest.raises(CheckpointError, match="target config differs"):
         dspark_v4.write_checkpoint(SRC, tmp_path / "v4b", dataclasses.replace(
             cfg, target=dataclasses.replace(cfg.target, hidden_size=128)), changed)
+
+
+@pytest.mark.parametrize("name, layer_ids, rank, experts, width", [
+    ("deepseek-ai/DeepSeek-V4-Flash", (40, 41, 42), 256, 256, 2048),
+    ("deepseek-ai/DeepSeek-V4-Pro", (58, 59, 60), 512, 384, 3072),
+])
+def test_released_module_shapes(name, layer_ids, rank, experts, width):
+    """The V4-Flash / V4-Pro modules (DEEPSEEK_V4.md: block 5, three stages reading layers
+    ``layer_ids``, Markov rank ``rank``) declare the tensors the released checkpoints hold."""
+    from dspark_jax import presets
+
+    target = presets.TARGETS[name]
+    cfg = dv4.DeepseekV4DSparkConfig(target=target, target_layer_ids=layer_ids, markov_rank=rank)
+    h, v = target.hidden_size, target.vocab_size
+    shapes = params_lib.torch_shapes(dv4.module_specs(cfg))
+    assert shapes["mtp.0.main_proj.weight"] == (h, 3 * h) and shapes["mtp.0.main_norm.weight"] == (h,)
+    assert shapes["mtp.2.markov_head.markov_w1.weight"] == (v, rank) == shapes["mtp.2.markov_head.markov_w2.weight"]
+    assert shapes["mtp.2.confidence_head.proj.weight"] == (1, h + rank)
+    assert shapes[f"mtp.1.ffn.experts.{experts - 1}.w1.weight"] == (width, h)
+    assert shapes["mtp.2.hc_head_fn"] == (4, 4 * h) and "mtp.3.attn.wkv.weight" not in shapes
+    assert not any(n.startswith("mtp.0.hc_head") or "tid2eid" in n or "compressor" in n for n in shapes)
+    assert cfg.hf_fields()["compress_ratios"][-3:] == [0, 0, 0]

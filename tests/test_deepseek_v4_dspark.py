@@ -74,6 +74,12 @@ def test_config_declaration_and_registry():
     info = dv4.describe(hf)
     assert info["present"] and info["target_layer_ids"] == [3, 4, 5] and info["heads"] == 4
     assert dv4.describe({k: v for k, v in hf.items() if not k.startswith("dspark_")}) == {"present": False}
+    built = dv4.DeepseekV4DSparkConfig.for_target(cfg.target, target_layer_ids=[3, 4, 5], num_hidden_layers=3,
+                                                  block_size=5, markov_rank=16, mask_token_id=511)
+    assert built == cfg
+    for bad in ({"num_hidden_layers": 2}, {"markov_head_type": "gated"}, {"fc_bias": True}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            dv4.DeepseekV4DSparkConfig.for_target(cfg.target, target_layer_ids=[3, 4, 5], **bad)
 
 
 @pytest.mark.parametrize("change, match", [

@@ -107,6 +107,31 @@ class DeepseekV4DSparkConfig:
         return dataclasses.replace(self, **changes)
 
     @classmethod
+    def for_target(cls, target: DeepseekV4Config, **fields) -> "DeepseekV4DSparkConfig":
+        """A module on ``target`` from the drafter fields a train config's ``draft`` section holds
+        (``target_layer_ids`` required; ``block_size``, ``markov_rank``, ``mask_token_id`` = the noise
+        token, ``num_anchors``, ``enable_confidence_head``); ``num_hidden_layers`` must be one stage
+        per tapped layer and the heads V4's (vanilla Markov, confidence on Markov features)."""
+        f = dict(fields)
+        if "target_layer_ids" not in f:
+            raise ConfigError("draft.target_layer_ids is required for a DeepSeek-V4 DSpark module")
+        ids = tuple(f.pop("target_layer_ids"))
+        fixed = {"num_hidden_layers": len(ids), "markov_head_type": cls.markov_head_type,
+                 "confidence_head_with_markov": True}
+        for key, want in fixed.items():
+            if key in f and f.pop(key) != want:
+                raise ConfigError(f"draft.{key} must be {want!r} for V4's DSpark module "
+                                  f"(one stage per target layer, V4's heads)")
+        if "mask_token_id" in f:
+            f["noise_token_id"] = f.pop("mask_token_id")
+        known = {"block_size", "markov_rank", "noise_token_id", "num_anchors", "enable_confidence_head"}
+        unknown = sorted(set(f) - known)
+        if unknown:
+            raise ConfigError(f"draft.{unknown[0]} is not a field of V4's DSpark module; known "
+                              f"{sorted(known | set(fixed) | {'target_layer_ids', 'mask_token_id'})}")
+        return cls(target=target, target_layer_ids=ids, **f)
+
+    @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> "DeepseekV4DSparkConfig":
         """From a V4 config.json carrying the ``dspark_*`` keys (ConfigError naming a missing one)."""
         missing = [k for k in KEYS if hf.get(k) is None]

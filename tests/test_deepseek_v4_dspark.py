@@ -329,3 +329,25 @@ def test_released_module_shapes(name, layer_ids, rank, experts, width):
     assert shapes["mtp.2.hc_head_fn"] == (4, 4 * h) and "mtp.3.attn.wkv.weight" not in shapes
     assert not any(n.startswith("mtp.0.hc_head") or "tid2eid" in n or "compressor" in n for n in shapes)
     assert cfg.hf_fields()["compress_ratios"][-3:] == [0, 0, 0]
+
+
+@pytest.mark.slow  # an 8-device SPMD compile of the module's forward
+def test_expert_parallel_module_equals_one_device():
+    """The module's routed experts sharded over an ``expert`` mesh axis (the declaration's axes,
+    expert parallelism as the target's) give the one-device training forward."""
+    from jax.sharding import NamedSharding
+
+    from dspark_jax import sharding
+
+    cfg, params, _ = _module()
+    ids, feats, last = _golden()
+    one = _train_forward()
+    mesh = sharding.make_mesh("data=2,expert=4")
+    placed = jax.tree.map(jax.device_put, params, params_lib.shardings(dv4.declare(cfg), mesh))
+    assert placed["layers"]["experts_w1"].sharding.spec[1] == "expert"
+    row = lambda x: jax.device_put(jnp.asarray(x), NamedSharding(mesh, sharding.logical_to_spec(
+        ("batch",) + (None,) * (np.ndim(x) - 1), mesh=mesh, shape=np.shape(x))))
+    fwd = jax.jit(dv4.training_forward, static_argnums=(1,))(
+        placed, cfg, row(ids), row(feats), row(np.ones(ids.shape, np.float32)), row(ANCHORS), row(KEEP), row(last))
+    np.testing.assert_allclose(fwd.draft_logits, one.draft_logits, atol=1e-4, rtol=1e-5)
+    np.testing.assert_allclose(fwd.confidence_logits, one.confidence_logits, atol=1e-5, rtol=1e-5)

@@ -21,6 +21,12 @@ arrays (``with_target`` puts them in without copying; declared frozen with the t
 names, never written under ``mtp.``). ``module_specs`` is the ``mtp.*`` part of the declaration
 (what conversion reads and writes).
 
+Training runs through ``draft.model.training_forward`` / ``training_hidden`` with ``OPS`` (the shared
+labels, eval mask, anchor packing; this module's heads via ``DraftRuntime.block_heads``). Decoding:
+``commit`` / ``propose`` keep each stage's last W rows in a ring (what the engines keep); the
+engine's generic drafter path (``draft.decode`` over ``OPS``, a position-indexed context cache with
+K = V stored as both k and v) gives the same proposals (tests/test_deepseek_v4_dspark.py).
+
 Shapes: B rows, N blocks per row, G = block_size, S context rows, W window rows, H hidden,
 nh heads of D = head_dim, N_hc = hc_mult streams, Ls stages, V vocab, r Markov rank.
 """

@@ -84,7 +84,8 @@ class Module:
         scores = torch.einsum("ghd,cd->hgc", q, keys) / self.d ** 0.5
         sink = self.w(p + "attn_sink")[:, None, None].expand(-1, x.shape[0], 1)
         probs = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
-        out = rotate(torch.einsum("hgc,cd->ghd", probs, keys), positions, self.hf["rope_theta"], self.rope, inverse=True)
+        out = torch.einsum("hgc,cd->ghd", probs, keys)
+        out = rotate(out, positions, self.hf["rope_theta"], self.rope, inverse=True)
         groups, rank = self.hf["o_groups"], self.hf["o_lora_rank"]
         grouped = out.reshape(x.shape[0], groups, -1)
         wo_a = self.w(p + "wo_a.weight").view(groups, rank, -1)

@@ -24,6 +24,7 @@ import numpy as np
 
 from dspark_jax import params as params_lib
 from dspark_jax.convert import mapping, quant, safetensors_io
+from dspark_jax.convert.checkpoint import read_json_object
 from dspark_jax.draft.deepseek_v4 import DeepseekV4DSparkConfig, module_specs
 from dspark_jax.errors import CheckpointError
 from dspark_jax.fileio import atomic_dir
@@ -33,7 +34,6 @@ PREFIX = "mtp."
 
 def read_config(path) -> DeepseekV4DSparkConfig:
     """The module's config from ``path/config.json`` (ConfigError when it has no DSpark keys)."""
-    from dspark_jax.convert.checkpoint import read_json_object
     return DeepseekV4DSparkConfig.from_hf(read_json_object(Path(path) / "config.json", "config.json"))
 
 
@@ -94,8 +94,6 @@ def write_checkpoint(src, dst, cfg: DeepseekV4DSparkConfig, params: Mapping, *, 
     copied where links fail; others have their target tensors copied raw), the module in
     ``MODULE_FILE``, a ``model.safetensors.index.json`` over all, and ``src``'s config.json with
     the module's ``dspark_*`` keys. Other files (tokenizer, generation config) are copied."""
-    from dspark_jax.convert.checkpoint import read_json_object
-
     s = Path(src)
     hf = read_json_object(s / "config.json", "config.json")
     if DeepseekV4DSparkConfig.from_hf({**hf, **cfg.hf_fields()}).target.dequantized() != cfg.target.dequantized():

@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from dspark_jax import params as params_lib
+from dspark_jax.draft import deepseek_v4 as draft_deepseek_v4
 from dspark_jax.draft import gemma4 as draft_gemma4
 from dspark_jax.draft import model as draft_model
 from dspark_jax.errors import CheckpointError, ConfigError
@@ -40,6 +41,7 @@ _BUILTIN: tuple[Family, ...] = (
     gemma4.FAMILY,
     draft_gemma4.FAMILY,
     deepseek_v4.FAMILY,  # conversion / inspect (no decode runtime yet)
+    draft_deepseek_v4.FAMILY,  # V4's in-checkpoint DSpark module (mtp.*)
 )
 
 FAMILIES: dict[str, Family] = {}

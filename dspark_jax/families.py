@@ -40,7 +40,7 @@ _BUILTIN: tuple[Family, ...] = (
     draft_model.FAMILY,
     gemma4.FAMILY,
     draft_gemma4.FAMILY,
-    deepseek_v4.FAMILY,  # conversion / inspect (no decode runtime yet)
+    deepseek_v4.FAMILY,
     draft_deepseek_v4.FAMILY,  # V4's in-checkpoint DSpark module (mtp.*)
 )
 

@@ -235,11 +235,6 @@ def param_axes(cfg: DeepseekV4DSparkConfig) -> dict:
 # ----------------------------------------------------------------------------- forward pieces
 
 
-def _rope_heads(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """``v4m.apply_rope`` of x [B, T, nh, D] with per-row tables cos / sin [B, T, r/2]."""
-    return v4m.apply_rope(x.swapaxes(1, 2), cos, sin).swapaxes(1, 2)
-
-
 def project_context(p: dict, cfg: DeepseekV4DSparkConfig, features: jax.Array) -> jax.Array:
     """Tapped target features [B, S, n*H] (stream means, ``target_layer_ids`` order) -> main_x [B, S, H]."""
     x = features.astype(p["main_proj"].dtype) @ p["main_proj"]
@@ -269,31 +264,20 @@ def embed_block(p: dict, cfg: DeepseekV4DSparkConfig, ids: jax.Array) -> jax.Arr
 
 def _attention(cfg: DeepseekV4DSparkConfig, lp: dict, x: jax.Array, cos, sin, ctx: jax.Array,
                ctx_visible: jax.Array) -> jax.Array:
-    """One stage's attention: x [B, N, G, H] (normed) -> [B, N, G, H]. Queries and the block's own K = V
-    rows as the target's attention (q-LoRA, per-head RMSNorm, RoPE on the last r dims); each block
-    query sees the context rows ctx [B, N, W, D] where ``ctx_visible [B, N, W]`` and all G rows of its
-    block; one softmax with the head's sink; inverse rotation; grouped output projection."""
-    b, n, g, _ = x.shape
-    nh, d, eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
-    flat = x.reshape(b, n * g, -1)
-    q_res = v4m.rms_norm(flat @ lp["wq_a"], lp["q_norm"], eps)
-    q = v4m.rms_norm((q_res @ lp["wq_b"]).reshape(b, n * g, nh, d), None, eps)
-    q = _rope_heads(q, cos, sin).reshape(b, n, g, nh, d)
-    kv = v4m.apply_rope(v4m.rms_norm(flat @ lp["wkv"], lp["kv_norm"], eps), cos, sin).reshape(b, n, g, d)
-    s_ctx = jnp.einsum("bnghd,bnwd->bnhgw", q, ctx.astype(q.dtype), preferred_element_type=jnp.float32)
-    s_blk = jnp.einsum("bnghd,bnkd->bnhgk", q, kv, preferred_element_type=jnp.float32)
-    w = ctx.shape[2]
-    mask = jnp.concatenate([ctx_visible, jnp.ones((b, n, g), bool)], axis=-1)[:, :, None, None, :]
-    logits = jnp.where(mask, jnp.concatenate([s_ctx, s_blk], axis=-1) * d ** -0.5, v4m.NEG_INF)
-    sink = jnp.broadcast_to(lp["attn_sink"].astype(jnp.float32)[None, None, :, None, None], (b, n, nh, g, 1))
-    probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1].astype(q.dtype)
-    out = (jnp.einsum("bnhgw,bnwd->bnghd", probs[..., :w], ctx.astype(q.dtype))
-           + jnp.einsum("bnhgk,bnkd->bnghd", probs[..., w:], kv)).reshape(b, n * g, nh, d)
-    out = _rope_heads(out, cos, -sin)
-    go = cfg.target.o_groups
-    wo_a = lp["wo_a"].reshape(nh * d // go, go, cfg.target.o_lora_rank)
-    y = jnp.einsum("bsgi,igr->bsgr", out.reshape(b, n * g, go, nh * d // go), wo_a).reshape(b, n * g, -1) @ lp["wo_b"]
-    return y.reshape(b, n, g, -1)
+    """One stage's attention: x [B, N, G, H] (normed) -> [B, N, G, H]. Queries and the block's own
+    K = V rows as the target's attention (``v4m.query_and_kv``: q-LoRA, per-head RMSNorm, RoPE on
+    the last r dims at cos / sin [B, N*G, r/2]); each block's queries see the context rows ctx
+    [B, N, W, D] where ``ctx_visible [B, N, W]`` and all G rows of their block (``v4m.attend``
+    per block: one softmax with the head's sink, inverse rotation, grouped output projection)."""
+    b, n, g, h = x.shape
+    tcfg = cfg.stage_config
+    _, q, kv = v4m.query_and_kv(tcfg, lp, x.reshape(b, n * g, h), cos, sin)
+    per_block = lambda a: a.reshape(b * n, g, *a.shape[2:])  # noqa: E731
+    keys = jnp.concatenate([ctx.astype(kv.dtype), kv.reshape(b, n, g, -1)], axis=2).reshape(b * n, -1, kv.shape[-1])
+    mask = jnp.concatenate([ctx_visible, jnp.ones((b, n, g), bool)], axis=-1).reshape(b * n, 1, -1)
+    y = v4m.attend(tcfg, lp, per_block(q), keys, jnp.broadcast_to(mask, (b * n, g, mask.shape[-1])),
+                   per_block(cos), per_block(sin))
+    return y.reshape(b, n, g, h)
 
 
 def stages_forward(p: dict, cfg: DeepseekV4DSparkConfig, embeds: jax.Array, positions: jax.Array,

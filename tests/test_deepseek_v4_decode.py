@@ -188,3 +188,24 @@ def test_sequences_shorter_than_a_compression_window():
     tokens = jnp.asarray([[3, 1, 4], [1, 5, 9]], jnp.int32)
     logits, _ = _extend(params, cfg, tokens, v4.init_cache(cfg, 2, 16))
     assert _rel(np.asarray(logits), _full_logits(params, cfg, tokens)) < 1e-5
+
+
+def test_feature_cache_of_a_v4_target_holds_the_layers_stream_means(tmp_path):
+    """`dspark-jax cache` on the V4 fixture (upstream layout) stores, per token, the stream means of
+    the tapped layers' outputs (what V4's DSpark reads) and the final hidden state: the fixture's
+    ``layer_mean`` / ``last_hidden`` made by transformers."""
+    from dspark_jax import cli
+    from dspark_jax.data import cache as cache_lib
+    ref = np.load(FIX / "forward.npz")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": ids.tolist(), "loss_mask": [1] * len(ids)}) + "\n"
+                            for ids in ref["input_ids"]))
+    assert cli.main(["cache", "--target", str(FIX / "target"), "--data", str(data), "--out", str(tmp_path / "fc"),
+                     "--layer-ids", "1,3,5", "--max-length", "160", "--quiet"]) in (0, None)
+    cache = cache_lib.FeatureCache(tmp_path / "fc")
+    for i in range(2):
+        rec = cache[i]
+        feats = rec["features"].reshape(160, 3, 64).transpose(1, 0, 2)
+        for k, layer in enumerate((1, 3, 5)):
+            assert _rel(feats[k], ref["layer_mean"][layer, i]) < 1e-4, (i, layer)
+        assert _rel(rec["last_hidden"], ref["last_hidden"][i]) < 1e-4

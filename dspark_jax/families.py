@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from dspark_jax import params as params_lib
+from dspark_jax.draft import deepseek_v4 as draft_deepseek_v4
 from dspark_jax.draft import gemma4 as draft_gemma4
 from dspark_jax.draft import model as draft_model
 from dspark_jax.errors import CheckpointError, ConfigError
@@ -39,7 +40,8 @@ _BUILTIN: tuple[Family, ...] = (
     draft_model.FAMILY,
     gemma4.FAMILY,
     draft_gemma4.FAMILY,
-    deepseek_v4.FAMILY,  # conversion / inspect (no decode runtime yet)
+    deepseek_v4.FAMILY,
+    draft_deepseek_v4.FAMILY,  # V4's in-checkpoint DSpark module (mtp.*)
 )
 
 FAMILIES: dict[str, Family] = {}

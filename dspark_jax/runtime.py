@@ -56,7 +56,9 @@ The backbone functions the training step (``draft.model``) and the decode-time d
 ``context_kv(params, cfg, ctx, positions [B, S]) -> (k, v) [Ld, B, S, Hkv, D]``,
 ``embed_block(params, cfg, ids [B, G]) -> [B, G, H]``, ``block_forward(params, cfg, embeds,
 positions, k_ctx, v_ctx, ctx_mask, block_valid, ...) -> hidden``, ``compute_logits(params, cfg,
-hidden) -> [..., V] float32``, and ``replicable`` as for a target.
+hidden) -> [..., V] float32``, and ``replicable`` as for a target; ``block_heads`` (optional,
+the signature of ``draft.model.block_heads`` without ``ops``) replaces the shared heads for a
+family whose heads read other than the backbone's normed output (DeepSeek-V4's module).
 """
 
 from __future__ import annotations
@@ -145,6 +147,7 @@ class DraftRuntime:
     block_forward: Callable[..., jax.Array]
     compute_logits: Callable[..., jax.Array]
     replicable: frozenset = frozenset()
+    block_heads: Callable[..., tuple] | None = None  # a family's own [.., V] heads (``draft.model.block_heads``)
 
 
 def concat_features(hidden_size: int, taps) -> int:

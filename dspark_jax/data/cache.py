@@ -100,7 +100,8 @@ def _write_cache_into(tmp: Path, target_config: TargetConfig, target_params, lay
     """``write_cache``'s work inside the staging directory ``tmp``."""
     layer_ids = [int(i) for i in layer_ids]
     families.drafter_family(target_config).config_cls.for_target(
-        target_config, num_hidden_layers=1, target_layer_ids=tuple(layer_ids), mask_token_id=0)  # validates the layer ids
+        target_config, num_hidden_layers=len(layer_ids), target_layer_ids=tuple(layer_ids),
+        mask_token_id=0)  # validates the layer ids (V4: one DSpark stage per tapped layer)
     np_dtype = np.dtype(jnp.dtype(dtype))
     run = _feature_fn(target_config, layer_ids, compute_dtype)
     s = data.max_length

@@ -1,6 +1,6 @@
 """Confidence head: c_k = sigmoid(w . [h_k ; W1[prev_k]] + b), one linear unit per position.
 
-Params (``params["confidence_head"]``): kernel [D, 1], bias [1], where
+Params (``params["confidence_head"]``): kernel [D, 1], bias [1] (absent: no bias), where
 D = H (+ r with Markov features). c_k reads x_{k-1}, never x_k.
 """
 
@@ -43,4 +43,4 @@ def logits(params: dict, config: DraftConfig, hidden: jax.Array, prev_tokens: ja
     head = params["confidence_head"]
     out = jnp.einsum("...d,do->...o", features, head["kernel"].astype(features.dtype),
                      preferred_element_type=jnp.float32)
-    return out[..., 0] + head["bias"][0].astype(jnp.float32)
+    return out[..., 0] + (head["bias"][0].astype(jnp.float32) if "bias" in head else 0.0)  # V4's has none

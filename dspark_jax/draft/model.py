@@ -188,6 +188,8 @@ def block_heads(p: dict, config: DraftConfig, hidden: jax.Array, prev_ids: jax.A
     bias, confidence logits [..., G] or None, aligned target logits [..., G, V] or None).
     """
     ops = ops or QWEN3_OPS
+    if ops.block_heads is not None:
+        return ops.block_heads(p, config, hidden, prev_ids, target_hidden)
     logits = ops.compute_logits(p, config, hidden)
     if config.has_markov:
         logits = markov.teacher_forced(p["markov_head"], config, logits, prev_ids, hidden)

@@ -1,8 +1,11 @@
-"""DeepSeek-V4 (``DeepseekV4ForCausalLM``) as a model family: config, declaration, forward.
+"""DeepSeek-V4 (``DeepseekV4ForCausalLM``) as a model family: config, declaration, forward, cache.
 
 ``config``: ``DeepseekV4Config`` from either config.json layout; ``declare``: every parameter once
 (upstream names, transformers' names derived); ``model``: the forward (mHC, shared-KV attention
-with sliding window + CSA / HCA, hash and score-routed MoE). Registered in ``families._BUILTIN``.
+with sliding window + CSA / HCA, hash and score-routed MoE), whole-sequence or over a ``cache``
+(``V4Cache``: window ring, compressor state and entries, indexer keys). Registered in
+``families._BUILTIN`` with its runtime record (``dspark_jax.runtime``), so the decode engine and
+the trainer run it like any other target.
 """
 
 from __future__ import annotations
@@ -11,11 +14,14 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax import params as params_lib
+from dspark_jax import runtime
+from dspark_jax.target.deepseek_v4.cache import V4Cache, init_cache
 from dspark_jax.target.deepseek_v4.config import ARCHITECTURE, DeepseekV4Config
 from dspark_jax.target.deepseek_v4.declare import declare, hf_name, source_names
 from dspark_jax.target.deepseek_v4.model import compute_logits, forward
 
-__all__ = ["DeepseekV4Config", "declare", "forward", "compute_logits", "init_params", "hf_name", "FAMILY"]
+__all__ = ["DeepseekV4Config", "V4Cache", "declare", "forward", "compute_logits", "init_cache", "init_params",
+           "hf_name", "FAMILY"]
 
 
 def init_params(cfg: DeepseekV4Config, rng: jax.Array, dtype=jnp.float32) -> dict:
@@ -31,4 +37,8 @@ def lm_head_kernel(params: dict) -> jax.Array:
 FAMILY = params_lib.Family(
     name="deepseek_v4", kind="target", architectures=(ARCHITECTURE,), model_types=("deepseek_v4",),
     config_cls=DeepseekV4Config, declare=declare, forward=__name__,
-    ignored_tensors=("mtp.",), aside_tensors=("mtp.",), source_names=source_names)
+    ignored_tensors=("mtp.",), aside_tensors=("mtp.",), source_names=source_names,
+    runtime=runtime.TargetRuntime(
+        init_cache=init_cache, forward=forward, logits=compute_logits,
+        feature_dim=lambda cfg, taps: runtime.concat_features(cfg.hidden_size, taps),
+        replicable=frozenset({"kv_heads"})))  # one shared K=V head: replicated under tensor parallelism

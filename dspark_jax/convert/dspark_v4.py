@@ -1,0 +1,132 @@
+"""Read and write DeepSeek-V4's in-checkpoint DSpark module (``mtp.*`` + the ``dspark_*`` keys).
+
+The module lives in the target's own checkpoint (upstream layout, what the released V4-DSpark repos
+hold): ``load_module`` reads only the ``mtp.*`` tensors of a V4 directory (FP8 / MXFP4 ones
+dequantized as the target's are, ``quant.dequantize``), validated against the declaration
+(``draft.deepseek_v4.module_specs``) before any data is read. ``module_tensors`` is the inverse
+(torch layout, upstream names, same bits), ``save_module`` writes them with the config.json that
+marks the module, ``write_checkpoint`` a whole V4 checkpoint whose ``mtp.*`` tensors and
+``dspark_*`` keys are the given module and whose target tensors are the source's, byte for byte
+(shard files without ``mtp.*`` hard-linked or copied, mixed ones re-packed raw). The embedding and
+head are the target's: neither is read nor written as part of the module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+
+from dspark_jax import params as params_lib
+from dspark_jax.convert import mapping, quant, safetensors_io
+from dspark_jax.convert.checkpoint import read_json_object
+from dspark_jax.draft.deepseek_v4 import DeepseekV4DSparkConfig, module_specs
+from dspark_jax.errors import CheckpointError
+from dspark_jax.fileio import atomic_dir
+
+PREFIX = "mtp."
+
+
+def read_config(path) -> DeepseekV4DSparkConfig:
+    """The module's config from ``path/config.json`` (ConfigError when it has no DSpark keys)."""
+    return DeepseekV4DSparkConfig.from_hf(read_json_object(Path(path) / "config.json", "config.json"))
+
+
+def load_module(path) -> tuple[DeepseekV4DSparkConfig, dict]:
+    """(config, numpy params without ``embed`` / ``head``) of the DSpark module in V4 checkpoint ``path``.
+
+    Quantized tensors come back float (the checkpoint's widest plain float dtype) and the config
+    unquantized, as the target's conversion does."""
+    p = Path(path)
+    cfg = read_config(p)
+    specs = module_specs(cfg)
+    reader = safetensors_io.TensorReader(p)
+    infos = {n: i for n, i in reader.infos.items() if n.startswith(PREFIX)}
+    if not infos:
+        raise CheckpointError(f"{p}: config.json has the dspark_* keys but no {PREFIX}* tensors")
+    fixed = params_lib.fixed_dtypes(specs)
+    infos, stored = quant.logical_infos(params_lib.quantized(specs), infos, str(p),
+                                        lambda shape, dtype, info: dataclasses.replace(info, shape=shape, dtype=dtype),
+                                        fixed)
+    mapping.check_tensors(infos, params_lib.torch_shapes(specs), f"{p} (DSpark module)", fixed=fixed)
+    tensors = {}
+    for name in infos:
+        tensors[name] = reader.get(name)
+        if name in stored:
+            scale = reader.get(stored[name].scale)
+            tensors[name] = quant.dequantize(tensors[name], scale, stored[name].quant).astype(infos[name].dtype)
+    cfg = dataclasses.replace(cfg, target=cfg.target.dequantized())
+    return cfg, params_lib.from_torch(module_specs(cfg), tensors)
+
+
+def module_tensors(cfg: DeepseekV4DSparkConfig, params: Mapping) -> dict[str, np.ndarray]:
+    """The module's ``mtp.*`` tensors (torch layout, upstream names) of ``params`` (a tree with or
+    without the target's ``embed`` / ``head``; they are not written)."""
+    specs = module_specs(cfg)
+    host = {k: v for k, v in params.items() if k not in ("embed", "head")}
+    out = params_lib.to_torch(specs, host)
+    mapping.check_tensors(out, params_lib.torch_shapes(specs), "DSpark module params",
+                          fixed=params_lib.fixed_dtypes(specs))
+    return out
+
+
+def save_module(path, cfg: DeepseekV4DSparkConfig, params: Mapping, *, force: bool = False) -> Path:
+    """Write ``path/config.json`` (the V4 config with the ``dspark_*`` keys) and ``model.safetensors``
+    holding the ``mtp.*`` tensors; atomic, an existing ``path`` refused unless ``force``."""
+    tensors = module_tensors(cfg, params)
+    with atomic_dir(path, force=force) as tmp:
+        safetensors_io.write_tensors(tmp, tensors)
+        (tmp / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2, sort_keys=True) + "\n")
+    return Path(path)
+
+
+MODULE_FILE = "model-dspark.safetensors"
+
+
+def write_checkpoint(src, dst, cfg: DeepseekV4DSparkConfig, params: Mapping, *, force: bool = False) -> Path:
+    """The V4 checkpoint ``src`` with its DSpark module replaced by ``params`` (config ``cfg``) at
+    ``dst``: the target's tensors untouched (a shard holding no ``mtp.*`` tensor is hard-linked, or
+    copied where links fail; others have their target tensors copied raw), the module in
+    ``MODULE_FILE``, a ``model.safetensors.index.json`` over all, and ``src``'s config.json with
+    the module's ``dspark_*`` keys. Other files (tokenizer, generation config) are copied."""
+    s = Path(src)
+    hf = read_json_object(s / "config.json", "config.json")
+    if DeepseekV4DSparkConfig.from_hf({**hf, **cfg.hf_fields()}).target.dequantized() != cfg.target.dequantized():
+        raise CheckpointError(f"{s}: the module's target config differs from this checkpoint's")
+    tensors = module_tensors(cfg, params)
+    reader = safetensors_io.TensorReader(s)
+    by_file: dict[str, list[str]] = {}
+    for name, info in reader.infos.items():
+        by_file.setdefault(info.file, []).append(name)
+    weight_map = {}
+    with atomic_dir(dst, force=force) as tmp:
+        for file, names in by_file.items():
+            keep = [n for n in names if not n.startswith(PREFIX)]
+            if not keep:
+                continue
+            if len(keep) == len(names):
+                try:
+                    os.link(s / file, tmp / file)
+                except OSError:
+                    shutil.copy2(s / file, tmp / file)
+            else:
+                safetensors_io.copy_raw(s, keep, tmp / file)
+            weight_map.update({n: file for n in keep})
+        from safetensors.numpy import save_file
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp / MODULE_FILE),
+                  metadata={"format": "pt"})
+        weight_map.update({n: MODULE_FILE for n in tensors})
+        total = sum((tmp / f).stat().st_size for f in set(weight_map.values()))
+        (tmp / safetensors_io.INDEX_NAME).write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps({**hf, **cfg.hf_fields()}, indent=2) + "\n")
+        for other in s.iterdir():
+            if other.is_file() and other.suffix != ".safetensors" and other.name not in (
+                    "config.json", safetensors_io.INDEX_NAME):
+                shutil.copy2(other, tmp / other.name)
+    return Path(dst)

@@ -75,23 +75,25 @@ def test_preset_parameter_counts_from_the_documented_tensor_shapes(name):
     print(name, f"{total / 1e9:.1f}B total, {active / 1e9:.1f}B active")
 
 
+@pytest.mark.slow
 def test_plan_small_v4_forward_on_an_expert_mesh_reports_per_device_memory(tmp_path, monkeypatch, capsys):
-    """`plan --target <V4 preset> --modes forward` (the preset swapped for a small V4 with the same
-    layer kinds) on expert=4,tensor=2: the expert weights are split 4 ways, the compiled forward
-    reports per-device bytes and its all-reduces (the expert-parallel sum), and the JSON holds them."""
+    """`plan --target <V4 preset>` (the preset swapped for a small V4 with the same layer kinds) on
+    expert=4,tensor=2: the default programs are the forward and the AR step; the expert weights
+    are split 4 ways, the compiled forward reports per-device bytes and its all-reduces (the
+    expert-parallel sum), and the JSON holds them."""
     cfg = _small(n_routed_experts=8, num_experts_per_tok=2, num_hidden_layers=2, hidden_size=64,
                  moe_intermediate_size=32, layer_types=(HCA, CSA), mlp_layer_types=("hash_moe", "moe"))
     monkeypatch.setitem(presets.TARGETS, presets.V4_FLASH, cfg)
     monkeypatch.setitem(presets._V4_DSPARK_LAYER_IDS, presets.V4_FLASH, (0, 1))
     out = tmp_path / "plan.json"
     assert cli.main(["plan", "--target", presets.V4_FLASH, "--mesh", "expert=4,tensor=2", "--seq-len", "256",
-                     "--json", str(out)]) == 0
+                     "--decode-batch", "2", "--decode-len", "256", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["mesh"] == {"data": 1, "fsdp": 1, "expert": 4, "tensor": 2}
     specs = plan.families.declare(cfg)
     leaves = plan.params_lib.abstract_params(specs, "bfloat16")
     assert report["target_params"] == plan.count_params(leaves)
-    assert list(report["programs"]) == ["forward"]  # no drafter, and (on this branch) no V4 decode cache
+    assert list(report["programs"]) == ["forward", "decode"]  # no drafter: the forward and the AR step
     fwd = report["programs"]["forward"]
     nbytes = lambda x: math.prod(x.shape) * x.dtype.itemsize  # noqa: E731
     experts = sum(nbytes(leaves["layers"][w]) for w in ("experts_w1", "experts_w3", "experts_w2"))
@@ -100,8 +102,10 @@ def test_plan_small_v4_forward_on_an_expert_mesh_reports_per_device_memory(tmp_p
     assert fwd["temp_bytes"] > 0 and fwd["peak_bytes"] >= fwd["argument_bytes"]
     assert moe.choose(256, cfg) == moe.SORTED
     assert fwd["collectives"]["all-reduce"]["count"] >= 2  # one expert-parallel sum per layer at least
+    ar = report["programs"]["decode"]  # through the runtime protocol (init_cache / forward)
+    assert ar["name"] == "ar_step" and ar["kv_cache_bytes"] > 0 and ar["peak_bytes"] > 0
     printed = capsys.readouterr().out
-    assert "active per token" in printed and "[target_forward] compiled" in printed
+    assert "active per token" in printed and "[target_forward] compiled" in printed and "[ar_step]" in printed
 
     assert cli.main(["plan", "--target", presets.V4_FLASH, "--mesh", "expert=8", "--modes", "online"]) == 2
     assert "no released drafter" in capsys.readouterr().err

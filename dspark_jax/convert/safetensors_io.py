@@ -259,7 +259,7 @@ def _write_file(path: Path, entries, arrays) -> None:
             if got != name or array.dtype != np.dtype(dtype) or tuple(array.shape) != tuple(shape):
                 raise ValueError(f"{path}: tensor {got!r} {array.dtype}{array.shape} arrived where "
                                  f"{name!r} {np.dtype(dtype)}{tuple(shape)} was planned")
-            f.write(array.data)
+            f.write(array.reshape(-1).view(np.uint8).data)  # any dtype (float8 too) as bytes
     os.chmod(path, 0o644)
 
 

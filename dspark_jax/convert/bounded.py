@@ -21,6 +21,7 @@ held at once: read, converted and written) and ``units``.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import shutil
@@ -33,6 +34,9 @@ from dspark_jax import params as params_lib
 from dspark_jax.convert import checkpoint as ckpt
 from dspark_jax.convert import mapping, quant, safetensors_io
 from dspark_jax.errors import CheckpointError, InputError, warn
+
+
+WRITES_IN_FLIGHT = 8  # jax output: unit writes tensorstore may hold (a copy each) while earlier ones commit
 
 
 @dataclasses.dataclass
@@ -134,6 +138,12 @@ class _JaxSource:
         return np.asarray(a.T if unit.spec.transpose else a)
 
 
+def open_source(p: Path, kind: str):
+    """The checkpoint directory ``p`` (either format) as a source of units, validated from its
+    headers / orbax metadata (no tensor data read)."""
+    return (_TorchSource if ckpt.detect_format(p) == "torch" else _JaxSource)(Path(p), kind)
+
+
 def _leaf_spec(params_dir: Path, path: tuple) -> dict:
     """The tensorstore spec of one orbax leaf (OCDBT store, zarr array under its dotted key)."""
     return {"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{params_dir}/",
@@ -146,12 +156,12 @@ def _open_leaf(params_dir: Path, path: tuple):
 
 
 def _create_leaf(params_dir: Path, path: tuple, dtype: np.dtype, shape: tuple, chunk: tuple):
-    """A new zarr array (replacing orbax's placeholder) of ``shape``, chunked ``chunk``, with the
+    """(A future of) a new zarr array (replacing orbax's placeholder) of ``shape``, chunked ``chunk``, with the
     compressor orbax uses."""
     import tensorstore as ts
     spec = _leaf_spec(params_dir, path)
     spec["metadata"] = {"shape": list(shape), "chunks": list(chunk), "compressor": {"id": "zstd", "level": 1}}
-    return ts.open(spec, create=True, delete_existing=True, dtype=ts.dtype(np.dtype(dtype).name)).result()
+    return ts.open(spec, create=True, delete_existing=True, dtype=ts.dtype(np.dtype(dtype).name))
 
 
 def _patch_orbax_shapes(params_dir: Path, specs, chunks) -> None:
@@ -248,17 +258,22 @@ def _write_jax(tmp: Path, src, units, dtypes, *, stats, finite) -> None:
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(params_dir, traverse_util.unflatten_dict(placeholder))
         ckptr.wait_until_finished()
-    chunks = {}
-    for path, spec in src.specs.items():  # each leaf at its full shape, one unit per chunk
-        chunk = (1,) * len(spec.stacks) + tuple(spec.shape[len(spec.stacks):])
-        chunks[path] = chunk
-        store = _create_leaf(params_dir, path, leaf_dtype[path], spec.shape, chunk)
-        for u in (u for u in units if u.path == path):
-            a = src.read(u)
-            finite(u, a)
-            a = np.asarray(a.T if spec.transpose else a).astype(leaf_dtype[path], copy=False)
-            _account(stats, a.nbytes)
-            store[u.index].write(a).result()
+    chunks = {path: (1,) * len(spec.stacks) + tuple(spec.shape[len(spec.stacks):])  # one unit per chunk
+              for path, spec in src.specs.items()}
+    opening = {path: _create_leaf(params_dir, path, leaf_dtype[path], spec.shape, chunks[path])
+               for path, spec in src.specs.items()}  # each leaf at its full shape, created concurrently
+    stores = {path: f.result() for path, f in opening.items()}
+    in_flight: collections.deque = collections.deque()  # (future, bytes): tensorstore holds a copy until written
+    for u in units:
+        a = src.read(u)
+        finite(u, a)
+        a = np.asarray(a.T if u.spec.transpose else a).astype(leaf_dtype[u.path], copy=False)
+        in_flight.append((stores[u.path][u.index].write(a), a.nbytes))
+        _account(stats, sum(n for _, n in in_flight))
+        if len(in_flight) >= WRITES_IN_FLIGHT:
+            in_flight.popleft()[0].result()
+    for f, _ in in_flight:
+        f.result()
     _patch_orbax_shapes(params_dir, src.specs, chunks)
     hf = {k: v for k, v in src.hf.items() if k != "dspark_jax"}
     hf.update(src.config.to_hf())
@@ -289,7 +304,7 @@ def convert_bounded(src, dst, *, to: str | None = None, force: bool = False, dty
     if src_p.absolute().resolve() == dst_p.absolute().resolve():
         raise InputError(f"{dst_p}: destination is the source directory")
     kind = ckpt.detect_family(src_p).kind
-    source = _TorchSource(src_p, kind) if src_fmt == "torch" else _JaxSource(src_p, kind)
+    source = open_source(src_p, kind)
     cast = ckpt._np_dtype(dtype)
     qplan = _quantize_plan(source.config, quantize,
                            expert_dtype or getattr(source.source_config, "expert_dtype", None) or "fp4")

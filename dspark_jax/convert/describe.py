@@ -37,6 +37,8 @@ def _param_counts(config) -> dict:
 
 def _stored(p: Path, family, hf: dict) -> dict:
     """Dtypes, quantized tensors and aside tensors of a torch-format directory (headers only)."""
+    from dspark_jax.convert import bounded
+    bounded.open_source(p, family.kind)  # the same header checks as conversion: refused alike
     infos = safetensors_io.TensorReader(p).infos
     aside = [n for n in infos if family.aside_tensors and n.startswith(family.aside_tensors)]
     cfg = family.config_from_hf(hf)
@@ -81,6 +83,8 @@ def describe_target(path) -> dict:
         info.update(_stored(p, family, hf))
     else:
         import orbax.checkpoint as ocp
+        from dspark_jax.convert import bounded
+        bounded.open_source(p, family.kind)
         with ocp.StandardCheckpointer() as ckptr:
             leaves = ckpt._flat(ckptr.metadata((p / ckpt.PARAMS_DIR).absolute()).item_metadata.tree)
         aside = p / ckpt.ASIDE_NAME

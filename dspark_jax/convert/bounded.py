@@ -32,7 +32,7 @@ import numpy as np
 from dspark_jax import families
 from dspark_jax import params as params_lib
 from dspark_jax.convert import checkpoint as ckpt
-from dspark_jax.convert import mapping, quant, safetensors_io
+from dspark_jax.convert import quant, safetensors_io
 from dspark_jax.errors import CheckpointError, InputError, warn
 
 
@@ -66,25 +66,14 @@ def _leaf_dtype(spec, source_dtype: np.dtype, dtype: np.dtype | None) -> np.dtyp
 
 # --------------------------------------------------------------------------- sources
 
-class _TorchSource:
+class TorchSource:
     """A HF directory, validated from its headers; ``read(unit)`` -> the tensor in torch layout,
     dequantized, in our leaf dtype."""
 
     def __init__(self, p: Path, kind: str):
-        hf = ckpt.read_json_object(p / "config.json", "config.json")
-        cfg = ckpt._config_from_hf(kind, hf, str(p / "config.json"))
-        family = families.for_config(cfg)
-        self.reader = safetensors_io.TensorReader(p)
-        specs = families.declare(cfg)
-        self.names = family.stored_names(hf, self.reader.infos)
-        infos = mapping.checkpoint_tensors(cfg, {d: self.reader.infos[s] for d, s in self.names.items()}, str(p))
-        fixed = params_lib.fixed_dtypes(specs)
-        self.infos, self.stored = quant.logical_infos(
-            params_lib.quantized(specs), infos, str(p),
-            lambda shape, dtype, info: dataclasses.replace(info, shape=shape, dtype=dtype), fixed)
-        mapping.check_tensors(self.infos, params_lib.torch_shapes(specs), str(p), fixed=fixed)
+        hf, cfg, self.reader, self.names, self.infos, self.stored = ckpt.validated_torch(kind, p)
         self.source_config = cfg
-        if params_lib.quantized(specs):  # the params are unquantized: so is the config written
+        if params_lib.quantized(families.declare(cfg)):  # the params are unquantized: so is the config written
             hf = {k: v for k, v in hf.items() if k not in ("quantization_config", "expert_dtype")}
             cfg = cfg.dequantized()
         self.config, self.hf = cfg, ckpt._text_config(hf)
@@ -103,7 +92,7 @@ class _TorchSource:
         return params_lib.check_bound(unit.spec, a)
 
 
-class _JaxSource:
+class JaxSource:
     """A dspark-jax directory; ``read(unit)`` -> that unit's slice of its orbax leaf (tensorstore),
     in torch layout."""
 
@@ -125,11 +114,11 @@ class _JaxSource:
             except Exception as e:
                 raise CheckpointError(f"{self.params_dir}: cannot read orbax metadata ({e})") from e
         ckpt.check_params(self.config, stored, str(self.params_dir))
-        self._dtypes = {k: np.dtype(v.dtype) for k, v in ckpt._flat(stored).items()}
+        self.dtypes = {k: np.dtype(v.dtype) for k, v in ckpt._flat(stored).items()}
         self._stores = {}
 
     def dtype(self, unit: _Unit) -> np.dtype:
-        return self._dtypes["/".join(unit.path)]
+        return self.dtypes["/".join(unit.path)]
 
     def read(self, unit: _Unit) -> np.ndarray:
         if unit.path not in self._stores:
@@ -141,7 +130,7 @@ class _JaxSource:
 def open_source(p: Path, kind: str):
     """The checkpoint directory ``p`` (either format) as a source of units, validated from its
     headers / orbax metadata (no tensor data read)."""
-    return (_TorchSource if ckpt.detect_format(p) == "torch" else _JaxSource)(Path(p), kind)
+    return (TorchSource if ckpt.detect_format(p) == "torch" else JaxSource)(Path(p), kind)
 
 
 def _leaf_spec(params_dir: Path, path: tuple) -> dict:
@@ -188,19 +177,21 @@ def _account(stats: dict, nbytes: int) -> None:
 
 # --------------------------------------------------------------------------- sinks
 
-def _quantize_plan(config, quantize: str | None, expert_dtype: str | None) -> dict:
-    """Torch name -> ``Quant`` of the tensors ``--quantize`` stores quantized ({} when none)."""
+def _quantized(config, quantize: str | None, expert_dtype: str):
+    """(the config written, torch name -> ``Quant`` of the tensors stored quantized): ``config``
+    and {} unless ``quantize``."""
     if quantize is None:
-        return {}
+        return config, {}
     if quantize != "fp8":
         raise InputError(f"--quantize {quantize!r} is unknown; expected 'fp8'")
     if not hasattr(config, "quantized"):
         raise InputError(f"--quantize: the {families.for_config(config).name} family has no quantized "
                          "checkpoint format (DeepSeek-V4 only)")
-    return params_lib.quantized(families.declare(config.quantized(expert_dtype)))
+    config = config.quantized(expert_dtype)
+    return config, params_lib.quantized(families.declare(config))
 
 
-def _write_torch(tmp: Path, src, units, dtypes, *, dtype, qplan, max_shard_size, stats, finite) -> None:
+def _write_torch(tmp: Path, src, units, dtypes, *, config, qplan, max_shard_size, stats, finite) -> None:
     entries = []
     for u in units:
         t = np.dtype(u.spec.torch_dtype or dtypes[u.name])
@@ -232,19 +223,14 @@ def _write_torch(tmp: Path, src, units, dtypes, *, dtype, qplan, max_shard_size,
                 yield u.name, a
 
     safetensors_io.write_planned(tmp, entries, arrays(), max_shard_size=max_shard_size)
-    cfg = src.config.quantized(qplan and _expert_dtype(qplan)) if qplan else src.config
     hf = {k: v for k, v in src.hf.items() if k != "dspark_jax"}
-    hf.update(cfg.to_hf())
+    hf.update(config.to_hf())
     float_dtypes = {dtypes[u.name] for u in units if not u.spec.dtype}
     hf["dtype"] = float_dtypes.pop().name if len(float_dtypes) == 1 else "float32"
     hf.pop("torch_dtype", None)
     if src.extras:
         hf["dspark_jax"] = {"extras": dict(src.extras)}
     (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
-
-
-def _expert_dtype(qplan) -> str:
-    return "fp4" if any(q.fmt == "fp4" for q in qplan.values()) else "fp8"
 
 
 def _write_jax(tmp: Path, src, units, dtypes, *, stats, finite) -> None:
@@ -306,8 +292,8 @@ def convert_bounded(src, dst, *, to: str | None = None, force: bool = False, dty
     kind = ckpt.detect_family(src_p).kind
     source = open_source(src_p, kind)
     cast = ckpt._np_dtype(dtype)
-    qplan = _quantize_plan(source.config, quantize,
-                           expert_dtype or getattr(source.source_config, "expert_dtype", None) or "fp4")
+    out_config, qplan = _quantized(source.config, quantize,
+                                   expert_dtype or getattr(source.source_config, "expert_dtype", None) or "fp4")
     units = _units(source.specs)
     dtypes = {u.name: _leaf_dtype(u.spec, source.dtype(u), cast) for u in units}
     stats = {} if stats is None else stats
@@ -323,7 +309,7 @@ def convert_bounded(src, dst, *, to: str | None = None, force: bool = False, dty
     family = families.for_config(source.config)
     with ckpt.atomic_dir(dst_p, force=force) as tmp:
         if to == "torch":
-            _write_torch(tmp, source, units, dtypes, dtype=cast, qplan=qplan, max_shard_size=max_shard_size,
+            _write_torch(tmp, source, units, dtypes, config=out_config, qplan=qplan, max_shard_size=max_shard_size,
                          stats=stats, finite=finite)
         else:
             _write_jax(tmp, source, units, dtypes, stats=stats, finite=finite)

@@ -209,7 +209,10 @@ def _config_from_hf(kind: str, hf: Mapping[str, Any], where: str):
     return family.config_from_hf(hf)
 
 
-def _load_torch(kind: str, p: Path, *, allow_pickle: bool):
+def validated_torch(kind: str, p: Path, *, allow_pickle: bool = False):
+    """(config.json dict, config, TensorReader, {declared: stored name}, {declared: TensorInfo at
+    the dequantized shape and dtype}, {declared: quant.Stored} of the quantized ones) of a HF
+    directory, validated from its headers only: no tensor data is read."""
     hf = read_json_object(p / "config.json", "config.json")
     cfg = _config_from_hf(kind, hf, str(p / "config.json"))
     family = families.for_config(cfg)
@@ -222,7 +225,13 @@ def _load_torch(kind: str, p: Path, *, allow_pickle: bool):
     infos, stored = quant.logical_infos(params_lib.quantized(specs), infos, what,
                                         lambda shape, dtype, info: dataclasses.replace(info, shape=shape, dtype=dtype),
                                         fixed)
-    mapping.check_tensors(infos, params_lib.torch_shapes(specs), what, fixed=fixed)  # headers only: no data read yet
+    mapping.check_tensors(infos, params_lib.torch_shapes(specs), what, fixed=fixed)
+    return hf, cfg, reader, names, infos, stored
+
+
+def _load_torch(kind: str, p: Path, *, allow_pickle: bool):
+    hf, cfg, reader, names, infos, stored = validated_torch(kind, p, allow_pickle=allow_pickle)
+    specs = families.declare(cfg)
     tensors = {}
     for d in infos:
         tensors[d] = reader.get(names[d])

@@ -16,7 +16,7 @@ import numpy as np
 from dspark_jax import families
 from dspark_jax import params as params_lib
 from dspark_jax.convert import checkpoint as ckpt
-from dspark_jax.convert import quant, safetensors_io
+from dspark_jax.convert import bounded, safetensors_io
 
 
 def _param_counts(config) -> dict:
@@ -35,63 +35,37 @@ def _param_counts(config) -> dict:
     return out
 
 
-def _stored(p: Path, family, hf: dict) -> dict:
-    """Dtypes, quantized tensors and aside tensors of a torch-format directory (headers only)."""
-    from dspark_jax.convert import bounded
-    bounded.open_source(p, family.kind)  # the same header checks as conversion: refused alike
-    infos = safetensors_io.TensorReader(p).infos
-    aside = [n for n in infos if family.aside_tensors and n.startswith(family.aside_tensors)]
-    cfg = family.config_from_hf(hf)
-    declared = families.for_config(cfg).stored_names(hf, infos)
-    quantized = params_lib.quantized(families.declare(cfg))
-    found = Counter()
-    scales = set()
-    for name, q in quantized.items():
-        stored = declared.get(name)
-        if stored is None or quant._is_float(infos[stored].dtype):
-            continue
-        found[f"{q.fmt} {'x'.join(map(str, q.block))}"] += 1
-        scales.add(np.dtype(infos[declared[q.scale_name(name)]].dtype).name if q.scale_name(name) in declared
-                   else "missing")
-    dtypes = Counter(np.dtype(i.dtype).name for n, i in infos.items() if n not in aside)
-    return {"tensors": len(infos), "dtypes": dict(sorted(dtypes.items())),
-            "quantized": dict(sorted(found.items())), "scale_dtypes": sorted(scales),
-            "aside": _aside_summary(infos, aside)}
-
-
-def _aside_summary(infos, names) -> dict:
-    stages = sorted({int(n.split(".")[1]) for n in names if n.split(".")[1].isdigit()})
-    nbytes = sum(int(np.prod(infos[n].shape)) * np.dtype(infos[n].dtype).itemsize for n in names)
-    return {"tensors": len(names), "bytes": nbytes, "mtp_stages": stages}
+def _stored(source, family) -> dict:
+    """Tensor count, dtypes, quantized tensors found (by format and block, with their scales'
+    dtypes) and the tensors kept aside, of a validated source (``bounded.open_source``)."""
+    if isinstance(source, bounded.TorchSource):
+        infos = source.reader.infos
+        aside = [n for n in infos if family.aside_tensors and n.startswith(family.aside_tensors)]
+        dtypes = Counter(np.dtype(i.dtype).name for n, i in infos.items() if n not in aside)
+        found = Counter(f"{s.quant.fmt} {'x'.join(map(str, s.quant.block))}" for s in source.stored.values())
+        scales = {np.dtype(infos[source.names[s.scale]].dtype).name for s in source.stored.values()}
+        n = len(infos)
+    else:
+        file = source.params_dir.parent / ckpt.ASIDE_NAME
+        infos = safetensors_io.TensorReader._headers(file) if file.is_file() else {}
+        aside, found, scales = list(infos), {}, set()
+        dtypes, n = Counter(d.name for d in source.dtypes.values()), len(source.dtypes)
+    stages = sorted({int(n.split(".")[1]) for n in aside if n.split(".")[1].isdigit()})
+    nbytes = sum(int(np.prod(infos[n].shape)) * np.dtype(infos[n].dtype).itemsize for n in aside)
+    return {"tensors": n, "dtypes": dict(sorted(dtypes.items())), "quantized": dict(sorted(found.items())),
+            "scale_dtypes": sorted(scales), "aside": {"tensors": len(aside), "bytes": nbytes, "mtp_stages": stages}}
 
 
 def describe_target(path) -> dict:
-    """JSON-able summary of a target checkpoint directory (either format); reads headers only."""
+    """JSON-able summary of a target checkpoint directory (either format), validated as conversion
+    validates it; reads headers and metadata only."""
     p = Path(path)
-    fmt = ckpt.detect_format(p)
-    if fmt == "jax":
-        hf = ckpt._read_meta(p)["config"]
-    else:
-        hf = ckpt.read_json_object(p / "config.json", "config.json")
-    family = families.for_hf(hf, str(p))
-    cfg = family.config_from_hf(hf)
-    info = {"path": str(p), "format": fmt, "kind": family.kind, "family": family.name,
-            "architecture": (hf.get("architectures") or ["?"])[0],
+    source = bounded.open_source(p, "target")
+    cfg, family = source.source_config, families.for_config(source.source_config)
+    info = {"path": str(p), "format": ckpt.detect_format(p), "kind": family.kind, "family": family.name,
+            "architecture": (cfg.to_hf().get("architectures") or ["?"])[0],
             "layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
-            "params": _param_counts(cfg)}
-    if fmt == "torch":
-        info.update(_stored(p, family, hf))
-    else:
-        import orbax.checkpoint as ocp
-        from dspark_jax.convert import bounded
-        bounded.open_source(p, family.kind)
-        with ocp.StandardCheckpointer() as ckptr:
-            leaves = ckpt._flat(ckptr.metadata((p / ckpt.PARAMS_DIR).absolute()).item_metadata.tree)
-        aside = p / ckpt.ASIDE_NAME
-        infos = safetensors_io.TensorReader._headers(aside) if aside.is_file() else {}
-        info.update({"tensors": len(leaves),
-                     "dtypes": dict(sorted(Counter(np.dtype(x.dtype).name for x in leaves.values()).items())),
-                     "quantized": {}, "scale_dtypes": [], "aside": _aside_summary(infos, list(infos))})
+            "params": _param_counts(cfg), **_stored(source, family)}
     if family.name == "deepseek_v4":
         from dspark_jax.target.deepseek_v4.config import ATTENTION_TYPES, HASH_MOE
         info["attention"] = {t: list(cfg.layer_ids(t)) for t in ATTENTION_TYPES}
@@ -101,5 +75,5 @@ def describe_target(path) -> dict:
                        "expert_width": cfg.moe_intermediate_size}
         info["quantization_config"] = ({"quant_method": cfg.quant, "block": list(cfg.quant_block),
                                         "expert_dtype": cfg.expert_dtype} if cfg.quant else None)
-        info["dspark"] = {k: v for k, v in hf.items() if k.startswith("dspark_") and k != "dspark_jax"}
+        info["dspark"] = {k: v for k, v in cfg.to_hf().items() if k.startswith("dspark_") and k != "dspark_jax"}
     return info

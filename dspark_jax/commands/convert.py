@@ -26,11 +26,13 @@ bit-exactly unless --dtype casts them. The output is written to a temporary dire
 DST and renamed at the end, so a failure leaves nothing behind; an existing DST is refused
 unless --force. Tokenizer and generation_config.json files are copied along.
 
-DeepSeek-V4 ('DeepseekV4ForCausalLM', upstream or transformers layout) converts one stored
-tensor at a time (one layer's / one expert's), so host memory stays about one tensor and a
-checkpoint larger than RAM converts; FP8 (e4m3, 128x128 ue8m0 block scales) and MXFP4 experts are
-dequantized, 'mtp.*' tensors are kept byte for byte in aside.safetensors. '--to torch --quantize
-fp8' writes the released format back (FP8 weights, experts in --expert-dtype).
+Every conversion goes one stored tensor at a time (one layer's, one expert's): host memory holds
+a few tensors, not the model, so a checkpoint larger than RAM converts (pickled *.bin weights
+are read whole). DeepSeek-V4
+('DeepseekV4ForCausalLM', upstream or transformers layout): FP8 (e4m3, 128x128 ue8m0 block
+scales) and MXFP4 experts are dequantized, 'mtp.*' tensors are kept byte for byte in
+aside.safetensors, and '--to torch --quantize fp8' writes the released format back (FP8 weights,
+routed experts in --expert-dtype).
 """
 
 
@@ -70,7 +72,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from dspark_jax.convert import checkpoint, safetensors_io
+    from dspark_jax.convert import bounded, checkpoint, safetensors_io
     from dspark_jax.errors import InputError
     from dspark_jax.fileio import check_output
 
@@ -96,15 +98,10 @@ def run(args) -> int:
     src_format = checkpoint.detect_format(args.src)
     if args.expert_dtype and not args.quantize:
         raise InputError("--expert-dtype goes with --quantize fp8")
-    if args.quantize or checkpoint.detect_family(args.src).name == "deepseek_v4":
-        from dspark_jax.convert import bounded
-        to = bounded.convert_bounded(args.src, args.dst, to=args.to, force=args.force, dtype=args.dtype,
-                                     max_shard_size=args.max_shard_size, allow_nonfinite=args.allow_nonfinite,
-                                     quantize=args.quantize, expert_dtype=args.expert_dtype)
-    else:
-        to = checkpoint.convert(args.src, args.dst, to=args.to, force=args.force,
-                                allow_pickle=args.allow_pickle, dtype=args.dtype,
-                                max_shard_size=args.max_shard_size, allow_nonfinite=args.allow_nonfinite)
+    to = bounded.convert_bounded(args.src, args.dst, to=args.to, force=args.force, allow_pickle=args.allow_pickle,
+                                 dtype=args.dtype, max_shard_size=args.max_shard_size,
+                                 allow_nonfinite=args.allow_nonfinite, quantize=args.quantize,
+                                 expert_dtype=args.expert_dtype)
     info = checkpoint.describe(args.dst)
     print(f"wrote {info['kind']} checkpoint ({to} format, {info['files']} files, "
           f"{info['bytes']} bytes) to {info['path']}")

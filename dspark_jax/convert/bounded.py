@@ -70,8 +70,8 @@ class TorchSource:
     """A HF directory, validated from its headers; ``read(unit)`` -> the tensor in torch layout,
     dequantized, in our leaf dtype."""
 
-    def __init__(self, p: Path, kind: str):
-        hf, cfg, self.reader, self.names, self.infos, self.stored = ckpt.validated_torch(kind, p)
+    def __init__(self, p: Path, kind: str, allow_pickle: bool = False):
+        hf, cfg, self.reader, self.names, self.infos, self.stored = ckpt.validated_torch(kind, p, allow_pickle=allow_pickle)
         self.source_config = cfg
         if params_lib.quantized(families.declare(cfg)):  # the params are unquantized: so is the config written
             hf = {k: v for k, v in hf.items() if k not in ("quantization_config", "expert_dtype")}
@@ -96,7 +96,7 @@ class JaxSource:
     """A dspark-jax directory; ``read(unit)`` -> that unit's slice of its orbax leaf (tensorstore),
     in torch layout."""
 
-    def __init__(self, p: Path, kind: str):
+    def __init__(self, p: Path, kind: str, allow_pickle: bool = False):
         import orbax.checkpoint as ocp
         meta = ckpt._read_meta(p)
         if meta["kind"] != kind:
@@ -127,10 +127,10 @@ class JaxSource:
         return np.asarray(a.T if unit.spec.transpose else a)
 
 
-def open_source(p: Path, kind: str):
+def open_source(p: Path, kind: str, *, allow_pickle: bool = False):
     """The checkpoint directory ``p`` (either format) as a source of units, validated from its
-    headers / orbax metadata (no tensor data read)."""
-    return (TorchSource if ckpt.detect_format(p) == "torch" else JaxSource)(Path(p), kind)
+    headers / orbax metadata (no tensor data read; pickled weights only with ``allow_pickle``)."""
+    return (TorchSource if ckpt.detect_format(p) == "torch" else JaxSource)(Path(p), kind, allow_pickle)
 
 
 def _leaf_spec(params_dir: Path, path: tuple) -> dict:
@@ -250,14 +250,18 @@ def _write_jax(tmp: Path, src, units, dtypes, *, stats, finite) -> None:
                for path, spec in src.specs.items()}  # each leaf at its full shape, created concurrently
     stores = {path: f.result() for path, f in opening.items()}
     in_flight: collections.deque = collections.deque()  # (future, bytes): tensorstore holds a copy until written
-    for u in units:
-        a = src.read(u)
-        finite(u, a)
-        a = np.asarray(a.T if u.spec.transpose else a).astype(leaf_dtype[u.path], copy=False)
-        in_flight.append((stores[u.path][u.index].write(a), a.nbytes))
-        _account(stats, sum(n for _, n in in_flight))
-        if len(in_flight) >= WRITES_IN_FLIGHT:
-            in_flight.popleft()[0].result()
+    try:
+        for u in units:
+            a = src.read(u)
+            finite(u, a)
+            a = np.asarray(a.T if u.spec.transpose else a).astype(leaf_dtype[u.path], copy=False)
+            in_flight.append((stores[u.path][u.index].write(a), a.nbytes))
+            _account(stats, sum(n for _, n in in_flight))
+            if len(in_flight) >= WRITES_IN_FLIGHT:
+                in_flight.popleft()[0].result()
+    finally:  # no write may land in the output directory after this returns (or it is removed)
+        for f, _ in in_flight:
+            f.exception()
     for f, _ in in_flight:
         f.result()
     _patch_orbax_shapes(params_dir, src.specs, chunks)
@@ -274,7 +278,7 @@ def _write_jax(tmp: Path, src, units, dtypes, *, stats, finite) -> None:
 
 # --------------------------------------------------------------------------- the conversion
 
-def convert_bounded(src, dst, *, to: str | None = None, force: bool = False, dtype=None,
+def convert_bounded(src, dst, *, to: str | None = None, force: bool = False, allow_pickle: bool = False, dtype=None,
                     max_shard_size=None, allow_nonfinite: bool = False, quantize: str | None = None,
                     expert_dtype: str | None = None, stats: dict | None = None) -> str:
     """``checkpoint.convert`` one tensor at a time (see the module docstring); returns the format
@@ -290,7 +294,7 @@ def convert_bounded(src, dst, *, to: str | None = None, force: bool = False, dty
     if src_p.absolute().resolve() == dst_p.absolute().resolve():
         raise InputError(f"{dst_p}: destination is the source directory")
     kind = ckpt.detect_family(src_p).kind
-    source = open_source(src_p, kind)
+    source = open_source(src_p, kind, allow_pickle=allow_pickle)
     cast = ckpt._np_dtype(dtype)
     out_config, qplan = _quantized(source.config, quantize,
                                    expert_dtype or getattr(source.source_config, "expert_dtype", None) or "fp4")

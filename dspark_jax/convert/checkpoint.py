@@ -419,25 +419,11 @@ def convert(src, dst, *, to: str | None = None, force: bool = False, allow_pickl
     ``to`` defaults to the other format (torch -> jax, jax -> torch). Unknown
     config.json fields, extras and tokenizer/generation files are carried over. Tensors
     holding NaN/inf are a CheckpointError naming them, unless ``allow_nonfinite`` (a warning).
+    One stored tensor at a time, so host memory stays about one tensor (``bounded.convert_bounded``).
     """
-    src_p, dst_p = Path(src), Path(dst)
-    src_fmt = detect_format(src_p)
-    to = to or ("jax" if src_fmt == "torch" else "torch")
-    if to not in ("torch", "jax"):
-        raise InputError(f"--to {to!r} is unknown; expected 'torch' or 'jax'")
-    if src_p.absolute().resolve() == dst_p.absolute().resolve():
-        raise InputError(f"{dst_p}: destination is the source directory")
-    kind = detect_family(src_p).kind
-    if src_fmt == "jax":
-        cfg, hf, params, extras = _load_jax(kind, src_p)
-    else:
-        cfg, hf, params = _load_torch(kind, src_p, allow_pickle=allow_pickle)
-        extras = (hf.get("dspark_jax") or {}).get("extras") or {}
-    params = _cast_tree(params, _np_dtype(dtype), cfg)
-    _check_finite(params, src_p, allow=allow_nonfinite)
-    _save(kind, dst_p, cfg, params, format=to, force=force, extras=extras,
-          max_shard_size=max_shard_size, hf_base=hf, copy_from=src_p)
-    return to
+    from dspark_jax.convert import bounded
+    return bounded.convert_bounded(src, dst, to=to, force=force, allow_pickle=allow_pickle, dtype=dtype,
+                                   max_shard_size=max_shard_size, allow_nonfinite=allow_nonfinite)
 
 
 def _write_aside(tmp: Path, src: Path, family: Family) -> None:
@@ -451,21 +437,6 @@ def _write_aside(tmp: Path, src: Path, family: Family) -> None:
         from dspark_jax.errors import warn
         warn(f"{src}: {count} tensor(s) under {', '.join(family.aside_tensors)} are not part of the "
              f"{family.name} model; kept unchanged in {ASIDE_NAME}")
-
-
-def _check_finite(params, where, *, allow: bool = False) -> None:
-    """CheckpointError naming the tensors that hold NaN/inf; with ``allow`` a warning (they are
-    converted unchanged)."""
-    from dspark_jax.errors import warn
-    bad = [name for name, v in _flat(params).items()
-           if np.asarray(v).dtype.kind in "fV" and not np.isfinite(np.asarray(v, np.float32)).all()]
-    if not bad:
-        return
-    names = f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}"
-    if not allow:
-        raise CheckpointError(f"{where}: {len(bad)} tensor(s) hold NaN/inf values: {names} (pass "
-                              "--allow-nonfinite to convert them unchanged)")
-    warn(f"{where}: {len(bad)} tensor(s) hold NaN/inf values (converted unchanged): {names}")
 
 
 def describe(path) -> dict:

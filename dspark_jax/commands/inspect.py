@@ -1,4 +1,4 @@
-"""`dspark-jax inspect CKPT`: what a drafter is and which serving engines can load it."""
+"""`dspark-jax inspect CKPT`: what a drafter is and which serving engines load it; what a target checkpoint holds."""
 
 from __future__ import annotations
 

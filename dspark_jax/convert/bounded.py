@@ -1,8 +1,9 @@
-"""Convert a checkpoint one stored tensor at a time: host memory bounded by the largest tensor.
+"""Convert a checkpoint one stored tensor at a time: host memory bounded by a few tensors.
 
-``convert_bounded`` is ``checkpoint.convert`` for checkpoints larger than the host's RAM. The
-unit of work is one PyTorch tensor (one layer's, one expert's): it is read (dequantized from FP8
-/ MXFP4 when stored so), cast, and written before the next is read, in either direction:
+``checkpoint.convert`` (and so ``dspark-jax convert``) runs here, so a checkpoint larger than the
+host's RAM converts. The unit of work is one PyTorch tensor (one layer's, one expert's): it is
+read (dequantized from FP8 / MXFP4 when stored so), cast, and written before the next is read,
+in either direction:
 
 * torch source: ``safe_open`` reads only that tensor (mmapped); its scale too when quantized.
 * jax source: tensorstore reads only that slice ``[i, e]`` of the orbax leaf.
@@ -15,8 +16,9 @@ unit of work is one PyTorch tensor (one layer's, one expert's): it is read (dequ
   and filled unit by unit with tensorstore; the result restores with orbax like any other.
 
 Everything is validated from headers before any data is read (as ``checkpoint.convert``). The
-output appears atomically. ``stats`` receives ``peak_unit_bytes`` (the largest unit's bytes
-held at once: read, converted and written) and ``units``.
+output appears atomically. ``stats`` receives ``units`` and ``peak_unit_bytes``: the most tensor
+bytes held at once (a unit read and converted; for jax output, the ``WRITES_IN_FLIGHT`` unit
+writes tensorstore may still hold).
 """
 
 from __future__ import annotations

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -250,12 +249,11 @@ def _text_config(hf: Mapping[str, Any]) -> dict:
     return dict(hf["text_config"]) if isinstance(hf.get("text_config"), dict) else dict(hf)
 
 
-def _write_torch(tmp: Path, kind: str, config, params, *, hf_base, extras, max_shard_size) -> None:
+def _write_torch(tmp: Path, kind: str, config, params, *, extras, max_shard_size) -> None:
     host = jax.tree.map(np.asarray, params)
     check_params(config, host, f"{kind} params")
     tensors = mapping.to_torch(config, host)
-    hf = {k: v for k, v in (hf_base or {}).items() if k != "dspark_jax"}
-    hf.update(config.to_hf())
+    hf = config.to_hf()
     dtype = _tree_dtype(host, config).name
     hf["dtype"] = dtype
     hf.pop("torch_dtype", None)
@@ -294,13 +292,12 @@ def _load_jax(kind: str, p: Path):
     return cfg, hf, params, meta.get("extras") or {}
 
 
-def _write_jax(tmp: Path, kind: str, config, params, *, hf_base, extras) -> None:
+def _write_jax(tmp: Path, kind: str, config, params, *, extras) -> None:
     import orbax.checkpoint as ocp
 
     params = jax.tree.map(jnp.asarray, params)
     check_params(config, params, f"{kind} params")
-    hf = {k: v for k, v in (hf_base or {}).items() if k != "dspark_jax"}
-    hf.update(config.to_hf())
+    hf = config.to_hf()
     hf["dtype"] = _tree_dtype(params, config).name
     hf.pop("torch_dtype", None)
     meta = {"format": "dspark-jax", "version": FORMAT_VERSION, "kind": kind,
@@ -375,8 +372,7 @@ def default_stop_ids(target_dir, tokenizer=None) -> list[int]:
     return [int(eos)] if eos is not None else []
 
 
-def _save(kind, path, config, params, *, format, force, extras, max_shard_size, hf_base=None,
-          copy_from=None) -> Path:
+def _save(kind, path, config, params, *, format, force, extras, max_shard_size) -> Path:
     if format not in ("torch", "jax"):
         raise InputError(f"format={format!r} is unknown; expected 'torch' or 'jax'")
     family = families.for_config(config)
@@ -385,15 +381,10 @@ def _save(kind, path, config, params, *, format, force, extras, max_shard_size, 
                           f"not a {kind} config")
     with atomic_dir(path, force=force) as tmp:
         if format == "torch":
-            _write_torch(tmp, kind, config, params, hf_base=hf_base, extras=extras,
+            _write_torch(tmp, kind, config, params, extras=extras,
                          max_shard_size=max_shard_size)
         else:
-            _write_jax(tmp, kind, config, params, hf_base=hf_base, extras=extras)
-        if copy_from is not None:
-            _write_aside(tmp, Path(copy_from), family)
-            for name in SIDECAR_FILES:
-                if (Path(copy_from) / name).is_file():
-                    shutil.copy2(Path(copy_from) / name, tmp / name)
+            _write_jax(tmp, kind, config, params, extras=extras)
     return Path(path)
 
 

@@ -6,7 +6,8 @@ read (dequantized from FP8 / MXFP4 when stored so), cast, and written before the
 in either direction:
 
 * torch source: ``safe_open`` reads only that tensor (mmapped); its scale too when quantized.
-* jax source: tensorstore reads only that slice ``[i, e]`` of the orbax leaf.
+* jax source: tensorstore reads only that slice ``[i, e]`` of the orbax leaf (a leaf stored as
+  one chunk, as orbax's own save writes it, is read whole once: one leaf in memory).
 * torch output: safetensors headers are planned from the declaration first, then each tensor's
   bytes are appended as it arrives (``safetensors_io.write_planned``); ``quantize="fp8"`` stores
   the declared quantizable weights as FP8 (and the routed experts as MXFP4 when
@@ -123,9 +124,16 @@ class JaxSource:
         return self.dtypes["/".join(unit.path)]
 
     def read(self, unit: _Unit) -> np.ndarray:
-        if unit.path not in self._stores:
-            self._stores = {unit.path: _open_leaf(self.params_dir, unit.path)}  # one leaf open at a time
-        a = self._stores[unit.path][unit.index].read().result()
+        if unit.path not in self._stores:  # one leaf open at a time
+            store = _open_leaf(self.params_dir, unit.path)
+            n = len(unit.spec.stacks)
+            if any(c > 1 for c in store.chunk_layout.read_chunk.shape[:n]):
+                # chunks span several units (orbax's own save: one chunk per leaf): every unit read
+                # would decode the whole chunk, so the leaf is read once (memory: one leaf)
+                store = store.read().result()
+            self._stores = {unit.path: store}
+        a = self._stores[unit.path][unit.index]
+        a = np.asarray(a) if isinstance(a, np.ndarray) else a.read().result()
         return np.asarray(a.T if unit.spec.transpose else a)
 
 

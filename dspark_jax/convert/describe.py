@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 
 from dspark_jax import families
-from dspark_jax import params as params_lib
 from dspark_jax.convert import checkpoint as ckpt
 from dspark_jax.convert import bounded, safetensors_io
 

@@ -224,6 +224,11 @@ def test_inspect_describes_a_quantized_v4_checkpoint_with_mtp(tmp_path, capsys):
     for line in ("compressed_sparse_attention: 2 layers [1, 3]", "top-2", "48 fp8 128x128",
                  "144 fp4 1x32", "2 mtp.* tensors", "DSpark stages [0, 2]"):
         assert line in text, text
+    assert "DSpark module: none" in text  # mtp.* tensors without dspark_* keys
+    assert cli.main(["inspect", str(FIX / "target_dspark"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["dspark"] == {
+        "present": True, "block_size": 5, "target_layer_ids": [3, 4, 5], "stages": 3, "markov_rank": 16,
+        "heads": 4, "window": 16, "noise_token_id": 511, "experts": "8 routed (top 2) + 1 shared"}
 
 
 # ----------------------------------------------------------------------------- bad input

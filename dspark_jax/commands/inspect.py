@@ -119,6 +119,11 @@ def _print_target(args) -> int:
         print(f"  kept aside: {a['tensors']} mtp.* tensors ({a['bytes']:,} bytes), DSpark stages {a['mtp_stages']}")
     else:
         print("  no mtp.* tensors")
-    if info.get("dspark"):
-        print(f"  DSpark config: {json.dumps(info['dspark'])}")
+    d = info.get("dspark")
+    if d:
+        print(f"  DSpark module: block {d['block_size']}, target layers {d['target_layer_ids']}, "
+              f"{d['stages']} stages, Markov rank {d['markov_rank']}, {d['heads']} heads, "
+              f"window {d['window']}, noise token {d['noise_token_id']}, experts {d['experts']}")
+    else:
+        print("  DSpark module: none (no dspark_* keys)")
     return 0

@@ -74,5 +74,7 @@ def describe_target(path) -> dict:
                        "expert_width": cfg.moe_intermediate_size}
         info["quantization_config"] = ({"quant_method": cfg.quant, "block": list(cfg.quant_block),
                                         "expert_dtype": cfg.expert_dtype} if cfg.quant else None)
-        info["dspark"] = {k: v for k, v in cfg.to_hf().items() if k.startswith("dspark_") and k != "dspark_jax"}
+        from dspark_jax.draft import deepseek_v4 as dspark_v4
+        module = dspark_v4.describe(source.hf)  # the in-checkpoint DSpark module (mtp.*, dspark_* keys)
+        info["dspark"] = module if module["present"] else None
     return info

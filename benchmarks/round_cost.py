@@ -61,7 +61,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dspark_jax.config import DraftConfig, TargetConfig  # noqa: E402
-from dspark_jax import sampling  # noqa: E402
+from dspark_jax import runtime, sampling  # noqa: E402
 from dspark_jax.decode.policies import FullPolicy  # noqa: E402
 from dspark_jax.decode.verify import rejection_sample  # noqa: E402
 from dspark_jax.draft import backbone, confidence, markov  # noqa: E402
@@ -535,6 +535,50 @@ def plot(rows: list[dict], path: Path) -> bool:
     return True
 
 
+def _dims_key(dims) -> tuple:
+    """A shape as the sorted tuple of its dims other than 1: the same for every layout of it."""
+    return tuple(sorted(int(d) for d in dims if int(d) != 1))
+
+
+def watched_shapes(tcfg, dcfg, batch: int, cache_len: int) -> dict:
+    """What a decode program should never copy: ``{"cache": keys, "weight": keys}`` (``_dims_key``)
+    of the target cache's position-indexed leaves and the drafter's context cache (whole and one
+    layer's), and of one layer's slice of every stacked target / drafter weight."""
+    from dspark_jax import families
+
+    cache = jax.eval_shape(lambda: families.target_runtime(tcfg).init_cache(tcfg, batch, cache_len, jnp.bfloat16))
+    keys = {"cache": set(), "weight": set()}
+    for leaf, axes in zip(jax.tree.leaves(cache), jax.tree.leaves(cache.axes(), is_leaf=lambda a: isinstance(a, tuple))):
+        if runtime.STEP in axes:
+            keys["cache"].add(_dims_key(leaf.shape))
+            if "layers" in axes:
+                keys["cache"].add(_dims_key(d for d, a in zip(leaf.shape, axes) if a != "layers"))
+    ctx = (dcfg.num_hidden_layers, batch, cache_len, dcfg.num_key_value_heads, dcfg.head_dim)
+    keys["cache"] |= {_dims_key(ctx), _dims_key(ctx[1:])}
+    for cfg in (tcfg, dcfg):
+        for spec in families.declare(cfg).values():
+            if spec.axes and spec.axes[0] == "layers" and len(spec.shape) > 2:
+                keys["weight"].add(_dims_key(spec.shape[1:]))
+    return keys
+
+
+def copies(values: list[dict], watch: dict) -> dict:
+    """Mark each of ``values`` (``plan.largest_values``) that holds a whole cache / one layer's cache
+    (``copy_of="cache"``) or one layer's weight (``"weight"``) in another buffer -- in-place
+    updates (scatters, dynamic-update-slices) excepted -- and total them: {kind: {count, bytes}}."""
+    out = {"cache": {"count": 0, "bytes": 0}, "weight": {"count": 0, "bytes": 0}}
+    for v in values:
+        if "scatter" in v["name"] or "dynamic-update" in v["op"] or "dynamic_update" in v["name"]:
+            continue
+        key = _dims_key(re.findall(r"[0-9]+", v["shape"].split("[", 1)[1]))
+        for kind in ("cache", "weight"):
+            if key in watch[kind]:
+                v["copy_of"] = kind
+                out[kind]["count"] += 1
+                out[kind]["bytes"] += v["bytes"]
+    return out
+
+
 def compile_only(sizes, batches, hw_spec: str, cache_len: int, unrolled: bool) -> list[dict]:
     """The shipped round and AR step compiled (not run) for ``hw_spec``'s compile-only devices
     (mesh ``tensor=N``), attention over the whole ``cache_len`` cache: per-device memory from
@@ -566,6 +610,7 @@ def compile_only(sizes, batches, hw_spec: str, cache_len: int, unrolled: bool) -
             raise SystemExit(f"unknown size {size!r}; a preset ({', '.join(presets.TARGETS)}) or tiny,mid,large")
         for b in batches:
             row = {"size": size, "batch": b, "hardware": hw.spec, "cache_len": cache_len, "unrolled": unrolled}
+            watch = watched_shapes(tcfg, dcfg, b, cache_len)
             for name, draft in (("ar_step", None), ("round", dcfg)):
                 ctx = hardware.unrolled_loops() if unrolled else contextlib.nullcontext()
                 with ctx:
@@ -580,8 +625,13 @@ def compile_only(sizes, batches, hw_spec: str, cache_len: int, unrolled: bool) -
                       f"{p['bytes_accessed'] / 1e9:.2f} GB accessed{'' if unrolled else ' (loop bodies once)'}, "
                       f"projected {p['projected']['seconds'] * 1e3:.3f} ms, compiled in {p['compile_seconds']:.0f} s",
                       flush=True)
-                for v in p["largest"]:
-                    print(f"    {v['bytes'] / 2**20:9.1f} MiB  {v['shape']:<28} {v['op']:<16} {v['name']}")
+                p["copies"] = copies(p["largest"], watch)
+                print(f"    cache-sized copies: {p['copies']['cache']['count']} "
+                      f"({p['copies']['cache']['bytes'] / 2**20:.0f} MiB), per-layer weight copies: "
+                      f"{p['copies']['weight']['count']} ({p['copies']['weight']['bytes'] / 2**20:.0f} MiB)")
+                for v in p["largest"][:6]:
+                    print(f"    {v['bytes'] / 2**20:9.1f} MiB  {v['shape']:<28} {v['op']:<16} {v['name']}"
+                          f"{'  <- ' + v['copy_of'] if v.get('copy_of') else ''}")
             row["round_over_ar"] = row["round"]["projected"]["seconds"] / row["ar_step"]["projected"]["seconds"]
             rows.append(row)
     return rows

@@ -29,14 +29,19 @@ def test_projection_and_fit():
     assert hardware.fits(16 * 2**30, chip) and not hardware.fits(16 * 2**30 + 1, chip)
 
 
-def test_gpu_gemm_flops_parser():
-    """cuBLAS gemm custom calls: 2 x output elements x contracted size (XLA's cost analysis says 0)."""
+def test_gpu_gemm_cost_parser():
+    """cuBLAS gemm custom calls: 2 x output elements x contracted size, operands + result bytes
+    (XLA's cost analysis says 0 for both)."""
     line = ('  %custom-call.3 = (bf16[8,12288]{1,0}, s8[4194304]{0}) custom-call(bf16[8,4096]{1,0} %p0, '
             'bf16[4096,12288]{1,0} %p1), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":'
             '{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],'
             '"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}')
-    assert hardware._gpu_gemm_flops(line) == 2 * 8 * 12288 * 4096
-    assert hardware._gpu_gemm_flops(line.replace("__cublas", "__other")) == 0
+    cost = hardware._gpu_gemm_cost(line)
+    assert cost["flops"] == 2 * 8 * 12288 * 4096
+    assert cost["bytes"] == 2 * (8 * 4096 + 4096 * 12288 + 8 * 12288)  # the s8 workspace left out
+    named = line.replace("bf16[8,4096]{1,0} %p0", "%p0") + "\n  %p0 = bf16[8,4096]{1,0} parameter(0)"
+    assert hardware._gpu_gemm_cost(named) == cost  # an operand printed without its shape
+    assert hardware._gpu_gemm_cost(line.replace("__cublas", "__other")) == {"flops": 0.0, "bytes": 0.0}
 
 
 def test_missing_extra_is_one_line(monkeypatch):

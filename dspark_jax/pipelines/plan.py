@@ -32,8 +32,7 @@ def _shape_bytes(dtype: str, dims: str) -> int:
 
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-                "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_DTYPE_BYTES = hardware.DTYPE_BYTES
 
 
 @dataclasses.dataclass
@@ -187,7 +186,7 @@ def compile_plan(name: str, fn: Callable, *abstract_args, platform: str | None =
                        get("temp_size_in_bytes"), get("alias_size_in_bytes"),
                        get("generated_code_size_in_bytes"), collectives_in(text), seconds,
                        upcast_bytes(text) if platform == "cpu" else 0, platform, cost["flops"],
-                       cost["bytes"], largest_values(text))
+                       cost["bytes"], largest_values(text, 32))
 
 
 def plan_train_step(draft_cfg: DraftConfig, target_cfg: TargetConfig, train_cfg: TrainConfig,

@@ -114,6 +114,11 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
 SMALL_QUERY = 16
 
 
+def head_major(x: jax.Array) -> jax.Array:
+    """[B, S, Hkv, D] -> [B, Hkv, S, D]: new keys / values in the order caches keep them."""
+    return x.transpose(0, 2, 1, 3)
+
+
 def cache_scores(qg: jax.Array, k: jax.Array) -> jax.Array:
     """f32 scores [B, Hkv, G, Q, S] of queries qg [B, Q, Hkv, G, D] against a cache k [B, Hkv, S, D]."""
     if qg.shape[1] > SMALL_QUERY:

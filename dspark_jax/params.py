@@ -322,8 +322,6 @@ def planned(specs: Specs, mesh, dtype, rules=None) -> tuple[dict, dict]:
     return abstract_params(specs, dtype, sh), sh
 
 
-# --------------------------------------------------------------------------- frozen / trainable
-
 def unstack_layers(tree: Mapping) -> dict:
     """``tree`` with its stacked ``"layers"`` subtree ([L, ...] leaves) split into a tuple of L
     per-layer trees (arrays: ``a[i]``; ``jax.ShapeDtypeStruct``: the shape and sharding less
@@ -341,6 +339,8 @@ def unstack_layers(tree: Mapping) -> dict:
 
     return {**tree, "layers": tuple(jax.tree.map(lambda a: one(a, i), layers) for i in range(n))}
 
+
+# --------------------------------------------------------------------------- frozen / trainable
 
 def frozen_paths(specs: Specs) -> tuple[Path, ...]:
     return tuple(path for path, s in specs.items() if s.frozen)

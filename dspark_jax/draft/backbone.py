@@ -35,14 +35,9 @@ def context_kv(params: dict, config: DraftConfig, ctx: jax.Array, positions: jax
 
     def one_layer(p):
         k, v = nn.kv_heads(ctx, p, config.num_key_value_heads, config.head_dim, config.rms_norm_eps)
-        return head_major(nn.apply_rope(k, cos, sin)), head_major(v)
+        return nn.head_major(nn.apply_rope(k, cos, sin)), nn.head_major(v)
 
     return jax.lax.map(one_layer, params["layers"])
-
-
-def head_major(x: jax.Array) -> jax.Array:
-    """[B, S, Hkv, D] -> [B, Hkv, S, D] (the order context keys / values are kept in)."""
-    return x.transpose(0, 2, 1, 3)
 
 
 def block_visibility(ctx_mask: jax.Array, block_valid: jax.Array, g: int) -> jax.Array:

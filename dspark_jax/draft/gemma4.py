@@ -250,8 +250,8 @@ def context_kv(params: dict, cfg: Gemma4DraftConfig, ctx: jax.Array, positions: 
     def one_layer(p):
         k_raw = (ctx @ p["k_proj"]).reshape(b, s, hkv, d)
         v_raw = (ctx @ p["v_proj"]).reshape(b, s, hkv, d) if "v_proj" in p else k_raw
-        return (backbone.head_major(nn.apply_rope(tg.rms_norm(k_raw, p["k_norm"], eps), cos, sin)),
-                backbone.head_major(tg.rms_norm(v_raw, None, eps)))
+        return (nn.head_major(nn.apply_rope(tg.rms_norm(k_raw, p["k_norm"], eps), cos, sin)),
+                nn.head_major(tg.rms_norm(v_raw, None, eps)))
 
     return jax.lax.map(one_layer, params["layers"])
 

@@ -571,8 +571,8 @@ def forward_pure(params: dict, cfg: Gemma4TargetConfig, tokens: jax.Array,
             slot = xs["tap"][j]
             taps = jnp.where(slot >= 0, jax.lax.dynamic_update_index_in_dim(taps, x, jnp.maximum(slot, 0), 0),
                              taps)
-            new_k[g].append(k.transpose(0, 2, 1, 3))  # [B, Hkv, T, D], the cache's order
-            new_v[g].append(v.transpose(0, 2, 1, 3))
+            new_k[g].append(nn.head_major(k))  # [B, Hkv, T, D], the cache's order
+            new_v[g].append(nn.head_major(v))
             seen[g] += 1
         out = None
         if cache is not None:

@@ -181,7 +181,7 @@ def _layer(config: TargetConfig, x, p, positions, mask, k_cache=None, v_cache=No
     b, t = x.shape[:2]
     x = x + attn.reshape(b, t, -1) @ p["o_proj"]
     x = x + nn.swiglu_mlp(nn.rms_norm(x, p["post_attention_layernorm"], config.rms_norm_eps), p)
-    return x, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    return x, nn.head_major(k), nn.head_major(v)
 
 
 def forward_pure(params: dict, config: TargetConfig, tokens: jax.Array, cache: KVCache | None = None,

@@ -540,27 +540,40 @@ def _dims_key(dims) -> tuple:
     return tuple(sorted(int(d) for d in dims if int(d) != 1))
 
 
-def watched_shapes(tcfg, dcfg, batch: int, cache_len: int) -> dict:
+def watched_shapes(tcfg, dcfg, batch: int, cache_len: int, mesh=None) -> dict:
     """What a decode program should never copy: ``{"cache": keys, "cache_layer": keys, "weight":
     keys}`` (``_dims_key``) of the target cache's position-indexed leaves and the drafter's
     context cache (whole; one layer's), and of one layer's slice of every stacked target /
-    drafter weight."""
-    from dspark_jax import families
+    drafter weight. ``mesh``: one device's shard of each (placed by the decode rules)."""
+    from dspark_jax import families, sharding
+    from dspark_jax.decode import sharded
+
+    rules = sharded.decode_rules(tcfg)
+
+    def shard(shape, axes):
+        if mesh is None:
+            return tuple(shape)
+        spec = sharding.logical_to_spec(axes, rules, shape, mesh)
+        return jax.sharding.NamedSharding(mesh, spec).shard_shape(tuple(shape))
+
+    def per_layer(shape, axes):
+        return _dims_key(d for d, a in zip(shard(shape, axes), axes) if a != "layers")
 
     cache = jax.eval_shape(lambda: families.target_runtime(tcfg).init_cache(tcfg, batch, cache_len, jnp.bfloat16))
+    leaves = [(leaf.shape, axes) for leaf, axes in zip(
+        jax.tree.leaves(cache), jax.tree.leaves(cache.axes(), is_leaf=lambda a: isinstance(a, tuple)))]
+    leaves.append(((dcfg.num_hidden_layers, batch, dcfg.num_key_value_heads, cache_len, dcfg.head_dim),
+                   draft_decode.CONTEXT_AXES))
     keys = {"cache": set(), "cache_layer": set(), "weight": set()}
-    for leaf, axes in zip(jax.tree.leaves(cache), jax.tree.leaves(cache.axes(), is_leaf=lambda a: isinstance(a, tuple))):
+    for shape, axes in leaves:
         if runtime.STEP in axes:
-            keys["cache"].add(_dims_key(leaf.shape))
+            keys["cache"].add(_dims_key(shard(shape, axes)))
             if "layers" in axes:
-                keys["cache_layer"].add(_dims_key(d for d, a in zip(leaf.shape, axes) if a != "layers"))
-    ctx = (dcfg.num_hidden_layers, batch, cache_len, dcfg.num_key_value_heads, dcfg.head_dim)
-    keys["cache"].add(_dims_key(ctx))
-    keys["cache_layer"].add(_dims_key(ctx[1:]))
+                keys["cache_layer"].add(per_layer(shape, axes))
     for cfg in (tcfg, dcfg):
         for spec in families.declare(cfg).values():
             if spec.axes and spec.axes[0] == "layers" and len(spec.shape) > 2:
-                keys["weight"].add(_dims_key(spec.shape[1:]))
+                keys["weight"].add(per_layer(spec.shape, spec.axes))
     return keys
 
 
@@ -615,7 +628,7 @@ def compile_only(sizes, batches, hw_spec: str, cache_len: int, unrolled: bool, p
         for b in batches:
             row = {"size": size, "batch": b, "hardware": hw.spec, "cache_len": cache_len, "unrolled": unrolled,
                    "per_layer": per_layer}
-            watch = watched_shapes(tcfg, dcfg, b, cache_len)
+            watch = watched_shapes(tcfg, dcfg, b, cache_len, mesh)
             for name, draft in (("ar_step", None), ("round", dcfg)):
                 ctx = hardware.unrolled_loops() if unrolled else contextlib.nullcontext()
                 with ctx:

@@ -32,7 +32,9 @@ about the number of kernels/loops the backend runs).
 
 ``--compile-only --hardware CHIP:GRID`` times nothing: it compiles the shipped AR step and
 round for compile-only TPU / GPU devices and prints that compiler's memory, largest values and
-flops / bytes (``compile_only``).
+flops / bytes (``compile_only``), marking each copy of a whole cache, of one layer's cache and of
+one layer's weight among the largest values (``copies``); ``--per-layer`` compiles them with
+the target's weights as per-layer buffers (``params.unstack_layers``).
 
 Writes ``round_cost.json`` (and ``round_cost.png``, a stacked bar of the parts per
 (size, B) in units of one AR step) to ``--out``; prints a table.

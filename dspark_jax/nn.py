@@ -105,8 +105,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
 # Attention over a cache (the target's KV cache, the drafter's context cache). Caches are stored
 # head-major, [.., B, Hkv, S, D] per layer, so that the attention dots -- batched over (B, Hkv),
 # contracting D (scores) and S (values) -- read them as they are: no relayout of the cache on
-# TPU or GPU (stored [B, S, Hkv, D], XLA:GPU and TPU copied the whole stacked cache into this
-# order every step; docs/performance.md section 0a). Inside a layer scan XLA:GPU still gives a
+# GPU (stored [B, S, Hkv, D], XLA:GPU copied the whole stacked K cache into this order every
+# step; docs/performance.md sections 0a, 0c). Inside a layer scan XLA:GPU still gives a
 # cuBLAS gemm its own copy of the layer's slice; for the few queries of a decode step
 # (<= SMALL_QUERY per row) the scores on CUDA are therefore a multiply fused into a reduction
 # over D (f32, like the dot's accumulation), which reads K in place. Other backends, and long

@@ -137,4 +137,5 @@ def test_round_cost_compile_only_for_tpu(tmp_path):
         prog = row[name]
         assert prog["platform"] == "tpu" and prog["fits"] and prog["flops"] > 0 and prog["bytes_accessed"] > 0
         assert prog["largest"] and prog["projected"]["seconds"] > 0
+        assert set(prog["copies"]) == {"cache", "cache_layer", "weight"}  # copies marked per kind
     assert row["round"]["flops"] > row["ar_step"]["flops"]  # the round also drafts and verifies G+1 tokens

@@ -252,8 +252,9 @@ def context_rows(p: dict, cfg: DeepseekV4DSparkConfig, main_x: jax.Array, positi
 
 
 def context_kv(p: dict, cfg: DeepseekV4DSparkConfig, main_x: jax.Array, positions: jax.Array):
-    """``runtime.DraftRuntime.context_kv``: (k, v) [Ls, B, S, 1, D], the same array (K = V)."""
-    kv = context_rows(p, cfg, main_x, positions)[..., None, :]
+    """``runtime.DraftRuntime.context_kv``: (k, v) [Ls, B, 1, S, D] (head-major, one K = V head),
+    the same array."""
+    kv = context_rows(p, cfg, main_x, positions)[:, :, None]
     return kv, kv
 
 
@@ -325,10 +326,10 @@ def block_forward(p: dict, cfg: DeepseekV4DSparkConfig, embeds: jax.Array, posit
                   ctx_k: jax.Array, ctx_v: jax.Array, ctx_mask: jax.Array, block_valid: jax.Array,
                   remat: bool | str = False) -> jax.Array:
     """``runtime.DraftRuntime.block_forward``: context rows indexed by position (ctx_k = ctx_v
-    [Ls, B, S, 1, D]; ``ctx_mask [B, N, S]`` rows < anchor), each block windowed to its last W rows;
+    [Ls, B, 1, S, D]; ``ctx_mask [B, N, S]`` rows < anchor), each block windowed to its last W rows;
     returns h [B, N, G, H] (pre-norm)."""
     del ctx_v
-    rows, visible = window_of(ctx_k[..., 0, :], ctx_mask & block_valid[:, :, None], positions[:, :, 0], cfg.window)
+    rows, visible = window_of(ctx_k[:, :, 0], ctx_mask & block_valid[:, :, None], positions[:, :, 0], cfg.window)
     return stages_forward(p, cfg, embeds, positions, rows, visible, remat)
 
 

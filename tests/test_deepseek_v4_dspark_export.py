@@ -60,6 +60,14 @@ def test_export_refusals(tmp_path):
     dspark_v4.save_module(tmp_path / "module", cfg, params)
     with pytest.raises(CheckpointError, match="--target"):
         engines.export_draft(tmp_path / "module", tmp_path / "a", "vllm")
+    # a module directory that also holds the target's embedding and head (a train export) is no target
+    tensors = {**dspark_v4.module_tensors(cfg, params),
+               **{k: v for k, v in safetensors_io.read_tensors(SRC).items() if k in ("embed.weight", "head.weight")}}
+    (tmp_path / "with_shared").mkdir()
+    safetensors_io.write_tensors(tmp_path / "with_shared", tensors)
+    (tmp_path / "with_shared" / "config.json").write_text((tmp_path / "module" / "config.json").read_text())
+    with pytest.raises(CheckpointError, match="--target"):
+        engines.export_draft(tmp_path / "with_shared", tmp_path / "a", "sglang")
     with pytest.raises(ConfigError, match="served by"):
         engines.export_draft(SRC, tmp_path / "b", "sglang-jax")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -157,9 +157,10 @@ def export(draft, dst, engine: str, *, target=None, force: bool = False) -> dict
     cfg, params = load_module(draft)
     src = Path(target) if target is not None else Path(draft)
     reader = safetensors_io.TensorReader(src)
-    if not any(not n.startswith(PREFIX) for n in reader.infos):
-        raise CheckpointError(f"{src}: holds only the DSpark module; pass --target (the V4 checkpoint "
-                              f"it is written into)")
+    shared = {s.torch for s in declare(cfg).values() if not s.torch.startswith(PREFIX)}
+    if all(n.startswith(PREFIX) or n in shared for n in reader.infos):
+        raise CheckpointError(f"{src}: holds the DSpark module but not its target's layers; pass --target "
+                              f"(the V4 checkpoint it is written into)")
     hf = {**read_json_object(src / "config.json", "config.json"), **cfg.hf_fields()}
     tensors = module_tensors(cfg, params)
     names = {n: i.dtype for n, i in reader.infos.items() if not n.startswith(PREFIX)}

@@ -241,6 +241,11 @@ def with_target(params: Mapping, target_params: Mapping) -> dict:
     return {**params, "embed": target_params["embed"], "head": target_params["head"]}
 
 
+def shared_from_target(target_params: Mapping) -> dict:
+    """``init_params`` keywords of a fresh module on a target (``families.shared_with_target``)."""
+    return {"embed": target_params["embed"], "head": target_params["head"]}
+
+
 def param_axes(cfg: DeepseekV4DSparkConfig) -> dict:
     return params_lib.param_axes(declare(cfg))
 

@@ -169,22 +169,24 @@ def test_sampling_at_t1_is_lossless(name):
 @pytest.mark.slow  # two compiles of the V4 round (eval's static batch 1, profile-sps' round)
 def test_eval_calibrate_and_profile_sps_run_on_the_pair(tmp_path):
     """`eval`, `calibrate` (on eval's logs) and `profile-sps --draft` with the V4 checkpoint as both
-    --target and --draft (a byte tokenizer beside it; its ids fit the fixture's 512 tokens)."""
-    import shutil
+    --target and --draft (beside it a word-level tokenizer over the fixture's 512 ids, built here)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
 
     from dspark_jax import cli
-    from dspark_jax.embedded.default import default_target_dir
     pair = tmp_path / "pair"
     pair.mkdir()
     for name in ("config.json", "model.safetensors"):
         (pair / name).symlink_to((PAIR / name).resolve())
-    shutil.copy(default_target_dir() / "dspark_tokenizer.json", pair)
+    raw = Tokenizer(models.WordLevel({f"w{i}": i for i in range(512)}, unk_token="w0"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="w0", eos_token="w1").save_pretrained(pair)
     data = tmp_path / "data"
     data.mkdir()
     (data / "alpha.jsonl").write_text("".join(json.dumps({"turns": [t]}) + "\n"
-                                              for t in ("def add(a, b):", "import os\nimport sys")))
+                                              for t in ("w5 w17 w300 w2 w44", "w9 w8 w7")))
     rc = cli.main(["eval", "--target", str(pair), "--draft", str(pair), "--datasets", "alpha",
-                   "--data-dir", str(data), "--max-new-tokens", "12", "--batching", "static",
+                   "--data-dir", str(data), "--max-new-tokens", "12", "--batching", "static", "--raw-prompt",
                    "--out", str(tmp_path / "eval"), "--no-progress"])
     assert rc == 0
     s = json.loads((tmp_path / "eval" / "eval.json").read_text())["datasets"]["alpha"]

@@ -25,7 +25,8 @@ import numpy as np
 from dspark_jax import params as params_lib
 from dspark_jax.convert import mapping, quant, safetensors_io
 from dspark_jax.convert.checkpoint import read_json_object
-from dspark_jax.draft.deepseek_v4 import KEYS, DeepseekV4DSparkConfig, declare, module_specs, with_target  # noqa: F401 (with_target: load_draft's)
+from dspark_jax.draft.deepseek_v4 import KEYS, DeepseekV4DSparkConfig, declare, module_specs
+from dspark_jax.draft.deepseek_v4 import with_target  # noqa: F401 (load_draft's, beside load_module)
 from dspark_jax.errors import CheckpointError, ConfigError
 from dspark_jax.fileio import atomic_dir
 

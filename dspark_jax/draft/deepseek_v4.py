@@ -112,7 +112,7 @@ class DeepseekV4DSparkConfig:
 
     def check_compatible(self, target) -> None:
         """ConfigError unless ``target`` is the V4 model this module was built on (its tokens,
-        width, streams and tapped layers)."""
+        width, streams and depth, so the tapped layers exist)."""
         if not isinstance(target, DeepseekV4Config):
             raise ConfigError(f"V4's DSpark module needs a DeepSeek-V4 target, got {type(target).__name__}")
         mine = self.target
@@ -238,7 +238,7 @@ def init_params(cfg: DeepseekV4DSparkConfig, rng: jax.Array, dtype=jnp.float32, 
 
 def with_target(params: Mapping, target_params: Mapping) -> dict:
     """The module's params with the target's ``embed`` and ``head`` (the same arrays, no copy)."""
-    return {**params, "embed": target_params["embed"], "head": target_params["head"]}
+    return {**params, **shared_from_target(target_params)}
 
 
 def shared_from_target(target_params: Mapping) -> dict:

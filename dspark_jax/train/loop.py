@@ -250,7 +250,7 @@ def setup(cfg: TrainConfig, *, fast_compile: bool = False, force_resume: bool = 
     trainable, frozen = optim.split_params(params, draft_cfg)
     example = source[0]
     program = build_program(draft_cfg, target_cfg, cfg, mesh, total_steps=total_steps,
-                            weights_dtype=target_params["embed_tokens"].dtype,
+                            weights_dtype=families.lm_head_kernel(target_cfg, target_params).dtype,
                             feature_dtype=example["features"].dtype if "features" in example else np.float32,
                             fast_compile=fast_compile)
     target = _put(target_params, program.target_sharding) if program.online else None

@@ -131,3 +131,17 @@ def test_every_v4_rule_has_a_negative_case():
     # the stage count is the config's n_mtp_layers when it names one
     named = engines.v4_violations(_mutated(lambda hf, t: _two_stages(hf, t, n_mtp=2)), "vllm")
     assert "stage-count" not in {r.name for r, _ in named}
+
+
+def test_sts_temperatures_travel_to_sglang(tmp_path):
+    """`calibrate --write-draft` of the V4 checkpoint writes a module directory carrying the STS
+    temperatures; its SGLang export writes them as SGLang's STS file (vLLM's has none)."""
+    from dspark_jax.pipelines.calibrate import _save_draft_with_sts
+    temps = [1.1, 1.2, 1.3, 1.4, 1.5]
+    _save_draft_with_sts(SRC, tmp_path / "cal", temps)
+    assert checkpoint.sts_temperatures(tmp_path / "cal") == temps
+    summary = engines.export_draft(tmp_path / "cal", tmp_path / "sg", "sglang", target=SRC)
+    assert summary["sidecars"] == [engines.STS_FILE]
+    assert json.loads((tmp_path / "sg" / engines.STS_FILE).read_text())["temperatures"] == temps
+    engines.export_draft(tmp_path / "cal", tmp_path / "vl", "vllm", target=SRC)
+    assert not (tmp_path / "vl" / engines.STS_FILE).exists()

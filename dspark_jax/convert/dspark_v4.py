@@ -24,7 +24,7 @@ import numpy as np
 
 from dspark_jax import params as params_lib
 from dspark_jax.convert import mapping, quant, safetensors_io
-from dspark_jax.convert.checkpoint import read_json_object
+from dspark_jax.convert.checkpoint import read_extras, read_json_object, sts_temperatures
 from dspark_jax.draft.deepseek_v4 import KEYS, DeepseekV4DSparkConfig, declare, module_specs
 from dspark_jax.draft.deepseek_v4 import with_target  # noqa: F401 (load_draft's, beside load_module)
 from dspark_jax.errors import CheckpointError, ConfigError
@@ -104,15 +104,22 @@ def save_module(path, cfg: DeepseekV4DSparkConfig, params: Mapping, *, force: bo
 MODULE_FILE = "model-dspark.safetensors"
 
 
-def write_checkpoint(src, dst, cfg: DeepseekV4DSparkConfig, params: Mapping, *, force: bool = False) -> Path:
+def _model(target_cfg):
+    """A target config as the model it describes (unquantized, pass-through config keys aside)."""
+    return dataclasses.replace(target_cfg.dequantized(), extra=())
+
+
+def write_checkpoint(src, dst, cfg: DeepseekV4DSparkConfig, params: Mapping, *, force: bool = False,
+                     sidecars: Mapping[str, str] | None = None) -> Path:
     """The V4 checkpoint ``src`` with its DSpark module replaced by ``params`` (config ``cfg``) at
     ``dst``: the target's tensors untouched (a shard holding no ``mtp.*`` tensor is hard-linked, or
     copied where links fail; others have their target tensors copied raw), the module in
     ``MODULE_FILE``, a ``model.safetensors.index.json`` over all, and ``src``'s config.json with
-    the module's ``dspark_*`` keys. Other files (tokenizer, generation config) are copied."""
+    the module's ``dspark_*`` keys. Other files (tokenizer, generation config) are copied, and
+    ``sidecars`` ({file name: text}) written beside them."""
     s = Path(src)
     hf = read_json_object(s / "config.json", "config.json")
-    if DeepseekV4DSparkConfig.from_hf({**hf, **cfg.hf_fields()}).target.dequantized() != cfg.target.dequantized():
+    if _model(DeepseekV4DSparkConfig.from_hf({**hf, **cfg.hf_fields()}).target) != _model(cfg.target):
         raise CheckpointError(f"{s}: the module's target config differs from this checkpoint's")
     tensors = module_tensors(cfg, params)
     reader = safetensors_io.TensorReader(s)
@@ -145,6 +152,8 @@ def write_checkpoint(src, dst, cfg: DeepseekV4DSparkConfig, params: Mapping, *, 
             if other.is_file() and other.suffix != ".safetensors" and other.name not in (
                     "config.json", safetensors_io.INDEX_NAME):
                 shutil.copy2(other, tmp / other.name)
+        for name, text in (sidecars or {}).items():
+            (tmp / name).write_text(text)
     return Path(dst)
 
 
@@ -170,9 +179,17 @@ def export(draft, dst, engine: str, *, target=None, force: bool = False) -> dict
     why = engines.v4_check(facts, engine)
     if why:
         raise ConfigError(f"{draft}: cannot export for {why}")
-    write_checkpoint(src, dst, cfg, params, force=force)
+    sidecars = {}
+    temps = sts_temperatures(draft)
+    if temps is not None and engine == "sglang":  # SGLang's STS calibration file, as for Qwen3 drafters
+        if len(temps) != cfg.block_size:
+            raise ConfigError(f"{draft}: extras['sts_temperatures'] has {len(temps)} entries, "
+                              f"dspark_block_size is {cfg.block_size}")
+        sidecars[engines.STS_FILE] = json.dumps(engines.sts_sidecar(temps, read_extras(draft).get("sts_report")),
+                                                indent=1) + "\n"
+    write_checkpoint(src, dst, cfg, params, force=force, sidecars=sidecars)
     return {"event": "export", "engine": engine, "src": str(draft), "target": str(src), "dst": str(dst),
             "architecture": hf["architectures"][0], "tensors": len(tensors),
             "bytes": int(sum(t.nbytes for t in tensors.values())), "dtype": str(next(iter(tensors.values())).dtype),
-            "sidecars": [], "warnings": [f"{engine} will load it with a limitation: {why} [{r.source}]"
+            "sidecars": sorted(sidecars), "warnings": [f"{engine} will load it with a limitation: {why} [{r.source}]"
                                          for r, why in engines.v4_violations(facts, engine, "warning")]}

@@ -13,6 +13,9 @@ Families: ``qwen3`` and ``gemma4`` (``draft.gemma4.Gemma4DraftConfig``; its fami
 ``architectures`` and ``attention_k_eq_v`` from its text config). Both are tested against
 checkers written from the engines' loaders (tests/test_serving.py).
 
+DeepSeek-V4's own DSpark module (``mtp.*`` inside the V4 checkpoint) has its own rules over
+the exported checkpoint (``V4_RULES`` / ``v4_check``: vLLM and SGLang, read from their V4 loaders).
+
 ``serving_warnings(draft_cfg, engines)`` is what `train` prints at start-up (config key
 ``serve_engines``); ``check(draft_cfg, engine)`` is what `export` / `inspect` refuse on;
 ``export_config(hf, draft_cfg, engine)`` rewrites a drafter's config.json for an engine.

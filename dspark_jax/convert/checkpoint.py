@@ -320,11 +320,21 @@ def _load(kind: str, path, dtype, allow_pickle: bool):
     return cfg, hf, _cast_tree(params, _np_dtype(dtype), cfg)
 
 
-def load_draft(path, dtype=None, *, allow_pickle: bool = False) -> tuple[DraftConfig, dict]:
-    """(config, params with jnp leaves) from a drafter directory (torch or jax format).
+def load_draft(path, dtype=None, *, allow_pickle: bool = False,
+               target_params: Mapping | None = None) -> tuple[DraftConfig, dict]:
+    """(config, params with jnp leaves) from a drafter directory (torch or jax format), or the
+    DSpark module inside a DeepSeek-V4 checkpoint (``mtp.*`` + ``dspark_*`` keys; it shares
+    ``target_params``' embedding and head when given, else reads the checkpoint's).
 
     ``dtype`` None keeps the stored dtype; 'float32'/'bfloat16' casts.
     """
+    from dspark_jax.convert import dspark_v4  # it imports this module
+    if dspark_v4.holds_module(path):
+        cfg, params = dspark_v4.load_module(path, shared=target_params is None)
+        params = _cast_tree(params, _np_dtype(dtype), cfg)
+        if target_params is not None:
+            params = dspark_v4.with_target(params, target_params)
+        return cfg, params
     cfg, _, params = _load("draft", path, dtype, allow_pickle)
     return cfg, params
 

@@ -394,7 +394,7 @@ def constrain(x: jax.Array, axes: tuple, ctx: Any) -> jax.Array:
     from jax.sharding import NamedSharding
 
     from dspark_jax import sharding
-    rules = getattr(ctx, "rules", None) or sharding.DEFAULT_RULES
+    rules = getattr(ctx, "rule_map", None) or sharding.DEFAULT_RULES  # Context.rules: sorted pairs
     return jax.lax.with_sharding_constraint(
         x, NamedSharding(mesh, sharding.logical_to_spec(axes, rules, x.shape, mesh)))
 

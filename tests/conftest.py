@@ -1,5 +1,5 @@
 """Test setup: 8 simulated CPU devices, float32 matmuls at full precision, shared fixtures, and the
-work units pytest-xdist hands to its workers (pyproject: -n auto --dist loadfile)."""
+work units pytest-xdist hands to its workers (pyproject: -n logical --dist loadfile)."""
 
 import gc
 import os

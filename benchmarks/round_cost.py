@@ -32,7 +32,9 @@ about the number of kernels/loops the backend runs).
 
 ``--compile-only --hardware CHIP:GRID`` times nothing: it compiles the shipped AR step and
 round for compile-only TPU / GPU devices and prints that compiler's memory, largest values and
-flops / bytes (``compile_only``).
+flops / bytes (``compile_only``), marking each copy of a whole cache, of one layer's cache and of
+one layer's weight among the largest values (``copies``); ``--per-layer`` compiles them with
+the target's weights as per-layer buffers (``params.unstack_layers``).
 
 Writes ``round_cost.json`` (and ``round_cost.png``, a stacked bar of the parts per
 (size, B) in units of one AR step) to ``--out``; prints a table.
@@ -61,7 +63,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dspark_jax.config import DraftConfig, TargetConfig  # noqa: E402
-from dspark_jax import sampling  # noqa: E402
+from dspark_jax import runtime, sampling  # noqa: E402
 from dspark_jax.decode.policies import FullPolicy  # noqa: E402
 from dspark_jax.decode.verify import rejection_sample  # noqa: E402
 from dspark_jax.draft import backbone, confidence, markov  # noqa: E402
@@ -276,8 +278,8 @@ def make_parts(tcfg: TargetConfig, dcfg: DraftConfig, greedy: bool, span: int | 
         ctx_pos = pos[:, None] + k_idx
         k_new, v_new = backbone.context_kv(dp, dcfg, ctx, ctx_pos)
         ctx_slots = jnp.where(active[:, None], ctx_pos, max_len)
-        ctx_k = ctx_k.at[:, rows[:, None], ctx_slots].set(k_new.astype(ctx_k.dtype), mode="drop")
-        ctx_v = ctx_v.at[:, rows[:, None], ctx_slots].set(v_new.astype(ctx_v.dtype), mode="drop")
+        ctx_k = runtime.write_steps(ctx_k, k_new, ctx_slots)
+        ctx_v = runtime.write_steps(ctx_v, v_new, ctx_slots)
         r = jnp.zeros((b,), jnp.int32)
         rec = rec.at[:, rows, r].set(jnp.stack([acc_len, prop_len, accepted]), mode="drop")
         conf_rec = conf_rec.at[rows, r].set(conf_logits, mode="drop")
@@ -535,13 +537,74 @@ def plot(rows: list[dict], path: Path) -> bool:
     return True
 
 
-def compile_only(sizes, batches, hw_spec: str, cache_len: int, unrolled: bool) -> list[dict]:
+def _dims_key(dims) -> tuple:
+    """A shape as the sorted tuple of its dims other than 1: the same for every layout of it."""
+    return tuple(sorted(int(d) for d in dims if int(d) != 1))
+
+
+def watched_shapes(tcfg, dcfg, batch: int, cache_len: int, mesh=None) -> dict:
+    """What a decode program should never copy: ``{"cache": keys, "cache_layer": keys, "weight":
+    keys}`` (``_dims_key``) of the target cache's position-indexed leaves and the drafter's
+    context cache (whole; one layer's), and of one layer's slice of every stacked target /
+    drafter weight. ``mesh``: one device's shard of each (placed by the decode rules)."""
+    from dspark_jax import families, sharding
+    from dspark_jax.decode import sharded
+
+    rules = sharded.decode_rules(tcfg)
+
+    def shard(shape, axes):
+        if mesh is None:
+            return tuple(shape)
+        spec = sharding.logical_to_spec(axes, rules, shape, mesh)
+        return jax.sharding.NamedSharding(mesh, spec).shard_shape(tuple(shape))
+
+    def per_layer(shape, axes):
+        return _dims_key(d for d, a in zip(shard(shape, axes), axes) if a != "layers")
+
+    cache = jax.eval_shape(lambda: families.target_runtime(tcfg).init_cache(tcfg, batch, cache_len, jnp.bfloat16))
+    leaves = [(leaf.shape, axes) for leaf, axes in zip(
+        jax.tree.leaves(cache), jax.tree.leaves(cache.axes(), is_leaf=lambda a: isinstance(a, tuple)))]
+    leaves.append(((dcfg.num_hidden_layers, batch, dcfg.num_key_value_heads, cache_len, dcfg.head_dim),
+                   draft_decode.CONTEXT_AXES))
+    keys = {"cache": set(), "cache_layer": set(), "weight": set()}
+    for shape, axes in leaves:
+        if runtime.STEP in axes:
+            keys["cache"].add(_dims_key(shard(shape, axes)))
+            if "layers" in axes:
+                keys["cache_layer"].add(per_layer(shape, axes))
+    for cfg in (tcfg, dcfg):
+        for spec in families.declare(cfg).values():
+            if spec.axes and spec.axes[0] == "layers" and len(spec.shape) > 2:
+                keys["weight"].add(per_layer(spec.shape, spec.axes))
+    return keys
+
+
+def copies(values: list[dict], watch: dict) -> dict:
+    """Mark each of ``values`` (``plan.largest_values``) that holds a whole cache (``copy_of=
+    "cache"``), one layer's cache (``"cache_layer"``) or one layer's weight (``"weight"``) in
+    another buffer -- in-place updates (scatters, dynamic-update-slices) excepted -- and total
+    them: {kind: {count, bytes}}."""
+    out = {kind: {"count": 0, "bytes": 0} for kind in watch}
+    for v in values:
+        if "scatter" in v["name"] or "dynamic-update" in v["op"] or "dynamic_update" in v["name"]:
+            continue
+        key = _dims_key(re.findall(r"[0-9]+", v["shape"].split("[", 1)[1]))
+        for kind in watch:
+            if key in watch[kind]:
+                v["copy_of"] = kind
+                out[kind]["count"] += 1
+                out[kind]["bytes"] += v["bytes"]
+                break
+    return out
+
+
+def compile_only(sizes, batches, hw_spec: str, cache_len: int, unrolled: bool, per_layer: bool = False) -> list[dict]:
     """The shipped round and AR step compiled (not run) for ``hw_spec``'s compile-only devices
     (mesh ``tensor=N``), attention over the whole ``cache_len`` cache: per-device memory from
     that compiler (arguments, temporaries, peak, fits), the largest values it materialises,
     flops / bytes from its cost analysis (``unrolled``: every loop unrolled, so per step; else a
     loop's body counted once). Sizes: ``presets.TARGETS`` names (released DSpark drafter) or
-    tiny / mid / large."""
+    tiny / mid / large. ``per_layer``: the target's weights as per-layer buffers (``--per-layer``)."""
     from dspark_jax import hardware, presets, sharding
     from dspark_jax.errors import InputError
     from dspark_jax.pipelines import plan as plan_lib
@@ -565,12 +628,14 @@ def compile_only(sizes, batches, hw_spec: str, cache_len: int, unrolled: bool) -
         else:
             raise SystemExit(f"unknown size {size!r}; a preset ({', '.join(presets.TARGETS)}) or tiny,mid,large")
         for b in batches:
-            row = {"size": size, "batch": b, "hardware": hw.spec, "cache_len": cache_len, "unrolled": unrolled}
+            row = {"size": size, "batch": b, "hardware": hw.spec, "cache_len": cache_len, "unrolled": unrolled,
+                   "per_layer": per_layer}
+            watch = watched_shapes(tcfg, dcfg, b, cache_len, mesh)
             for name, draft in (("ar_step", None), ("round", dcfg)):
                 ctx = hardware.unrolled_loops() if unrolled else contextlib.nullcontext()
                 with ctx:
                     plan, sizes_ = plan_lib.plan_decode_round(draft, tcfg, mesh, batch=b, max_len=cache_len,
-                                                              spans=(cache_len,))
+                                                              spans=(cache_len,), per_layer=per_layer)
                 row[name] = dict(plan.to_json(), **sizes_, fits=hardware.fits(plan.peak_bytes, hw.chip),
                                  projected=hardware.project(plan.flops, plan.bytes_accessed, hw.chip))
                 p = row[name]
@@ -580,8 +645,12 @@ def compile_only(sizes, batches, hw_spec: str, cache_len: int, unrolled: bool) -
                       f"{p['bytes_accessed'] / 1e9:.2f} GB accessed{'' if unrolled else ' (loop bodies once)'}, "
                       f"projected {p['projected']['seconds'] * 1e3:.3f} ms, compiled in {p['compile_seconds']:.0f} s",
                       flush=True)
-                for v in p["largest"]:
-                    print(f"    {v['bytes'] / 2**20:9.1f} MiB  {v['shape']:<28} {v['op']:<16} {v['name']}")
+                p["copies"] = copies(p["largest"], watch)
+                print("    copies among the 32 largest values: " + ", ".join(
+                    f"{kind} {c['count']} ({c['bytes'] / 2**20:.0f} MiB)" for kind, c in p["copies"].items()))
+                for v in p["largest"][:6]:
+                    print(f"    {v['bytes'] / 2**20:9.1f} MiB  {v['shape']:<28} {v['op']:<16} {v['name']}"
+                          f"{'  <- ' + v['copy_of'] if v.get('copy_of') else ''}")
             row["round_over_ar"] = row["round"]["projected"]["seconds"] / row["ar_step"]["projected"]["seconds"]
             rows.append(row)
     return rows
@@ -617,11 +686,14 @@ def main(argv=None) -> int:
     ap.add_argument("--cache-len", type=int, default=4096, help="--compile-only: cache capacity (default 4096)")
     ap.add_argument("--unrolled", action="store_true",
                     help="--compile-only: unroll every loop (flops / bytes per step, slower compiles)")
+    ap.add_argument("--per-layer", action="store_true",
+                    help="--compile-only: the target's layer weights as separate per-layer buffers "
+                         "(params.unstack_layers; an unrolled layer loop), instead of the stacked arrays")
     args = ap.parse_args(argv)
     if args.compile_only:
         sizes = args.sizes.split(",") if not args.smoke else ["tiny"]
         rows = compile_only(sizes, args.batch_sizes if not args.smoke else [1], args.hardware,
-                            args.cache_len if not args.smoke else 128, args.unrolled)
+                            args.cache_len if not args.smoke else 128, args.unrolled, args.per_layer)
         if args.out:
             write_json(Path(args.out) / "round_cost_compiled.json",
                        {"benchmark": "round_cost --compile-only", "jax": jax.__version__, "rows": rows,

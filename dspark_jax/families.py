@@ -184,6 +184,17 @@ def init_params(config, rng, dtype=None, **shared):
     return for_config(config).module().init_params(config, rng, dtype or jnp.float32, **shared)
 
 
+def shared_with_target(draft_config, target_config, target_params) -> dict:
+    """The target arrays a fresh drafter shares (``init_params`` keywords): the drafter family
+    module's ``shared_from_target(target_params)`` when it has one (V4's DSpark: ``embed`` /
+    ``head``), else the embedding and LM head kernel (``embed_tokens`` / ``lm_head``)."""
+    own = getattr(for_config(draft_config).module(), "shared_from_target", None)
+    if own is not None:
+        return own(target_params)
+    return {"embed_tokens": target_params["embed_tokens"],
+            "lm_head": lm_head_kernel(target_config, target_params)}
+
+
 def lm_head_kernel(target_config, target_params):
     """The target's [H, V] output projection (its embedding's transpose when tied)."""
     return for_config(target_config).module().lm_head_kernel(target_params)

@@ -24,6 +24,8 @@ import re
 from dspark_jax.errors import InputError
 
 GiB = 2**30
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+                "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,15 +219,17 @@ def unrolled_loops():
         jax.clear_caches()
 
 
-def _gpu_gemm_flops(hlo_text: str) -> float:
-    """FLOPs of the cuBLAS / cuBLASLt gemm custom calls of compiled GPU HLO (which XLA's generic
-    cost analysis counts as 0): 2 x output elements x contracted size, from the shapes of the
-    call's result and first operand (looked up by name) and its dot dimension numbers."""
+def _gpu_gemm_cost(hlo_text: str) -> dict:
+    """FLOPs and HBM bytes of the cuBLAS / cuBLASLt gemm custom calls of compiled GPU HLO (which
+    XLA's generic cost analysis counts as 0): flops 2 x output elements x contracted size, from
+    the shapes of the call's result and first operand (looked up by name) and its dot dimension
+    numbers; bytes the operands read plus the result written (the cuBLAS workspace left out)."""
     shape_re = r"([a-z]+[0-9]*)\[([0-9,]*)\]"
     dims = lambda text: [int(d) for d in text.split(",") if d]
-    shapes = {m.group(1): dims(m.group(3)) for m in
+    nbytes = lambda dt, d: DTYPE_BYTES.get(dt, 0) * math.prod(d)
+    shapes = {m.group(1): (m.group(2), dims(m.group(3))) for m in
               re.finditer(r"(%[\w.\-]+) = " + shape_re, hlo_text)}
-    total = 0.0
+    flops = total_bytes = 0.0
     for line in hlo_text.splitlines():
         if 'custom_call_target="__cublas$' not in line:
             continue
@@ -233,22 +237,23 @@ def _gpu_gemm_flops(hlo_text: str) -> float:
         contract = re.search(r'"lhs_contracting_dimensions":\[([0-9",]*)\]', line)
         if not m or not contract:
             continue
-        inline = re.match(r"\s*" + shape_re, m.group(3))  # operand printed with its shape
-        name = re.search(r"%[\w.\-]+", m.group(3))
-        lhs = dims(inline.group(2)) if inline else (shapes.get(name.group(0)) if name else None)
-        if lhs is None:
+        operands = [(o.group(1), dims(o.group(2))) if o.group(1) else shapes.get(o.group(3))  # shape inline or by name
+                    for o in re.finditer(r"(?:" + shape_re + r"\S*\s+)?(%[\w.\-]+)", m.group(3))]
+        if not operands or operands[0] is None:
             continue
-        k = math.prod(lhs[int(i)] for i in contract.group(1).replace('"', "").split(",") if i)
-        total += 2.0 * math.prod(dims(m.group(2))) * k
-    return total
+        out = dims(m.group(2))
+        k = math.prod(operands[0][1][int(i)] for i in contract.group(1).replace('"', "").split(",") if i)
+        flops += 2.0 * math.prod(out) * k
+        total_bytes += nbytes(m.group(1), out) + sum(nbytes(*o) for o in operands if o is not None)
+    return {"flops": flops, "bytes": total_bytes}
 
 
 def program_cost(compiled) -> dict:
     """Flops and HBM bytes of a compiled program from its own compiler's cost analysis.
 
     TPU: ``compiled.cost_analysis()``. GPU (where that is None): XLA's HLO cost analysis over the
-    compiled HLO modules (bytes and fused flops) plus the cuBLAS gemm calls' flops
-    (``_gpu_gemm_flops``). A while loop's body is counted once: lower with loops unrolled for
+    compiled HLO modules (bytes and fused flops) plus the cuBLAS gemm calls' flops and bytes
+    (``_gpu_gemm_cost``). A while loop's body is counted once: lower with loops unrolled for
     per-step totals."""
     ca = compiled.cost_analysis()
     if isinstance(ca, (list, tuple)):
@@ -262,8 +267,9 @@ def program_cost(compiled) -> dict:
     flops = nbytes = 0.0
     for module in compiled.runtime_executable().hlo_modules():
         c = _jax.hlo_module_cost_analysis(client, module)
-        flops += float(c.get("flops", 0.0)) + _gpu_gemm_flops(module.to_string())
-        nbytes += float(c.get("bytes accessed", 0.0))
+        gemm = _gpu_gemm_cost(module.to_string())
+        flops += float(c.get("flops", 0.0)) + gemm["flops"]
+        nbytes += float(c.get("bytes accessed", 0.0)) + gemm["bytes"]
     return {"flops": flops, "bytes": nbytes}
 
 

@@ -7,6 +7,8 @@ stack carry a leading ``layers`` axis and are consumed by ``lax.scan``.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -74,11 +76,12 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     """Masked GQA attention, optionally jointly over a read-only prefix (a KV cache).
 
     q [B, Q, Hq, D]; k, v [B, K, Hkv, D]; mask [B, Q, K] (True = visible).
-    ``prefix = (k_pre, v_pre, pre_mask)`` with k_pre, v_pre [B, L, Hkv, D] and
-    pre_mask [B, Q, S], S <= L: one softmax over [the first S prefix slots ; k] without
-    materialising their concatenation (a cache read over its used span, ``read_span``; S = 0:
-    no prefix). Rows with no visible key return zeros. ``scale`` multiplies the scores
-    (default D^-0.5; Gemma4 uses 1.0). Returns [B, Q, Hq, D].
+    ``prefix = (k_pre, v_pre, pre_mask)`` with k_pre, v_pre [B, Hkv, L, D] (head-major, the
+    layout caches are stored in: see ``cache_scores``) and pre_mask [B, Q, S], S <= L: one
+    softmax over [the first S prefix slots ; k] without materialising their concatenation (a
+    cache read over its used span, ``read_span``; S = 0: no prefix). Rows with no visible key
+    return zeros. ``scale`` multiplies the scores (default D^-0.5; Gemma4 uses 1.0).
+    Returns [B, Q, Hq, D].
     """
     b, nq, hq, d = q.shape
     scale = d ** -0.5 if scale is None else scale
@@ -91,7 +94,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
         return out.reshape(b, nq, hq, d)
     k_pre, v_pre, pre_mask = prefix
     s = pre_mask.shape[-1]
-    k_pre, v_pre = k_pre[:, :s], v_pre[:, :s]
+    k_pre, v_pre = k_pre[:, :, :s], v_pre[:, :, :s]
     s_pre = cache_scores(qg, k_pre)
     m = jnp.concatenate([pre_mask, mask], axis=-1)[:, None, None]
     probs = masked_softmax(jnp.concatenate([s_pre, scores], axis=-1), m, scale).astype(v.dtype)
@@ -99,52 +102,64 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     return out.reshape(b, nq, hq, d)
 
 
-# Attention over a cache stored [B, S, Hkv, D] (the target's KV cache, the drafter's context
-# cache). A dot batched over (B, Hkv) wants those two axes leading, so XLA:GPU copies the cache
-# into that order first -- and hoists the copy of every layer's cache out of the layer loop: two
-# cache-sized temporaries and three cache reads per decode step. For the few queries of a decode
-# step (<= SMALL_QUERY per row) the GPU forms below avoid the dot batched over (B, Hkv): values
-# as one gemm batched over B alone ([B, Hkv*G*Q, S] x [B, S, Hkv*D], the cache as stored; Hkv
-# times the small PV FLOPs) keeping each head's own block -- no V copy; scores as a multiply
-# fused into a reduction over D (f32, like the dot's accumulation) -- no K copy at B = 1, but at
-# larger B XLA still re-lays K for the key-minor softmax (docs/performance.md section 0a).
-# Other backends, and long query blocks (prefill, training), keep the dots.
+# Attention over a cache (the target's KV cache, the drafter's context cache). Caches are stored
+# head-major, [.., B, Hkv, S, D] per layer, so that the attention dots -- batched over (B, Hkv),
+# contracting D (scores) and S (values) -- read them as they are: no relayout of the cache on
+# GPU (stored [B, S, Hkv, D], XLA:GPU copied the whole stacked K cache into this order every
+# step; docs/performance.md sections 0a, 0c). Inside a layer scan XLA:GPU still gives a
+# cuBLAS gemm its own copy of the layer's slice; for the few queries of a decode step
+# (<= SMALL_QUERY per row) the scores on CUDA are therefore a multiply fused into a reduction
+# over D (f32, like the dot's accumulation), which reads K in place. Other backends, and long
+# query blocks (prefill, training), use the dot.
 SMALL_QUERY = 16
 
 
+def head_major(x: jax.Array) -> jax.Array:
+    """[B, S, Hkv, D] -> [B, Hkv, S, D]: new keys / values in the order caches keep them."""
+    return x.transpose(0, 2, 1, 3)
+
+
 def cache_scores(qg: jax.Array, k: jax.Array) -> jax.Array:
-    """f32 scores [B, Hkv, G, Q, S] of queries qg [B, Q, Hkv, G, D] against a cache k [B, S, Hkv, D]."""
+    """f32 scores [B, Hkv, G, Q, S] of queries qg [B, Q, Hkv, G, D] against a cache k [B, Hkv, S, D]."""
     if qg.shape[1] > SMALL_QUERY:
         return _scores_dot(qg, k)
     return jax.lax.platform_dependent(qg, k, default=_scores_dot, cuda=_scores_in_place)
 
 
 def cache_values(probs: jax.Array, v: jax.Array) -> jax.Array:
-    """[B, Q, Hkv, G, D] (v's dtype): probs [B, Hkv, G, Q, S] over a cache v [B, S, Hkv, D]."""
-    if probs.shape[3] > SMALL_QUERY:
-        return _values_dot(probs, v)
-    return jax.lax.platform_dependent(probs, v, default=_values_dot, cuda=_values_in_place)
+    """[B, Q, Hkv, G, D] (v's dtype): probs [B, Hkv, G, Q, S] over a cache v [B, Hkv, S, D]. The
+    dot's output keeps (B, Hkv) leading (``bhgqd``; XLA:GPU transposes the cache for a ``bqhgd``
+    output at B = 1), then the small result is transposed."""
+    return jnp.einsum("bhgqk,bhkd->bhgqd", probs, v).transpose(0, 3, 1, 2, 4)
 
 
 def _scores_dot(qg, k):
-    return jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32)
+    return jnp.einsum("bqhgd,bhkd->bhgqk", qg, k, preferred_element_type=jnp.float32)
 
 
 def _scores_in_place(qg, k):
-    prod = qg[:, :, None].astype(jnp.float32) * k[:, None, :, :, None, :].astype(jnp.float32)
-    return jnp.sum(prod, axis=-1).transpose(0, 3, 4, 1, 2)
+    q = qg.transpose(0, 2, 3, 1, 4)[:, :, :, :, None, :].astype(jnp.float32)   # [B, Hkv, G, Q, 1, D]
+    return jnp.sum(q * k[:, :, None, None].astype(jnp.float32), axis=-1)
 
 
-def _values_dot(probs, v):
-    return jnp.einsum("bhgqk,bkhd->bqhgd", probs, v)
+def project_f32(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """x [..., H] @ kernel [H, V] accumulated and returned in float32 (LM heads).
+
+    A single row (an AR step at B = 1) is padded to two on CUDA: for a one-row product with an
+    f32 result XLA:GPU emits a gemv that first converts the whole kernel to f32 (a 2.3 GiB copy
+    of Qwen3-8B's LM head, written and read every step); two rows go to a bf16 cuBLAS gemm."""
+    if math.prod(x.shape[:-1]) != 1:
+        return _dot_f32(x, kernel)
+    return jax.lax.platform_dependent(x, kernel, default=_dot_f32, cuda=_dot_f32_two_rows)
 
 
-def _values_in_place(probs, v):
-    b, h, g, q, s = probs.shape
-    full = jnp.einsum("bhgqk,bkx->bhgqx", probs, v.reshape(b, s, h * v.shape[-1]),
-                      preferred_element_type=jnp.float32).reshape(b, h, g, q, h, v.shape[-1])
-    own = jnp.eye(h, dtype=bool)[:, None, None, :, None]
-    return jnp.sum(jnp.where(own, full, 0.0), axis=4).transpose(0, 3, 1, 2, 4).astype(v.dtype)
+def _dot_f32(x, kernel):
+    return jnp.einsum("...h,hv->...v", x, kernel, preferred_element_type=jnp.float32)
+
+
+def _dot_f32_two_rows(x, kernel):
+    rows = x.reshape(1, x.shape[-1])
+    return _dot_f32(jnp.concatenate([rows, jnp.zeros_like(rows)]), kernel)[:1].reshape(*x.shape[:-1], -1)
 
 
 def swiglu_mlp(x: jax.Array, p: dict) -> jax.Array:

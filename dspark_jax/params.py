@@ -322,6 +322,24 @@ def planned(specs: Specs, mesh, dtype, rules=None) -> tuple[dict, dict]:
     return abstract_params(specs, dtype, sh), sh
 
 
+def unstack_layers(tree: Mapping) -> dict:
+    """``tree`` with its stacked ``"layers"`` subtree ([L, ...] leaves) split into a tuple of L
+    per-layer trees (arrays: ``a[i]``; ``jax.ShapeDtypeStruct``: the shape and sharding less
+    the leading layer axis), for a forward that loops over separate per-layer buffers."""
+    layers = tree["layers"]
+    n = jax.tree.leaves(layers)[0].shape[0]
+
+    def one(a, i):
+        if not isinstance(a, jax.ShapeDtypeStruct):
+            return a[i]
+        sharding = getattr(a, "sharding", None)
+        if sharding is not None:
+            sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[1:]))
+        return jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=sharding)
+
+    return {**tree, "layers": tuple(jax.tree.map(lambda a: one(a, i), layers) for i in range(n))}
+
+
 # --------------------------------------------------------------------------- frozen / trainable
 
 def frozen_paths(specs: Specs) -> tuple[Path, ...]:

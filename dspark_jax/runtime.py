@@ -53,7 +53,8 @@ Drafter (``DraftRuntime``)
 --------------------------
 The backbone functions the training step (``draft.model``) and the decode-time drafter
 (``draft.decode``) call: ``project_context(params, cfg, features [B, S, n*H]) -> ctx [B, S, H]``,
-``context_kv(params, cfg, ctx, positions [B, S]) -> (k, v) [Ld, B, S, Hkv, D]``,
+``context_kv(params, cfg, ctx, positions [B, S]) -> (k, v) [Ld, B, Hkv, S, D]`` (head-major, as
+caches are stored: ``nn.cache_scores``),
 ``embed_block(params, cfg, ids [B, G]) -> [B, G, H]``, ``block_forward(params, cfg, embeds,
 positions, k_ctx, v_ctx, ctx_mask, block_valid, ...) -> hidden``, ``compute_logits(params, cfg,
 hidden) -> [..., V] float32``, and ``replicable`` as for a target; ``block_heads`` (optional,
@@ -186,6 +187,13 @@ def put_row(big, one, axes_tree, slot):
         idx[axis_of(axes, BATCH)] = slot
         return jax.lax.dynamic_update_slice(x, y.astype(x.dtype), idx)
     return jax.tree.map(put, big, one, axes_tree)
+
+
+def write_steps(buf: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
+    """A head-major cache leaf ``buf [L, B, Hkv, S, D]`` with ``new [L, B, Hkv, T, D]`` written at
+    slots ``slots [B, T]`` (slot >= S: dropped): one scatter, in place when ``buf`` is donated."""
+    rows = jnp.arange(slots.shape[0])[:, None]
+    return buf.at[:, rows, :, slots].set(new.transpose(1, 3, 0, 2, 4).astype(buf.dtype), mode="drop")
 
 
 def step_mask(n_new: jax.Array, steps: int) -> jax.Array:

@@ -1,4 +1,5 @@
-"""Test setup: 8 simulated CPU devices, float32 matmuls at full precision, shared fixtures."""
+"""Test setup: 8 simulated CPU devices, float32 matmuls at full precision, shared fixtures, and the
+work units pytest-xdist hands to its workers (pyproject: -n logical --dist loadfile)."""
 
 import gc
 import os
@@ -13,6 +14,9 @@ import pytest  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 FIXTURES = Path(__file__).parent / "fixtures"
+# pytest-xdist hands out one test module at a time (its module fixtures and compiled programs are
+# built once, on one worker); modules that share a costly session fixture form one work unit
+SHARED_UNITS = {"test_demo.py": "quick_demo_run", "test_workflow.py": "quick_demo_run"}
 TINY = FIXTURES / "dspark_qwen3_tiny"
 
 
@@ -72,3 +76,39 @@ def quick_demo_run(tmp_path_factory):
     logs = []
     info = run_demo(cfg, progress=False, log=logs.append)
     return cfg, info, logs
+
+
+def _work_unit(nodeid: str) -> str:
+    """The work unit of a test under pytest-xdist: its module's file name, or the unit of
+    SHARED_UNITS that module belongs to."""
+    module = nodeid.split("::", 1)[0].rpartition("/")[2]
+    return SHARED_UNITS.get(module, module)
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook, run by the controller
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with SHARED_UNITS joined into one unit, and the units handed out in the
+    order of the workers' collection (pytest_collection_modifyitems: slow units first)."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByWorkUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _work_unit(nodeid)
+
+    config.option.loadscopereorder = False  # xdist's default order: most tests first
+    return ByWorkUnit(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """On a pytest-xdist worker: the work units holding a @pytest.mark.slow test first (a stable
+    sort), so that no long test starts last while the other workers idle (longest first). The
+    order within a unit is kept. A run without xdist keeps the collection order."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    slow = {_work_unit(it.nodeid) for it in items if it.get_closest_marker("slow")}
+    first = {}
+    for it in items:
+        first.setdefault(_work_unit(it.nodeid), len(first))
+    items.sort(key=lambda it: (_work_unit(it.nodeid) not in slow, first[_work_unit(it.nodeid)]))

@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # ~60 s: every section of the accelerator script, in subprocesses
 def test_accelerator_small(tmp_path):
     out = tmp_path / "acc"
     env = dict(os.environ, PYTHON=sys.executable, JAX_PLATFORMS="cpu")

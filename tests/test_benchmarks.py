@@ -19,6 +19,7 @@ def test_benchmarks_found():
     assert BENCHMARKS, "no benchmarks/*.py"
 
 
+@pytest.mark.slow  # each a subprocess that imports jax and compiles its programs (10-60 s)
 @pytest.mark.parametrize("script", BENCHMARKS, ids=lambda p: p.name)
 def test_benchmark_smoke(script, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),

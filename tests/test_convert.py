@@ -400,13 +400,13 @@ def test_existing_destination_refused(draft_src, tmp_path):
 
 
 def test_failure_mid_write_leaves_nothing(draft_src, tmp_path, monkeypatch):
-    real = safetensors_io.write_tensors
+    real = safetensors_io.write_planned
 
-    def boom(directory, tensors, **kw):
-        real(directory, tensors, **kw)  # the file is fully written ...
-        raise OSError("disk full")      # ... then the write fails
+    def boom(directory, entries, arrays, **kw):
+        real(directory, entries, arrays, **kw)  # the file is fully written ...
+        raise OSError("disk full")              # ... then the write fails
 
-    monkeypatch.setattr(safetensors_io, "write_tensors", boom)
+    monkeypatch.setattr(safetensors_io, "write_planned", boom)
     convert(draft_src, tmp_path / "j")
     with pytest.raises(OSError, match="disk full"):
         convert(tmp_path / "j", tmp_path / "t")

@@ -104,7 +104,7 @@ def test_cached_extends_match_transformers_built_in_the_test(tmp_path):
     """transformers' DeepseekV4ForCausalLM (16 experts top-4, HCA ratio 8, window 8 < the prompt, a
     CSA / HCA / sliding mix, top-k >= entries where its full-sequence forward is causal): our
     cached prefill + extends give its logits in float32; in bfloat16 they stay as close to the
-    float32 truth as our own bfloat16 full forward."""
+    float32 truth as transformers' bfloat16 forward."""
     import torch
     from dspark_jax.convert import checkpoint
     model, tokens = _hf_model(tmp_path / "wide", index_topk=16)
@@ -116,9 +116,15 @@ def test_cached_extends_match_transformers_built_in_the_test(tmp_path):
     assert _rel(got, ref) < 1e-4
     cfg16, params16 = checkpoint.load_target(tmp_path / "wide", dtype="bfloat16")
     got16, _ = _decode_in_steps(params16, cfg16, ids, 11, (1, 6, 5, 8, 7, 2))
-    full16 = _full_logits(params16, cfg16, ids)
+    from transformers import DeepseekV4ForCausalLM
+    with torch.no_grad():
+        ref16 = DeepseekV4ForCausalLM.from_pretrained(tmp_path / "wide", dtype=torch.bfloat16).eval()(
+            tokens).logits.float().numpy()
+    # bfloat16 noise (amplified by these random weights' routing flips): about as far from the
+    # float32 truth as transformers' own bfloat16 forward
     err = lambda x: float(np.abs(x - ref).mean() / np.abs(ref).mean())  # noqa: E731
-    assert err(got16) < 1.5 * err(full16) + 1e-3 and err(got16) < 0.15, (err(got16), err(full16))
+    assert err(got16) < 1.5 * err(ref16) and err(got16) < 0.15, (err(got16), err(ref16))
+    assert (got16.argmax(-1) == ref.argmax(-1)).mean() > 0.9
 
 
 def _golden():

@@ -10,19 +10,20 @@ from dspark_jax.draft import decode as draft_decode
 
 
 def test_context_cache_prefix_and_scatter():
-    k = jnp.arange(2 * 3 * 4 * 1 * 2, dtype=jnp.float32).reshape(2, 3, 4, 1, 2)  # [Ld,B,P,Hkv,D]
+    k = jnp.arange(2 * 3 * 2 * 4 * 2, dtype=jnp.float32).reshape(2, 3, 2, 4, 2)  # [Ld,B,Hkv,P,D]
     cache = draft_decode.ContextCache.from_prefix(k, -k, max_len=6)
-    chex.assert_shape([cache.k, cache.v], (2, 3, 6, 1, 2))
-    np.testing.assert_array_equal(cache.k[:, :, :4], k)
-    assert not np.any(np.asarray(cache.k[:, :, 4:]))
-    new = jnp.ones((2, 3, 2, 1, 2))
+    chex.assert_shape([cache.k, cache.v], (2, 3, 2, 6, 2))
+    np.testing.assert_array_equal(cache.k[:, :, :, :4], k)
+    assert not np.any(np.asarray(cache.k[:, :, :, 4:]))
+    new = jnp.stack([jnp.ones((2, 3, 2, 2)), 2 * jnp.ones((2, 3, 2, 2))], axis=3)  # token t holds t + 1
     slots = jnp.array([[4, 5], [6, 7], [0, 1]])  # row 1 out of range: dropped
-    out = cache.scatter(new, new, slots)
+    out = cache.scatter(new, -new, slots)
     chex.assert_trees_all_equal_shapes_and_dtypes(out, cache)
-    np.testing.assert_array_equal(out.k[:, 0, 4:], 1.0)
+    np.testing.assert_array_equal(out.k[:, 0, :, 4:], new[:, 0])
+    np.testing.assert_array_equal(out.v[:, 0, :, 4:], -new[:, 0])
     np.testing.assert_array_equal(out.k[:, 1], cache.k[:, 1])
-    np.testing.assert_array_equal(out.k[:, 2, :2], 1.0)
-    np.testing.assert_array_equal(out.k[:, 2, 2:4], k[:, 2, 2:4])
+    np.testing.assert_array_equal(out.k[:, 2, :, :2], new[:, 2])
+    np.testing.assert_array_equal(out.k[:, 2, :, 2:4], k[:, 2, :, 2:4])
     leaves = jax.tree_util.tree_leaves(out)  # a pytree: jit/scan carry it
     assert len(leaves) == 2
 

@@ -61,7 +61,7 @@ def test_ring_cache_matches_full_length_cache(fixture_target):
     ring = gemma4.ring_slots(cfg, max_extend)
     full = gemma4.init_cache(cfg, b, max_len)
     small = gemma4.init_cache(cfg, b, max_len, max_extend=max_extend)
-    assert small.k["sliding"].shape[2] == ring < max_len and small.k["full"].shape[2] == max_len
+    assert small.k["sliding"].shape[3] == ring < max_len and small.k["full"].shape[3] == max_len
     step = jax.jit(lambda p, i, c, n: gemma4.forward(p, cfg, i, c, num_new=n))
     lens = jnp.asarray([40, 9, 25])
     prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, 40)))

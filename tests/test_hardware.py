@@ -29,14 +29,19 @@ def test_projection_and_fit():
     assert hardware.fits(16 * 2**30, chip) and not hardware.fits(16 * 2**30 + 1, chip)
 
 
-def test_gpu_gemm_flops_parser():
-    """cuBLAS gemm custom calls: 2 x output elements x contracted size (XLA's cost analysis says 0)."""
+def test_gpu_gemm_cost_parser():
+    """cuBLAS gemm custom calls: 2 x output elements x contracted size, operands + result bytes
+    (XLA's cost analysis says 0 for both)."""
     line = ('  %custom-call.3 = (bf16[8,12288]{1,0}, s8[4194304]{0}) custom-call(bf16[8,4096]{1,0} %p0, '
             'bf16[4096,12288]{1,0} %p1), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":'
             '{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],'
             '"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}')
-    assert hardware._gpu_gemm_flops(line) == 2 * 8 * 12288 * 4096
-    assert hardware._gpu_gemm_flops(line.replace("__cublas", "__other")) == 0
+    cost = hardware._gpu_gemm_cost(line)
+    assert cost["flops"] == 2 * 8 * 12288 * 4096
+    assert cost["bytes"] == 2 * (8 * 4096 + 4096 * 12288 + 8 * 12288)  # the s8 workspace left out
+    named = line.replace("bf16[8,4096]{1,0} %p0", "%p0") + "\n  %p0 = bf16[8,4096]{1,0} parameter(0)"
+    assert hardware._gpu_gemm_cost(named) == cost  # an operand printed without its shape
+    assert hardware._gpu_gemm_cost(line.replace("__cublas", "__other")) == {"flops": 0.0, "bytes": 0.0}
 
 
 def test_missing_extra_is_one_line(monkeypatch):
@@ -75,20 +80,40 @@ def test_plan_compiles_tiny_fixture_for_tpu(tmp_path, tiny_dir):
 
 
 def test_gpu_cache_attention_forms_match_the_dots():
-    """The forms GPU decode uses to read a [B, S, Hkv, D] cache in place (nn.cache_scores /
-    cache_values under CUDA) compute what the dots do (checked here, on CPU, directly)."""
+    """The scores form GPU decode uses to read a head-major [B, Hkv, S, D] cache in place
+    (nn.cache_scores under CUDA) computes what the dot does (checked here, on CPU, directly), and
+    cache_values is the attention-weighted sum of each head's own values."""
     import jax
     import numpy as np
 
     from dspark_jax import nn
     k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(0), 4)
     qg = jax.random.normal(k1, (2, 5, 2, 3, 16))
-    k = jax.random.normal(k2, (2, 40, 2, 16))
+    k = jax.random.normal(k2, (2, 2, 40, 16))
     np.testing.assert_allclose(nn._scores_in_place(qg, k), nn._scores_dot(qg, k), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(nn._scores_dot(qg, k)[1, 0, 2, 3], np.asarray(k[1, 0]) @ np.asarray(qg[1, 3, 0, 2]),
+                               rtol=1e-5, atol=1e-5)
     probs = jax.nn.softmax(jax.random.normal(k3, (2, 2, 3, 5, 40)), axis=-1)
-    v = jax.random.normal(k4, (2, 40, 2, 16))
-    np.testing.assert_allclose(nn._values_in_place(probs, v), nn._values_dot(probs, v), rtol=1e-5, atol=1e-5)
-    assert nn.cache_scores(qg, k).shape == (2, 2, 3, 5, 40) and nn.cache_values(probs, v).shape == (2, 5, 2, 3, 16)
+    v = jax.random.normal(k4, (2, 2, 40, 16))
+    out = nn.cache_values(probs, v)
+    assert nn.cache_scores(qg, k).shape == (2, 2, 3, 5, 40) and out.shape == (2, 5, 2, 3, 16)
+    np.testing.assert_allclose(out[1, 3, 0, 2], np.asarray(probs[1, 0, 2, 3]) @ np.asarray(v[1, 0]), rtol=1e-5, atol=1e-5)
+
+
+def test_gpu_one_row_projection_matches_the_dot():
+    """The one-row LM-head form of GPU decode (nn.project_f32 under CUDA: padded to two rows)
+    computes what the dot does (checked here, on CPU, directly)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dspark_jax import nn
+    x = jax.random.normal(jax.random.PRNGKey(0), (1, 1, 32), jnp.bfloat16)
+    w = jax.random.normal(jax.random.PRNGKey(1), (32, 50), jnp.bfloat16)
+    out = nn._dot_f32_two_rows(x, w)
+    assert out.shape == (1, 1, 50) and out.dtype == jnp.float32
+    np.testing.assert_allclose(out, nn._dot_f32(x, w), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(nn.project_f32(x, w), nn._dot_f32(x, w), rtol=0, atol=0)
 
 
 def test_round_cost_compile_only_for_tpu(tmp_path):
@@ -112,4 +137,5 @@ def test_round_cost_compile_only_for_tpu(tmp_path):
         prog = row[name]
         assert prog["platform"] == "tpu" and prog["fits"] and prog["flops"] > 0 and prog["bytes_accessed"] > 0
         assert prog["largest"] and prog["projected"]["seconds"] > 0
+        assert set(prog["copies"]) == {"cache", "cache_layer", "weight"}  # copies marked per kind
     assert row["round"]["flops"] > row["ar_step"]["flops"]  # the round also drafts and verifies G+1 tokens

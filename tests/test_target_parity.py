@@ -67,6 +67,32 @@ def test_prefill_and_cached_extend_match_hf(kw):
     assert np.asarray(cache.lengths).tolist() == [14, 14]
 
 
+def test_per_layer_weights_match_hf():
+    """The target's layers as separate per-layer buffers (params.unstack_layers: an unrolled layer
+    loop, what XLA:GPU reads without copying them) give HF's logits, taps and the same cache."""
+    from dspark_jax import params as params_lib
+    model = build_hf(2, **CONFIGS[1])
+    cfg, params = to_jax(model)
+    per_layer = params_lib.unstack_layers(params)
+    assert len(per_layer["layers"]) == cfg.num_hidden_layers
+    ids = np.random.RandomState(5).randint(0, cfg.vocab_size, (2, 9))
+    with torch.no_grad():
+        out = model(torch.tensor(ids), output_hidden_states=True)
+    hidden, taps, _ = qwen3.forward(per_layer, cfg, jnp.asarray(ids), tap_layer_ids=(-1, 1))
+    np.testing.assert_allclose(np.asarray(qwen3.compute_logits(params, hidden)), out.logits.numpy(), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.asarray(taps[..., cfg.hidden_size:]), out.hidden_states[2].numpy(), atol=1e-4, rtol=0)
+    caches = []
+    for p in (params, per_layer):
+        cache = qwen3.init_cache(cfg, 2, 16)
+        _, _, cache = qwen3.forward(p, cfg, jnp.asarray(ids[:, :5]), cache)
+        hid, _, cache = qwen3.forward(p, cfg, jnp.asarray(ids[:, 5:]), cache, num_new=jnp.array([4, 2]))
+        np.testing.assert_allclose(np.asarray(qwen3.compute_logits(params, hid)), out.logits.numpy()[:, 5:],
+                                   atol=1e-4, rtol=0)
+        caches.append(cache)
+    np.testing.assert_allclose(np.asarray(caches[1].k), np.asarray(caches[0].k), atol=1e-6, rtol=0)
+    assert np.asarray(caches[1].lengths).tolist() == [9, 7]
+
+
 def test_per_row_positions_and_rollback():
     """Rows at different cache lengths extend independently; rolling back = setting lengths."""
     model = build_hf(3, **CONFIGS[0])
@@ -98,6 +124,6 @@ def test_writes_past_capacity_are_dropped():
     cfg, params = to_jax(model)
     cache = qwen3.init_cache(cfg, 1, 8)
     _, _, cache = qwen3.forward(params, cfg, jnp.ones((1, 6), jnp.int32), cache)
-    k_before = np.asarray(cache.k[:, :, :6])
+    k_before = np.asarray(cache.k[:, :, :, :6])
     _, _, cache2 = qwen3.forward(params, cfg, jnp.ones((1, 4), jnp.int32), cache)  # slots 6..9
-    np.testing.assert_array_equal(np.asarray(cache2.k[:, :, :6]), k_before)
+    np.testing.assert_array_equal(np.asarray(cache2.k[:, :, :, :6]), k_before)

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-HELP = "convert a drafter or target (Qwen3, Gemma4) between PyTorch (HF) and dspark-jax formats"
+HELP = "convert a drafter or target (Qwen3, Gemma4, DeepSeek-V4) between PyTorch (HF) and dspark-jax formats"
 DESCRIPTION = """\
 Convert a checkpoint directory, in either direction:
 
@@ -25,6 +25,14 @@ model.language_model., vision/audio towers ignored) and written back as the text
 bit-exactly unless --dtype casts them. The output is written to a temporary directory next to
 DST and renamed at the end, so a failure leaves nothing behind; an existing DST is refused
 unless --force. Tokenizer and generation_config.json files are copied along.
+
+Every conversion goes one stored tensor at a time (one layer's, one expert's): host memory holds
+a few tensors, not the model, so a checkpoint larger than RAM converts (pickled *.bin weights
+are read whole). DeepSeek-V4
+('DeepseekV4ForCausalLM', upstream or transformers layout): FP8 (e4m3, 128x128 ue8m0 block
+scales) and MXFP4 experts are dequantized, 'mtp.*' tensors are kept byte for byte in
+aside.safetensors, and '--to torch --quantize fp8' writes the released format back (FP8 weights,
+routed experts in --expert-dtype).
 """
 
 
@@ -45,6 +53,13 @@ def register(subparsers) -> None:
     p.add_argument("--max-shard-size", default=None, metavar="SIZE",
                    help="torch output only: split model.safetensors into shards of at most SIZE "
                         "(e.g. 2GB, 500MB) with a model.safetensors.index.json")
+    p.add_argument("--quantize", choices=("fp8",), default=None,
+                   help="torch output of DeepSeek-V4 only: store the weights the released checkpoints store "
+                        "quantized as FP8 (e4m3, ue8m0 128x128 block scales) and the routed experts in "
+                        "--expert-dtype (default: unquantized)")
+    p.add_argument("--expert-dtype", choices=("fp4", "fp8"), default=None,
+                   help="with --quantize: routed experts as MXFP4 (fp4: two e2m1 per byte, one ue8m0 scale "
+                        "per 32) or FP8 (default: the source config's expert_dtype, else fp4 as released)")
     p.add_argument("--from", dest="from_format", choices=("specforge", "speculators"), default=None,
                    help="SRC is a SpecForge DSparkDraftModel or a speculators-format DSpark drafter "
                         "(imported through the reference layout; see dspark_jax/convert/foreign.py)")
@@ -57,7 +72,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from dspark_jax.convert import checkpoint, safetensors_io
+    from dspark_jax.convert import bounded, checkpoint, safetensors_io
     from dspark_jax.errors import InputError
     from dspark_jax.fileio import check_output
 
@@ -81,9 +96,12 @@ def run(args) -> int:
                           "files": info["files"], "bytes": info["bytes"]}))
         return 0
     src_format = checkpoint.detect_format(args.src)
-    to = checkpoint.convert(args.src, args.dst, to=args.to, force=args.force,
-                            allow_pickle=args.allow_pickle, dtype=args.dtype,
-                            max_shard_size=args.max_shard_size, allow_nonfinite=args.allow_nonfinite)
+    if args.expert_dtype and not args.quantize:
+        raise InputError("--expert-dtype goes with --quantize fp8")
+    to = bounded.convert_bounded(args.src, args.dst, to=args.to, force=args.force, allow_pickle=args.allow_pickle,
+                                 dtype=args.dtype, max_shard_size=args.max_shard_size,
+                                 allow_nonfinite=args.allow_nonfinite, quantize=args.quantize,
+                                 expert_dtype=args.expert_dtype)
     info = checkpoint.describe(args.dst)
     print(f"wrote {info['kind']} checkpoint ({to} format, {info['files']} files, "
           f"{info['bytes']} bytes) to {info['path']}")

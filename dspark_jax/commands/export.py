@@ -25,6 +25,10 @@ readable by every user (0644), and beside them SGLang's STS calibration (dspark_
 the drafter carries STS temperatures from `calibrate --write-draft`) and SPS table
 (dspark_sps.json, from --sps FILE written by `profile-sps`). Written atomically; an existing
 DST is refused unless --force.
+
+DeepSeek-V4's own DSpark module (vllm, sglang): DST is the V4 checkpoint (--target, or DRAFT
+when it is one) with its mtp.* tensors and dspark_* keys replaced by DRAFT's module; the
+target's tensor files are hard-linked or copied byte for byte.
 """
 
 
@@ -39,6 +43,10 @@ def register(subparsers) -> None:
                    help="serving engine (or trainer) to export for")
     p.add_argument("--sps", default=None, metavar="FILE",
                    help="profile-sps JSON (batch_sizes, sps): written as the SGLang SPS table")
+    p.add_argument("--target", default=None, metavar="DIR",
+                   help="DeepSeek-V4 only: the V4 checkpoint DRAFT's DSpark module (mtp.*) is written "
+                        "into (default: DRAFT itself when it is a whole V4 checkpoint); its tensors "
+                        "are linked or copied, never rewritten")
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
     p.set_defaults(func=run)
 
@@ -48,8 +56,9 @@ def run(args) -> int:
     from dspark_jax.fileio import check_output
 
     check_output(args.dst, force=args.force, kind="dir", flag="DST",
-                 inputs={"DRAFT": args.draft, "--sps": args.sps})
-    summary = engines.export_draft(args.draft, args.dst, args.engine, force=args.force, sps=args.sps)
+                 inputs={"DRAFT": args.draft, "--sps": args.sps, "--target": args.target})
+    summary = engines.export_draft(args.draft, args.dst, args.engine, force=args.force, sps=args.sps,
+                                   target=args.target)
     print(f"wrote {args.engine} drafter ({summary['architecture']}, {summary['tensors']} tensors, "
           f"{summary['bytes']} bytes{', ' + ', '.join(summary['sidecars']) if summary['sidecars'] else ''}) "
           f"to {summary['dst']}")

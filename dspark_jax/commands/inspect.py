@@ -1,17 +1,19 @@
-"""`dspark-jax inspect CKPT`: what a drafter is and which serving engines can load it."""
+"""`dspark-jax inspect CKPT`: what a drafter is and which serving engines load it; what a target checkpoint holds."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-HELP = "summarise a drafter checkpoint and which serving engines load it (and why not)"
+HELP = ("summarise a checkpoint: a drafter and which serving engines load it (and why not), or a "
+        "target (layers, parameter counts, stored dtypes and quantization, DeepSeek-V4's attention "
+        "types, MoE routing and mtp.* tensors)")
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("inspect", help=HELP, description=HELP,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("ckpt", metavar="CKPT", help="drafter checkpoint directory (either format)")
+    p.add_argument("ckpt", metavar="CKPT", help="drafter or target checkpoint directory (either format)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=run)
 
@@ -58,6 +60,9 @@ def _leaves(tree):
 
 
 def run(args) -> int:
+    from dspark_jax.convert import checkpoint
+    if checkpoint.detect_kind(args.ckpt) == "target":
+        return _print_target(args)
     info = describe_draft(args.ckpt)
     if args.json:
         print(json.dumps(info))
@@ -80,4 +85,45 @@ def run(args) -> int:
         print(f"  {engine:<11} {status}  [{checked}]")
         for note in e["notes"]:
             print(f"  {'':<11} note: {note}")
+    return 0
+
+
+def _print_target(args) -> int:
+    from dspark_jax.convert import describe
+    info = describe.describe_target(args.ckpt)
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    n = info["params"]
+    print(f"{info['path']}  ({info['format']} format)")
+    print(f"  target {info['family']} ({info['architecture']}): {info['layers']} layers, hidden "
+          f"{info['hidden_size']}, vocab {info['vocab_size']}")
+    active = f", active per token {n['active_per_token']:,}" if "active_per_token" in n else ""
+    print(f"  parameters {n['total']:,} (embedding + head {n['embedding_and_head']:,}, routed experts "
+          f"{n['routed_experts']:,}{active})")
+    for kind, ids in (info.get("attention") or {}).items():
+        print(f"  {kind}: {len(ids)} layers {ids}")
+    if "moe" in info:
+        m = info["moe"]
+        print(f"  MoE: {m['routed_experts']} routed experts (width {m['expert_width']}), top-{m['top_k']}, "
+              f"{m['shared_experts']} shared; hash-routed layers {m['hash_layers']}")
+    dtypes = ", ".join(f"{k} x{v}" for k, v in info["dtypes"].items())
+    print(f"  {info['tensors']} tensors stored: {dtypes}")
+    if info["quantized"]:
+        q = ", ".join(f"{v} {k}" for k, v in info["quantized"].items())
+        print(f"  quantized: {q} (scales {', '.join(info['scale_dtypes'])})")
+    else:
+        print("  quantized: none (stored unquantized)")
+    a = info["aside"]
+    if a["tensors"]:
+        print(f"  kept aside: {a['tensors']} mtp.* tensors ({a['bytes']:,} bytes), DSpark stages {a['mtp_stages']}")
+    else:
+        print("  no mtp.* tensors")
+    d = info.get("dspark")
+    if d:
+        print(f"  DSpark module: block {d['block_size']}, target layers {d['target_layer_ids']}, "
+              f"{d['stages']} stages, Markov rank {d['markov_rank']}, {d['heads']} heads, "
+              f"window {d['window']}, noise token {d['noise_token_id']}, experts {d['experts']}")
+    else:
+        print("  DSpark module: none (no dspark_* keys)")
     return 0

@@ -140,7 +140,7 @@ def _run_rounds(args, out, mesh) -> int:
              else profile.default_round_batches(args.max_batch))
     widths = _parse_ints(args.widths, "--widths") if args.widths else None
     tcfg, tparams = checkpoint.load_target(args.target)
-    dcfg, dparams = checkpoint.load_draft(args.draft)
+    dcfg, dparams = checkpoint.load_draft(args.draft, target_params=tparams)
     if args.dtype:
         dt = jnp.dtype(args.dtype)
         tparams = jax.tree.map(lambda a: a.astype(dt), tparams)

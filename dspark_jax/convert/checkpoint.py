@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -209,7 +208,10 @@ def _config_from_hf(kind: str, hf: Mapping[str, Any], where: str):
     return family.config_from_hf(hf)
 
 
-def _load_torch(kind: str, p: Path, *, allow_pickle: bool):
+def validated_torch(kind: str, p: Path, *, allow_pickle: bool = False):
+    """(config.json dict, config, TensorReader, {declared: stored name}, {declared: TensorInfo at
+    the dequantized shape and dtype}, {declared: quant.Stored} of the quantized ones) of a HF
+    directory, validated from its headers only: no tensor data is read."""
     hf = read_json_object(p / "config.json", "config.json")
     cfg = _config_from_hf(kind, hf, str(p / "config.json"))
     family = families.for_config(cfg)
@@ -222,7 +224,13 @@ def _load_torch(kind: str, p: Path, *, allow_pickle: bool):
     infos, stored = quant.logical_infos(params_lib.quantized(specs), infos, what,
                                         lambda shape, dtype, info: dataclasses.replace(info, shape=shape, dtype=dtype),
                                         fixed)
-    mapping.check_tensors(infos, params_lib.torch_shapes(specs), what, fixed=fixed)  # headers only: no data read yet
+    mapping.check_tensors(infos, params_lib.torch_shapes(specs), what, fixed=fixed)
+    return hf, cfg, reader, names, infos, stored
+
+
+def _load_torch(kind: str, p: Path, *, allow_pickle: bool):
+    hf, cfg, reader, names, infos, stored = validated_torch(kind, p, allow_pickle=allow_pickle)
+    specs = families.declare(cfg)
     tensors = {}
     for d in infos:
         tensors[d] = reader.get(names[d])
@@ -241,12 +249,11 @@ def _text_config(hf: Mapping[str, Any]) -> dict:
     return dict(hf["text_config"]) if isinstance(hf.get("text_config"), dict) else dict(hf)
 
 
-def _write_torch(tmp: Path, kind: str, config, params, *, hf_base, extras, max_shard_size) -> None:
+def _write_torch(tmp: Path, kind: str, config, params, *, extras, max_shard_size) -> None:
     host = jax.tree.map(np.asarray, params)
     check_params(config, host, f"{kind} params")
     tensors = mapping.to_torch(config, host)
-    hf = {k: v for k, v in (hf_base or {}).items() if k != "dspark_jax"}
-    hf.update(config.to_hf())
+    hf = config.to_hf()
     dtype = _tree_dtype(host, config).name
     hf["dtype"] = dtype
     hf.pop("torch_dtype", None)
@@ -285,13 +292,12 @@ def _load_jax(kind: str, p: Path):
     return cfg, hf, params, meta.get("extras") or {}
 
 
-def _write_jax(tmp: Path, kind: str, config, params, *, hf_base, extras) -> None:
+def _write_jax(tmp: Path, kind: str, config, params, *, extras) -> None:
     import orbax.checkpoint as ocp
 
     params = jax.tree.map(jnp.asarray, params)
     check_params(config, params, f"{kind} params")
-    hf = {k: v for k, v in (hf_base or {}).items() if k != "dspark_jax"}
-    hf.update(config.to_hf())
+    hf = config.to_hf()
     hf["dtype"] = _tree_dtype(params, config).name
     hf.pop("torch_dtype", None)
     meta = {"format": "dspark-jax", "version": FORMAT_VERSION, "kind": kind,
@@ -314,11 +320,21 @@ def _load(kind: str, path, dtype, allow_pickle: bool):
     return cfg, hf, _cast_tree(params, _np_dtype(dtype), cfg)
 
 
-def load_draft(path, dtype=None, *, allow_pickle: bool = False) -> tuple[DraftConfig, dict]:
-    """(config, params with jnp leaves) from a drafter directory (torch or jax format).
+def load_draft(path, dtype=None, *, allow_pickle: bool = False,
+               target_params: Mapping | None = None) -> tuple[DraftConfig, dict]:
+    """(config, params with jnp leaves) from a drafter directory (torch or jax format), or the
+    DSpark module inside a DeepSeek-V4 checkpoint (``mtp.*`` + ``dspark_*`` keys; it shares
+    ``target_params``' embedding and head when given, else reads the checkpoint's).
 
     ``dtype`` None keeps the stored dtype; 'float32'/'bfloat16' casts.
     """
+    from dspark_jax.convert import dspark_v4  # it imports this module
+    if dspark_v4.holds_module(path):
+        cfg, params = dspark_v4.load_module(path, shared=target_params is None)
+        params = _cast_tree(params, _np_dtype(dtype), cfg)
+        if target_params is not None:
+            params = dspark_v4.with_target(params, target_params)
+        return cfg, params
     cfg, _, params = _load("draft", path, dtype, allow_pickle)
     return cfg, params
 
@@ -366,8 +382,7 @@ def default_stop_ids(target_dir, tokenizer=None) -> list[int]:
     return [int(eos)] if eos is not None else []
 
 
-def _save(kind, path, config, params, *, format, force, extras, max_shard_size, hf_base=None,
-          copy_from=None) -> Path:
+def _save(kind, path, config, params, *, format, force, extras, max_shard_size) -> Path:
     if format not in ("torch", "jax"):
         raise InputError(f"format={format!r} is unknown; expected 'torch' or 'jax'")
     family = families.for_config(config)
@@ -376,15 +391,10 @@ def _save(kind, path, config, params, *, format, force, extras, max_shard_size, 
                           f"not a {kind} config")
     with atomic_dir(path, force=force) as tmp:
         if format == "torch":
-            _write_torch(tmp, kind, config, params, hf_base=hf_base, extras=extras,
+            _write_torch(tmp, kind, config, params, extras=extras,
                          max_shard_size=max_shard_size)
         else:
-            _write_jax(tmp, kind, config, params, hf_base=hf_base, extras=extras)
-        if copy_from is not None:
-            _write_aside(tmp, Path(copy_from), family)
-            for name in SIDECAR_FILES:
-                if (Path(copy_from) / name).is_file():
-                    shutil.copy2(Path(copy_from) / name, tmp / name)
+            _write_jax(tmp, kind, config, params, extras=extras)
     return Path(path)
 
 
@@ -410,25 +420,11 @@ def convert(src, dst, *, to: str | None = None, force: bool = False, allow_pickl
     ``to`` defaults to the other format (torch -> jax, jax -> torch). Unknown
     config.json fields, extras and tokenizer/generation files are carried over. Tensors
     holding NaN/inf are a CheckpointError naming them, unless ``allow_nonfinite`` (a warning).
+    One stored tensor at a time, so host memory stays about one tensor (``bounded.convert_bounded``).
     """
-    src_p, dst_p = Path(src), Path(dst)
-    src_fmt = detect_format(src_p)
-    to = to or ("jax" if src_fmt == "torch" else "torch")
-    if to not in ("torch", "jax"):
-        raise InputError(f"--to {to!r} is unknown; expected 'torch' or 'jax'")
-    if src_p.absolute().resolve() == dst_p.absolute().resolve():
-        raise InputError(f"{dst_p}: destination is the source directory")
-    kind = detect_family(src_p).kind
-    if src_fmt == "jax":
-        cfg, hf, params, extras = _load_jax(kind, src_p)
-    else:
-        cfg, hf, params = _load_torch(kind, src_p, allow_pickle=allow_pickle)
-        extras = (hf.get("dspark_jax") or {}).get("extras") or {}
-    params = _cast_tree(params, _np_dtype(dtype), cfg)
-    _check_finite(params, src_p, allow=allow_nonfinite)
-    _save(kind, dst_p, cfg, params, format=to, force=force, extras=extras,
-          max_shard_size=max_shard_size, hf_base=hf, copy_from=src_p)
-    return to
+    from dspark_jax.convert import bounded
+    return bounded.convert_bounded(src, dst, to=to, force=force, allow_pickle=allow_pickle, dtype=dtype,
+                                   max_shard_size=max_shard_size, allow_nonfinite=allow_nonfinite)
 
 
 def _write_aside(tmp: Path, src: Path, family: Family) -> None:
@@ -442,21 +438,6 @@ def _write_aside(tmp: Path, src: Path, family: Family) -> None:
         from dspark_jax.errors import warn
         warn(f"{src}: {count} tensor(s) under {', '.join(family.aside_tensors)} are not part of the "
              f"{family.name} model; kept unchanged in {ASIDE_NAME}")
-
-
-def _check_finite(params, where, *, allow: bool = False) -> None:
-    """CheckpointError naming the tensors that hold NaN/inf; with ``allow`` a warning (they are
-    converted unchanged)."""
-    from dspark_jax.errors import warn
-    bad = [name for name, v in _flat(params).items()
-           if np.asarray(v).dtype.kind in "fV" and not np.isfinite(np.asarray(v, np.float32)).all()]
-    if not bad:
-        return
-    names = f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}"
-    if not allow:
-        raise CheckpointError(f"{where}: {len(bad)} tensor(s) hold NaN/inf values: {names} (pass "
-                              "--allow-nonfinite to convert them unchanged)")
-    warn(f"{where}: {len(bad)} tensor(s) hold NaN/inf values (converted unchanged): {names}")
 
 
 def describe(path) -> dict:

@@ -24,9 +24,10 @@ import numpy as np
 
 from dspark_jax import params as params_lib
 from dspark_jax.convert import mapping, quant, safetensors_io
-from dspark_jax.convert.checkpoint import read_json_object
-from dspark_jax.draft.deepseek_v4 import DeepseekV4DSparkConfig, module_specs
-from dspark_jax.errors import CheckpointError
+from dspark_jax.convert.checkpoint import read_extras, read_json_object, sts_temperatures
+from dspark_jax.draft.deepseek_v4 import KEYS, DeepseekV4DSparkConfig, declare, module_specs
+from dspark_jax.draft.deepseek_v4 import with_target  # noqa: F401 (load_draft's, beside load_module)
+from dspark_jax.errors import CheckpointError, ConfigError
 from dspark_jax.fileio import atomic_dir
 
 PREFIX = "mtp."
@@ -37,18 +38,24 @@ def read_config(path) -> DeepseekV4DSparkConfig:
     return DeepseekV4DSparkConfig.from_hf(read_json_object(Path(path) / "config.json", "config.json"))
 
 
-def load_module(path) -> tuple[DeepseekV4DSparkConfig, dict]:
-    """(config, numpy params without ``embed`` / ``head``) of the DSpark module in V4 checkpoint ``path``.
+def load_module(path, *, shared: bool = False) -> tuple[DeepseekV4DSparkConfig, dict]:
+    """(config, numpy params) of the DSpark module in V4 checkpoint ``path``: the ``mtp.*`` tensors,
+    and with ``shared`` also the target's ``embed`` / ``head`` read from the same checkpoint.
 
     Quantized tensors come back float (the checkpoint's widest plain float dtype) and the config
     unquantized, as the target's conversion does."""
     p = Path(path)
     cfg = read_config(p)
-    specs = module_specs(cfg)
+    specs = declare(cfg) if shared else module_specs(cfg)
     reader = safetensors_io.TensorReader(p)
-    infos = {n: i for n, i in reader.infos.items() if n.startswith(PREFIX)}
-    if not infos:
+    if not any(n.startswith(PREFIX) for n in reader.infos):
         raise CheckpointError(f"{p}: config.json has the dspark_* keys but no {PREFIX}* tensors")
+    shared_names = {s.torch for s in specs.values() if not s.torch.startswith(PREFIX)}
+    missing = sorted(shared_names - set(reader.infos))
+    if missing:
+        raise CheckpointError(f"{p}: tensor {missing[0]!r} (the target's, which the DSpark module shares) "
+                              f"is missing; pass the target's params instead")
+    infos = {n: i for n, i in reader.infos.items() if n.startswith(PREFIX) or n in shared_names}
     fixed = params_lib.fixed_dtypes(specs)
     infos, stored = quant.logical_infos(params_lib.quantized(specs), infos, str(p),
                                         lambda shape, dtype, info: dataclasses.replace(info, shape=shape, dtype=dtype),
@@ -61,7 +68,16 @@ def load_module(path) -> tuple[DeepseekV4DSparkConfig, dict]:
             scale = reader.get(stored[name].scale)
             tensors[name] = quant.dequantize(tensors[name], scale, stored[name].quant).astype(infos[name].dtype)
     cfg = dataclasses.replace(cfg, target=cfg.target.dequantized())
-    return cfg, params_lib.from_torch(module_specs(cfg), tensors)
+    return cfg, params_lib.from_torch(declare(cfg) if shared else module_specs(cfg), tensors)
+
+
+def holds_module(path) -> bool:
+    """Whether ``path`` is a V4 checkpoint (safetensors) whose config.json has the ``dspark_*`` keys."""
+    p = Path(path) / "config.json"
+    if not p.is_file():
+        return False
+    hf = read_json_object(p, "config.json")
+    return all(hf.get(k) is not None for k in KEYS)
 
 
 def module_tensors(cfg: DeepseekV4DSparkConfig, params: Mapping) -> dict[str, np.ndarray]:
@@ -88,15 +104,22 @@ def save_module(path, cfg: DeepseekV4DSparkConfig, params: Mapping, *, force: bo
 MODULE_FILE = "model-dspark.safetensors"
 
 
-def write_checkpoint(src, dst, cfg: DeepseekV4DSparkConfig, params: Mapping, *, force: bool = False) -> Path:
+def _model(target_cfg):
+    """A target config as the model it describes (unquantized, pass-through config keys aside)."""
+    return dataclasses.replace(target_cfg.dequantized(), extra=())
+
+
+def write_checkpoint(src, dst, cfg: DeepseekV4DSparkConfig, params: Mapping, *, force: bool = False,
+                     sidecars: Mapping[str, str] | None = None) -> Path:
     """The V4 checkpoint ``src`` with its DSpark module replaced by ``params`` (config ``cfg``) at
     ``dst``: the target's tensors untouched (a shard holding no ``mtp.*`` tensor is hard-linked, or
     copied where links fail; others have their target tensors copied raw), the module in
     ``MODULE_FILE``, a ``model.safetensors.index.json`` over all, and ``src``'s config.json with
-    the module's ``dspark_*`` keys. Other files (tokenizer, generation config) are copied."""
+    the module's ``dspark_*`` keys. Other files (tokenizer, generation config) are copied, and
+    ``sidecars`` ({file name: text}) written beside them."""
     s = Path(src)
     hf = read_json_object(s / "config.json", "config.json")
-    if DeepseekV4DSparkConfig.from_hf({**hf, **cfg.hf_fields()}).target.dequantized() != cfg.target.dequantized():
+    if _model(DeepseekV4DSparkConfig.from_hf({**hf, **cfg.hf_fields()}).target) != _model(cfg.target):
         raise CheckpointError(f"{s}: the module's target config differs from this checkpoint's")
     tensors = module_tensors(cfg, params)
     reader = safetensors_io.TensorReader(s)
@@ -129,4 +152,44 @@ def write_checkpoint(src, dst, cfg: DeepseekV4DSparkConfig, params: Mapping, *, 
             if other.is_file() and other.suffix != ".safetensors" and other.name not in (
                     "config.json", safetensors_io.INDEX_NAME):
                 shutil.copy2(other, tmp / other.name)
+        for name, text in (sidecars or {}).items():
+            (tmp / name).write_text(text)
     return Path(dst)
+
+
+def export(draft, dst, engine: str, *, target=None, force: bool = False) -> dict:
+    """``dspark-jax export`` of a V4 DSpark module: the V4 checkpoint ``target`` (default ``draft``
+    itself, when it is a whole V4 checkpoint) with its module replaced by ``draft``'s
+    (``write_checkpoint``), refused with the engine's rule (``engines.V4_RULES``) before anything is
+    written when the engine could not load the result. Returns a summary."""
+    from dspark_jax.convert import engines
+
+    cfg, params = load_module(draft)
+    src = Path(target) if target is not None else Path(draft)
+    reader = safetensors_io.TensorReader(src)
+    shared = {s.torch for s in declare(cfg).values() if not s.torch.startswith(PREFIX)}
+    if all(n.startswith(PREFIX) or n in shared for n in reader.infos):
+        raise CheckpointError(f"{src}: holds the DSpark module but not its target's layers; pass --target "
+                              f"(the V4 checkpoint it is written into)")
+    hf = {**read_json_object(src / "config.json", "config.json"), **cfg.hf_fields()}
+    tensors = module_tensors(cfg, params)
+    names = {n: i.dtype for n, i in reader.infos.items() if not n.startswith(PREFIX)}
+    names.update({n: t.dtype for n, t in tensors.items()})
+    facts = engines.v4_facts(hf, names)
+    why = engines.v4_check(facts, engine)
+    if why:
+        raise ConfigError(f"{draft}: cannot export for {why}")
+    sidecars = {}
+    temps = sts_temperatures(draft)
+    if temps is not None and engine == "sglang":  # SGLang's STS calibration file, as for Qwen3 drafters
+        if len(temps) != cfg.block_size:
+            raise ConfigError(f"{draft}: extras['sts_temperatures'] has {len(temps)} entries, "
+                              f"dspark_block_size is {cfg.block_size}")
+        sidecars[engines.STS_FILE] = json.dumps(engines.sts_sidecar(temps, read_extras(draft).get("sts_report")),
+                                                indent=1) + "\n"
+    write_checkpoint(src, dst, cfg, params, force=force, sidecars=sidecars)
+    return {"event": "export", "engine": engine, "src": str(draft), "target": str(src), "dst": str(dst),
+            "architecture": hf["architectures"][0], "tensors": len(tensors),
+            "bytes": int(sum(t.nbytes for t in tensors.values())), "dtype": str(next(iter(tensors.values())).dtype),
+            "sidecars": sorted(sidecars), "warnings": [f"{engine} will load it with a limitation: {why} [{r.source}]"
+                                         for r, why in engines.v4_violations(facts, engine, "warning")]}

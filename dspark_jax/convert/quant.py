@@ -99,10 +99,27 @@ def dequantize(data: np.ndarray, scale: np.ndarray, q: Quant) -> np.ndarray:
     return vals * _expand(scale_values(scale), q.block, vals.shape)
 
 
-def _ue8m0_for(amax: np.ndarray, top: float) -> np.ndarray:
-    """The smallest power-of-two scale with amax / scale <= top, as ue8m0 bytes."""
-    e = np.ceil(np.log2(np.maximum(amax, 1e-30) / top)).astype(np.int32)
-    return np.clip(e + 127, 0, 254).astype(np.uint8).view(UE8M0)
+def _round(x: np.ndarray, fmt: str) -> np.ndarray:
+    """``x`` rounded to the nearest value of ``fmt`` without saturating (beyond the format's
+    largest value: larger than it, so an overflow shows)."""
+    if fmt == "fp8":
+        with np.errstate(invalid="ignore", over="ignore"):
+            out = np.asarray(x, np.float32).astype(FP8).astype(np.float32)
+        return np.where(np.isfinite(out), np.abs(out), np.inf)
+    grid = np.append(E2M1[:8], 8.0)  # 8: the next step past 6, i.e. an overflow
+    return grid[np.abs(np.abs(x)[..., None] - grid).argmin(-1)]
+
+
+def _ue8m0_for(amax: np.ndarray, fmt: str) -> np.ndarray:
+    """Per block, the smallest power-of-two scale at which ``amax`` rounds to a value of ``fmt``
+    without overflow, as ue8m0 bytes. The smallest such scale makes quantization canonical: the
+    dequantized values quantize again to the same bytes."""
+    top = 6.0 if fmt == "fp4" else FP8_MAX
+    e = np.ceil(np.log2(np.maximum(amax, 1e-30) / top)).astype(np.int32)  # amax / 2**e <= top
+    e = np.clip(e, -127, 127)
+    lower = np.clip(e - 1, -127, 127)
+    fits = _round(amax / np.ldexp(np.float32(1), lower), fmt) <= top
+    return (np.where(fits, lower, e) + 127).astype(np.uint8).view(UE8M0)
 
 
 def _blocks(w: np.ndarray, block: tuple[int, int]) -> np.ndarray:
@@ -121,9 +138,10 @@ def quantize(w: np.ndarray, q: Quant) -> tuple[np.ndarray, np.ndarray]:
         raise ValueError(f"quantize: expected a 2-D tensor, got shape {w.shape}")
     if q.fmt == "fp4" and w.shape[-1] % 2:
         raise ValueError(f"quantize: fp4 needs an even last dim, got {w.shape}")
-    scale = _ue8m0_for(_blocks(w, q.block), 6.0 if q.fmt == "fp4" else FP8_MAX)
+    scale = _ue8m0_for(_blocks(w, q.block), q.fmt)
     x = w / _expand(scale_values(scale), q.block, w.shape)
     if q.fmt == "fp8":
-        return x.astype(FP8), scale
+        with np.errstate(over="ignore"):
+            return x.astype(FP8), scale
     codes = np.abs(np.abs(x)[..., None] - E2M1[:8]).argmin(-1).astype(np.uint8) | (np.signbit(x) * 8).astype(np.uint8)
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).view(np.int8), scale

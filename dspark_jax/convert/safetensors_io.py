@@ -226,22 +226,72 @@ def _read_raw(file: Path, name: str, info: TensorInfo) -> np.ndarray:
 
 def copy_raw(directory, names, dst: Path) -> int:
     """Copy tensors ``names`` of a safetensors checkpoint ``directory`` byte for byte (any dtype,
-    float8 included) into one safetensors file ``dst``; returns how many were copied."""
+    float8 included) into one safetensors file ``dst``, one tensor in memory at a time; returns
+    how many were copied."""
     reader = TensorReader(directory)
-    header, chunks, offset = {}, [], 0
-    for name in names:
-        entry, data = _raw_entry(reader.directory / reader.infos[name].file, name)
-        chunks.append(data)
-        header[name] = {"dtype": entry["dtype"], "shape": entry["shape"], "data_offsets": [offset, offset + len(data)]}
-        offset += len(data)
+    names = list(names)
+    entries = [(n, reader.infos[n].dtype, reader.infos[n].shape) for n in names]
+    _write_file(Path(dst), entries, ((n, _read_raw(reader.directory / reader.infos[n].file, n, reader.infos[n]))
+                                     for n in names))
+    return len(names)
+
+
+_ST_TAGS = {v: k for k, v in _ST_DTYPES.items()}
+
+
+def _write_file(path: Path, entries, arrays) -> None:
+    """One safetensors file whose tensors ``entries`` [(name, dtype, shape)] are known up front:
+    the header is written first, then each array of ``arrays`` ((name, array), same order) is
+    appended as it arrives, so only one tensor is held at a time."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, dtype, shape in entries:
+        size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        header[name] = {"dtype": _ST_TAGS[np.dtype(dtype)], "shape": [int(n) for n in shape],
+                        "data_offsets": [offset, offset + size]}
+        offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    with open(dst, "wb") as f:
+    with open(path, "wb") as f:
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
-        for chunk in chunks:
-            f.write(chunk)
-    return len(header)
+        for (name, dtype, shape), (got, array) in zip(entries, arrays, strict=True):
+            array = np.ascontiguousarray(array)
+            if got != name or array.dtype != np.dtype(dtype) or tuple(array.shape) != tuple(shape):
+                raise ValueError(f"{path}: tensor {got!r} {array.dtype}{array.shape} arrived where "
+                                 f"{name!r} {np.dtype(dtype)}{tuple(shape)} was planned")
+            f.write(array.reshape(-1).view(np.uint8).data)  # any dtype (float8 too) as bytes
+    os.chmod(path, 0o644)
+
+
+def write_planned(directory, entries, arrays, *, max_shard_size=None) -> list[str]:
+    """Write tensors known up front (``entries`` [(name, dtype, shape)]) from the iterator
+    ``arrays`` of (name, array) in that order, holding one tensor at a time (headers are
+    planned from ``entries``). Sharded like ``write_tensors``; returns the file names written."""
+    d = Path(directory)
+    entries = list(entries)
+    sizes = [int(np.prod(s, dtype=np.int64)) * np.dtype(t).itemsize for _, t, s in entries]
+    limit = parse_size(max_shard_size) if max_shard_size is not None else None
+    shards: list[list] = [[]]
+    size = 0
+    for entry, n in zip(entries, sizes):
+        if limit is not None and shards[-1] and size + n > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += n
+    arrays = iter(arrays)
+    if len(shards) == 1:
+        _write_file(d / WEIGHTS_NAME, shards[0], arrays)
+        return [WEIGHTS_NAME]
+    names, weight_map = [], {}
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        _write_file(d / name, shard, (next(arrays) for _ in shard))
+        names.append(name)
+        weight_map.update({e[0]: name for e in shard})
+    index = {"metadata": {"total_size": int(sum(sizes))}, "weight_map": weight_map}
+    (d / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    return names + [INDEX_NAME]
 
 
 def read_tensors(directory, *, allow_pickle: bool = False) -> dict[str, np.ndarray]:

@@ -204,7 +204,7 @@ def _table_meta(config, cache_length, layout, dtype, meta, **settings) -> dict:
         "dtype": str(np.dtype(dtype)),
         "model": {"num_hidden_layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
                   "vocab_size": config.vocab_size, "num_attention_heads": config.num_attention_heads,
-                  "num_key_value_heads": config.num_key_value_heads},
+                  "num_key_value_heads": getattr(config, "num_key_value_heads", None)},  # V4: no field (one shared K = V head)
         **(meta or {}),
     }
 

@@ -27,14 +27,15 @@ def project_context(params: dict, config: DraftConfig, target_features: jax.Arra
 def context_kv(params: dict, config: DraftConfig, ctx: jax.Array, positions: jax.Array):
     """Per-layer keys/values of ctx [B, S, H] at ``positions [B, S]``.
 
-    Returns k, v [Ld, B, S, Hkv, D] (k normed and rotated), the same for every
-    layer's input since ctx does not pass through the layers' input norms.
+    Returns k, v [Ld, B, Hkv, S, D] (k normed and rotated; head-major, the context cache's
+    layout: ``nn.cache_scores``), the same for every layer's input since ctx does not pass
+    through the layers' input norms.
     """
     cos, sin = nn.rope_cos_sin(positions, config.head_dim, config.rope_theta)
 
     def one_layer(p):
         k, v = nn.kv_heads(ctx, p, config.num_key_value_heads, config.head_dim, config.rms_norm_eps)
-        return nn.apply_rope(k, cos, sin), v
+        return nn.head_major(nn.apply_rope(k, cos, sin)), nn.head_major(v)
 
     return jax.lax.map(one_layer, params["layers"])
 
@@ -49,14 +50,13 @@ def block_visibility(ctx_mask: jax.Array, block_valid: jax.Array, g: int) -> jax
 
 
 def _block_attention(q, k_blk, v_blk, k_ctx, v_ctx, visible, scale=None):
-    """q, k_blk, v_blk [B,N,G,H*,D]; k_ctx, v_ctx [B,S,Hkv,D]; visible from ``block_visibility``.
+    """q, k_blk, v_blk [B,N,G,H*,D]; k_ctx, v_ctx [B,Hkv,S,D]; visible from ``block_visibility``.
 
     ``scale`` multiplies the scores (default D^-0.5; Gemma4 uses 1.0).
     """
     b, n, g, hq, d = q.shape
-    hkv = k_ctx.shape[2]
+    hkv, s = k_ctx.shape[1:3]
     q = q.reshape(b, n, g, hkv, hq // hkv, d)
-    s = k_ctx.shape[1]
     s_ctx = nn.cache_scores(q.reshape(b, n * g, hkv, hq // hkv, d), k_ctx).reshape(b, hkv, hq // hkv, n, g, s)
     s_blk = jnp.einsum("bngjrd,bnkjd->bjrngk", q, k_blk, preferred_element_type=jnp.float32)
     probs = nn.masked_softmax(jnp.concatenate([s_ctx, s_blk], axis=-1), visible,
@@ -80,7 +80,7 @@ def block_forward(
     """Run the backbone over blocks.
 
     block_embeds [B, N, G, H]; block_positions [B, N, G]; ctx_k/ctx_v
-    [Ld, B, S, Hkv, D] from ``context_kv``; ctx_mask [B, N, S] marks the context
+    [Ld, B, Hkv, S, D] from ``context_kv``; ctx_mask [B, N, S] marks the context
     rows each block sees (position < anchor); block_valid [B, N] (False: the
     block sees nothing and its attention output is zero).
     ``remat`` rematerialises each layer in the backward pass (``jax.checkpoint``):

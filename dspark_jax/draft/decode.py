@@ -23,19 +23,19 @@ from dspark_jax import families, runtime, sampling
 from dspark_jax.draft import confidence, markov
 
 
-CONTEXT_AXES = ("layers", runtime.BATCH, runtime.STEP, "kv_heads", "head_dim")
+CONTEXT_AXES = ("layers", runtime.BATCH, "kv_heads", runtime.STEP, "head_dim")  # head-major: nn.cache_scores
 
 
 @flax.struct.dataclass
 class ContextCache:
-    """Draft context keys/values ``k, v [Ld, B, L, Hkv, D]``; row b holds positions < pos[b]."""
+    """Draft context keys/values ``k, v [Ld, B, Hkv, L, D]``; row b holds positions < pos[b]."""
 
     k: jax.Array
     v: jax.Array
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     def axes(self) -> "ContextCache":
         """Logical axes of k and v (``runtime``'s cache declaration)."""
@@ -43,21 +43,20 @@ class ContextCache:
 
     @classmethod
     def from_prefix(cls, k_new: jax.Array, v_new: jax.Array, max_len: int) -> "ContextCache":
-        """A cache of capacity ``max_len`` holding k_new, v_new [Ld, B, P, Hkv, D] at slots 0..P-1."""
-        p = k_new.shape[2]
-        shape = (*k_new.shape[:2], max_len, *k_new.shape[3:])
-        return cls(jnp.zeros(shape, k_new.dtype).at[:, :, :p].set(k_new),
-                   jnp.zeros(shape, v_new.dtype).at[:, :, :p].set(v_new))
+        """A cache of capacity ``max_len`` holding k_new, v_new [Ld, B, Hkv, P, D] at slots 0..P-1."""
+        p = k_new.shape[3]
+        shape = (*k_new.shape[:3], max_len, k_new.shape[4])
+        return cls(jnp.zeros(shape, k_new.dtype).at[:, :, :, :p].set(k_new),
+                   jnp.zeros(shape, v_new.dtype).at[:, :, :, :p].set(v_new))
 
     def scatter(self, k_new: jax.Array, v_new: jax.Array, slots: jax.Array) -> "ContextCache":
-        """Write k_new, v_new [Ld, B, T, Hkv, D] at ``slots [B, T]`` (slots >= L are dropped)."""
-        rows = jnp.arange(slots.shape[0])[:, None]
-        return self.replace(k=self.k.at[:, rows, slots].set(k_new.astype(self.k.dtype), mode="drop"),
-                            v=self.v.at[:, rows, slots].set(v_new.astype(self.v.dtype), mode="drop"))
+        """Write k_new, v_new [Ld, B, Hkv, T, D] at ``slots [B, T]`` (slots >= L are dropped)."""
+        return self.replace(k=runtime.write_steps(self.k, k_new, slots),
+                            v=runtime.write_steps(self.v, v_new, slots))
 
 
 def context_kv(dparams: dict, dcfg: DraftConfig, taps: jax.Array, positions: jax.Array):
-    """Context k, v [Ld, B, T, Hkv, D] of target features taps [B, T, n*H] at positions [B, T]."""
+    """Context k, v [Ld, B, Hkv, T, D] of target features taps [B, T, n*H] at positions [B, T]."""
     ops = families.draft_ops(dcfg)
     ctx = ops.project_context(dparams, dcfg, taps)
     return ops.context_kv(dparams, dcfg, ctx, positions)
@@ -95,7 +94,7 @@ def block_hidden(dparams: dict, dcfg: DraftConfig, anchor: jax.Array, pos: jax.A
     b = anchor.shape[0]
     g = dcfg.block_size
     chex.assert_shape(pos, (b,))
-    chex.assert_shape([ctx.k, ctx.v], (dcfg.num_hidden_layers, b, None, dcfg.num_key_value_heads,
+    chex.assert_shape([ctx.k, ctx.v], (dcfg.num_hidden_layers, b, dcfg.num_key_value_heads, None,
                                        dcfg.head_dim))
     block_ids = jnp.concatenate(
         [anchor[:, None], jnp.full((b, g - 1), dcfg.mask_token_id, jnp.int32)], axis=1)
@@ -104,7 +103,7 @@ def block_hidden(dparams: dict, dcfg: DraftConfig, anchor: jax.Array, pos: jax.A
     block_pos = (pos[:, None] + jnp.arange(g, dtype=jnp.int32))[:, None]      # [B,1,G]
     span = ctx.max_len if span is None else int(span)
     ctx_mask = jnp.arange(span)[None, None, :] < pos[:, None, None]          # [B,1,S]
-    return ops.block_forward(dparams, dcfg, embeds, block_pos, ctx.k[:, :, :span], ctx.v[:, :, :span],
+    return ops.block_forward(dparams, dcfg, embeds, block_pos, ctx.k[:, :, :, :span], ctx.v[:, :, :, :span],
                              ctx_mask, jnp.ones((b, 1), bool))[:, 0]         # [B,G,H]
 
 

@@ -98,6 +98,7 @@ class DeepseekV4DSparkConfig:
     num_hidden_layers = property(lambda self: len(self.target_layer_ids))   # stages
     num_target_layers = property(lambda self: self.target.num_hidden_layers)
     num_context_features = property(lambda self: len(self.target_layer_ids))
+    max_position_embeddings = property(lambda self: self.target.max_position_embeddings)
     mask_token_id = property(lambda self: self.noise_token_id)
     has_markov = property(lambda self: self.markov_rank > 0)
     confidence_uses_markov = property(lambda self: self.markov_rank > 0)
@@ -108,6 +109,18 @@ class DeepseekV4DSparkConfig:
         n = self.num_hidden_layers
         return dataclasses.replace(self.target, num_hidden_layers=n, layer_types=(SLIDING,) * n,
                                    mlp_layer_types=(MOE,) * n, extra=())
+
+    def check_compatible(self, target) -> None:
+        """ConfigError unless ``target`` is the V4 model this module was built on (its tokens,
+        width, streams and depth, so the tapped layers exist)."""
+        if not isinstance(target, DeepseekV4Config):
+            raise ConfigError(f"V4's DSpark module needs a DeepSeek-V4 target, got {type(target).__name__}")
+        mine = self.target
+        problems = [f"{k} {getattr(mine, k)} != target {getattr(target, k)}"
+                    for k in ("vocab_size", "hidden_size", "hc_mult", "num_hidden_layers")
+                    if getattr(mine, k) != getattr(target, k)]
+        if problems:
+            raise ConfigError("DSpark module and target do not fit together: " + "; ".join(problems))
 
     def replace(self, **changes) -> "DeepseekV4DSparkConfig":
         return dataclasses.replace(self, **changes)
@@ -225,7 +238,12 @@ def init_params(cfg: DeepseekV4DSparkConfig, rng: jax.Array, dtype=jnp.float32, 
 
 def with_target(params: Mapping, target_params: Mapping) -> dict:
     """The module's params with the target's ``embed`` and ``head`` (the same arrays, no copy)."""
-    return {**params, "embed": target_params["embed"], "head": target_params["head"]}
+    return {**params, **shared_from_target(target_params)}
+
+
+def shared_from_target(target_params: Mapping) -> dict:
+    """``init_params`` keywords of a fresh module on a target (``families.shared_with_target``)."""
+    return {"embed": target_params["embed"], "head": target_params["head"]}
 
 
 def param_axes(cfg: DeepseekV4DSparkConfig) -> dict:
@@ -252,8 +270,9 @@ def context_rows(p: dict, cfg: DeepseekV4DSparkConfig, main_x: jax.Array, positi
 
 
 def context_kv(p: dict, cfg: DeepseekV4DSparkConfig, main_x: jax.Array, positions: jax.Array):
-    """``runtime.DraftRuntime.context_kv``: (k, v) [Ls, B, S, 1, D], the same array (K = V)."""
-    kv = context_rows(p, cfg, main_x, positions)[..., None, :]
+    """``runtime.DraftRuntime.context_kv``: (k, v) [Ls, B, 1, S, D] (head-major, one K = V head),
+    the same array."""
+    kv = context_rows(p, cfg, main_x, positions)[:, :, None]
     return kv, kv
 
 
@@ -325,10 +344,10 @@ def block_forward(p: dict, cfg: DeepseekV4DSparkConfig, embeds: jax.Array, posit
                   ctx_k: jax.Array, ctx_v: jax.Array, ctx_mask: jax.Array, block_valid: jax.Array,
                   remat: bool | str = False) -> jax.Array:
     """``runtime.DraftRuntime.block_forward``: context rows indexed by position (ctx_k = ctx_v
-    [Ls, B, S, 1, D]; ``ctx_mask [B, N, S]`` rows < anchor), each block windowed to its last W rows;
+    [Ls, B, 1, S, D]; ``ctx_mask [B, N, S]`` rows < anchor), each block windowed to its last W rows;
     returns h [B, N, G, H] (pre-norm)."""
     del ctx_v
-    rows, visible = window_of(ctx_k[..., 0, :], ctx_mask & block_valid[:, :, None], positions[:, :, 0], cfg.window)
+    rows, visible = window_of(ctx_k[:, :, 0], ctx_mask & block_valid[:, :, None], positions[:, :, 0], cfg.window)
     return stages_forward(p, cfg, embeds, positions, rows, visible, remat)
 
 

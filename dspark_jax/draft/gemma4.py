@@ -241,7 +241,8 @@ def _rope(cfg: Gemma4DraftConfig, positions: jax.Array, dtype):
 
 
 def context_kv(params: dict, cfg: Gemma4DraftConfig, ctx: jax.Array, positions: jax.Array):
-    """Per-layer k (k-normed, rotated) and v (v-normed) of ctx [B, S, H]: [Ld, B, S, Hkv, D] each."""
+    """Per-layer k (k-normed, rotated) and v (v-normed) of ctx [B, S, H]: [Ld, B, Hkv, S, D] each
+    (head-major, ``backbone.context_kv``)."""
     cos, sin = _rope(cfg, positions, ctx.dtype)
     b, s, _ = ctx.shape
     hkv, d, eps = cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
@@ -249,7 +250,8 @@ def context_kv(params: dict, cfg: Gemma4DraftConfig, ctx: jax.Array, positions: 
     def one_layer(p):
         k_raw = (ctx @ p["k_proj"]).reshape(b, s, hkv, d)
         v_raw = (ctx @ p["v_proj"]).reshape(b, s, hkv, d) if "v_proj" in p else k_raw
-        return nn.apply_rope(tg.rms_norm(k_raw, p["k_norm"], eps), cos, sin), tg.rms_norm(v_raw, None, eps)
+        return (nn.head_major(nn.apply_rope(tg.rms_norm(k_raw, p["k_norm"], eps), cos, sin)),
+                nn.head_major(tg.rms_norm(v_raw, None, eps)))
 
     return jax.lax.map(one_layer, params["layers"])
 

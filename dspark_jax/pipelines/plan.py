@@ -32,8 +32,7 @@ def _shape_bytes(dtype: str, dims: str) -> int:
 
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-                "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_DTYPE_BYTES = hardware.DTYPE_BYTES
 
 
 @dataclasses.dataclass
@@ -198,7 +197,7 @@ def compile_plan(name: str, fn: Callable, *abstract_args, platform: str | None =
                        get("temp_size_in_bytes"), get("alias_size_in_bytes"),
                        get("generated_code_size_in_bytes"), collectives_in(text), seconds,
                        upcast_bytes(text) if platform == "cpu" else 0, platform, cost["flops"],
-                       cost["bytes"], largest_values(text))
+                       cost["bytes"], largest_values(text, 32))
 
 
 def plan_train_step(draft_cfg: DraftConfig, target_cfg: TargetConfig, train_cfg: TrainConfig,
@@ -269,12 +268,14 @@ def sharding_summary(tree) -> dict[str, str]:
 
 def plan_decode_round(draft_cfg: DraftConfig | None, target_cfg: TargetConfig, mesh: Mesh, *, batch: int,
                       max_len: int, dtype=jnp.bfloat16, max_new_tokens: int = 1024,
-                      spans: tuple[int, ...] | None = None) -> tuple[ProgramPlan, dict]:
+                      spans: tuple[int, ...] | None = None, per_layer: bool = False) -> tuple[ProgramPlan, dict]:
     """Compile one speculative decode round (draft, Markov sampling, verify, commit) on ``mesh``
     for abstract state: the very jitted round (``spec.step``) of ``decode.build_decode(mesh)`` that
     ``generate --mesh`` runs, with params and state placed by their declared logical axes.
     ``draft_cfg=None``: the autoregressive step (``ar.step``) instead. ``spans``: the compiled
-    cache spans (default: the shipped ones; ``(max_len,)``: attention over the whole cache)."""
+    cache spans (default: the shipped ones; ``(max_len,)``: attention over the whole cache).
+    ``per_layer``: the target's layer weights as separate per-layer buffers
+    (``params.unstack_layers``; the target forward then loops over layers unrolled)."""
     import types
 
     from dspark_jax.decode import programs, shapes
@@ -285,6 +286,8 @@ def plan_decode_round(draft_cfg: DraftConfig | None, target_cfg: TargetConfig, m
     sharded.check_mesh(mesh, target_cfg, draft_cfg, batch)
     prog = programs.build_decode(mesh, sharded.decode_rules(target_cfg))
     t_abs, _ = families.abstract_params(target_cfg, mesh, dtype, prog.rules)
+    if per_layer:
+        t_abs = params_lib.unstack_layers(t_abs)
     rep = shard_lib.replicated(mesh)
     temp_stop = (jax.ShapeDtypeStruct((), jnp.float32, sharding=rep),
                  jax.ShapeDtypeStruct((shapes.MAX_STOP_IDS,), jnp.int32, sharding=rep))

@@ -407,7 +407,7 @@ def _generate(todo: list[Request], done: dict, files: dict, sampling: Sampling, 
     dcfg = dparams = None
     max_pos, slack = tcfg.max_position_embeddings, 1
     if draft is not None:
-        dcfg, dparams = load_draft(draft, dtype)
+        dcfg, dparams = load_draft(draft, dtype, target_params=tparams)
         max_pos, slack = min(max_pos, dcfg.max_position_embeddings), dcfg.block_size
     for r in todo:
         if len(r.prompt_ids) + sampling.max_new_tokens + slack > max_pos:

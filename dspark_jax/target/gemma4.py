@@ -409,14 +409,14 @@ def sandwich(x: jax.Array, attn_out: jax.Array, p: dict, eps: float) -> jax.Arra
 # ----------------------------------------------------------------------------- cache and forward
 
 
-KV_AXES = ("layers", runtime.BATCH, runtime.STEP, "kv_heads", "head_dim")
+KV_AXES = ("layers", runtime.BATCH, "kv_heads", runtime.STEP, "head_dim")  # head-major: nn.cache_scores
 
 
 @flax.struct.dataclass
 class Gemma4Cache:
-    """Static cache. k/v: {"sliding": [Ls, B, R, Hkv, D] (ring), "full": [Lf, B, capacity, Hkv_g,
+    """Static cache. k/v: {"sliding": [Ls, B, Hkv, R, D] (ring), "full": [Lf, B, Hkv_g, capacity,
     D_g]}; lengths [B]; ``capacity`` (static): positions per row. The delta of T tokens is
-    ``(k_new, v_new)``, dicts {group: [L_g, B, T, Hkv_g, D_g]}."""
+    ``(k_new, v_new)``, dicts {group: [L_g, B, Hkv_g, T, D_g]}."""
 
     k: dict
     v: dict
@@ -435,22 +435,17 @@ class Gemma4Cache:
         at p mod R (only a row's last R committed positions); positions >= capacity are dropped.
         One masked scatter per tensor, in place when donated; ``lengths`` advance by n_new."""
         k_new, v_new = delta
-        t = next(iter(k_new.values())).shape[2]
+        t = next(iter(k_new.values())).shape[3]
         n_new = n_new.astype(jnp.int32)
         positions = self.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         live = runtime.step_mask(n_new, t) & (positions < self.capacity)
         slots = {"full": jnp.where(live, positions, self.capacity)}
         if "sliding" in self.k:
-            ring = self.k["sliding"].shape[2]
+            ring = self.k["sliding"].shape[3]
             end = (self.lengths + n_new)[:, None]
             slots["sliding"] = jnp.where(live & (positions >= end - ring), positions % ring, ring)
-        rows = jnp.arange(positions.shape[0])[:, None]
-
-        def put(buf, new, g):
-            return buf.at[:, rows, slots[g]].set(new.astype(buf.dtype), mode="drop")
-
-        return self.replace(k={g: put(a, k_new[g], g) for g, a in self.k.items()},
-                            v={g: put(a, v_new[g], g) for g, a in self.v.items()},
+        return self.replace(k={g: runtime.write_steps(a, k_new[g], slots[g]) for g, a in self.k.items()},
+                            v={g: runtime.write_steps(a, v_new[g], slots[g]) for g, a in self.v.items()},
                             lengths=self.lengths + n_new)
 
 
@@ -470,8 +465,8 @@ def init_cache(cfg: Gemma4TargetConfig, batch: int, capacity: int, dtype=jnp.flo
         n = len(cfg.layer_ids(layer_type))
         if n:
             kv, d, _ = cfg.group_shape(group)
-            k[group] = jnp.zeros((n, batch, slots[group], kv, d), dtype)
-            v[group] = jnp.zeros((n, batch, slots[group], kv, d), dtype)
+            k[group] = jnp.zeros((n, batch, kv, slots[group], d), dtype)
+            v[group] = jnp.zeros((n, batch, kv, slots[group], d), dtype)
     return Gemma4Cache(k, v, jnp.zeros((batch,), jnp.int32), capacity)
 
 
@@ -482,8 +477,7 @@ def lm_head_kernel(params: dict) -> jax.Array:
 
 def compute_logits(params: dict, cfg: Gemma4TargetConfig, hidden: jax.Array) -> jax.Array:
     """hidden [..., H] (after the final norm) -> softcapped logits [..., V] float32."""
-    logits = jnp.einsum("...h,hv->...v", hidden, lm_head_kernel(params).astype(hidden.dtype),
-                        preferred_element_type=jnp.float32)
+    logits = nn.project_f32(hidden, lm_head_kernel(params).astype(hidden.dtype))
     return softcap(logits, cfg.final_logit_softcapping)
 
 
@@ -507,7 +501,7 @@ def forward_pure(params: dict, cfg: Gemma4TargetConfig, tokens: jax.Array,
     ``lengths[b] + t`` that sees the committed slots (and, on sliding layers, only those inside
     the window). Returns ``(hidden [B, T, H] after the final norm, features [B, T, n*H] or None,
     delta)``: features are decoder-layer outputs after ``layer_scalar`` (-1 = the scaled
-    embedding); delta the new ``(k, v)`` dicts {group: [L_g, B, T, Hkv_g, D_g]} (None without a
+    embedding); delta the new ``(k, v)`` dicts {group: [L_g, B, Hkv_g, T, D_g]} (None without a
     cache), for ``Gemma4Cache.commit``.
     """
     b, t = tokens.shape
@@ -526,11 +520,11 @@ def forward_pure(params: dict, cfg: Gemma4TargetConfig, tokens: jax.Array,
     if cache is not None:
         lengths = cache.lengths[:, None, None]
         if "full" in cache.k:
-            span = nn.read_span(span, cache.k["full"].shape[2])
+            span = nn.read_span(span, cache.k["full"].shape[3])
             slots = jnp.arange(span, dtype=jnp.int32)[None, None, :]
             cache_mask["full"] = jnp.broadcast_to(slots < lengths, (b, t, span))
         if "sliding" in cache.k:  # ring: slot s holds the last position < lengths that is s mod R
-            ring = cache.k["sliding"].shape[2]
+            ring = cache.k["sliding"].shape[3]
             slots = jnp.arange(ring, dtype=jnp.int32)[None, None, :]
             held = slots + ring * jnp.floor_divide(lengths - 1 - slots, ring)
             cache_mask["sliding"] = (held >= 0) & (held > positions[:, :, None] - cfg.sliding_window)
@@ -577,8 +571,8 @@ def forward_pure(params: dict, cfg: Gemma4TargetConfig, tokens: jax.Array,
             slot = xs["tap"][j]
             taps = jnp.where(slot >= 0, jax.lax.dynamic_update_index_in_dim(taps, x, jnp.maximum(slot, 0), 0),
                              taps)
-            new_k[g].append(k)
-            new_v[g].append(v)
+            new_k[g].append(nn.head_major(k))  # [B, Hkv, T, D], the cache's order
+            new_v[g].append(nn.head_major(v))
             seen[g] += 1
         out = None
         if cache is not None:

@@ -5,7 +5,8 @@ Params::
     {"embed_tokens": [V, H], "norm": [H], "lm_head": [H, V] (absent when tied),
      "layers": {stacked decoder-layer params, leading axis L}}
 
-The KV cache holds ``k, v [L, B, capacity, Hkv, D]`` and per-row ``lengths [B]``; an extend of
+The KV cache holds ``k, v [L, B, Hkv, capacity, D]`` (head-major: ``nn.cache_scores``) and
+per-row ``lengths [B]``; an extend of
 T tokens at positions ``lengths[b] .. lengths[b]+T-1`` sees every committed slot and the new
 tokens causally. ``forward_pure`` is the runtime protocol's forward (``dspark_jax.runtime``:
 returns the new k/v, never writes); ``KVCache.commit`` writes the accepted ones (out-of-range
@@ -27,13 +28,13 @@ from dspark_jax.config import TargetConfig
 from dspark_jax.params import ParamSpec
 
 
-KV_AXES = ("layers", runtime.BATCH, runtime.STEP, "kv_heads", "head_dim")
+KV_AXES = ("layers", runtime.BATCH, "kv_heads", runtime.STEP, "head_dim")
 
 
 @flax.struct.dataclass
 class KVCache:
-    """Static-shape KV cache (``runtime.Cache``). k, v: [L, B, capacity, Hkv, D]; lengths: [B]
-    int32; the delta of T tokens is ``(k_new, v_new)`` [L, B, T, Hkv, D]."""
+    """Static-shape KV cache (``runtime.Cache``). k, v: [L, B, Hkv, capacity, D]; lengths: [B]
+    int32; the delta of T tokens is ``(k_new, v_new)`` [L, B, Hkv, T, D]."""
 
     k: jax.Array
     v: jax.Array
@@ -41,7 +42,7 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     def axes(self) -> "KVCache":
         return KVCache(KV_AXES, KV_AXES, (runtime.BATCH,))
@@ -53,12 +54,10 @@ class KVCache:
         """Write the first ``n_new[b]`` of the delta's tokens at slots ``lengths[b] + t`` (one
         masked scatter per tensor, in place when donated) and advance ``lengths``."""
         k_new, v_new = delta
-        t = k_new.shape[2]
+        t = k_new.shape[3]
         positions = self.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         slots = jnp.where(runtime.step_mask(n_new, t), positions, self.capacity)
-        rows = jnp.arange(k_new.shape[1])[:, None]
-        return KVCache(self.k.at[:, rows, slots].set(k_new.astype(self.k.dtype), mode="drop"),
-                       self.v.at[:, rows, slots].set(v_new.astype(self.v.dtype), mode="drop"),
+        return KVCache(runtime.write_steps(self.k, k_new, slots), runtime.write_steps(self.v, v_new, slots),
                        self.lengths + n_new.astype(jnp.int32))
 
 
@@ -66,7 +65,7 @@ def init_cache(config: TargetConfig, batch: int, capacity: int, dtype=jnp.float3
                max_extend: int | None = None) -> KVCache:
     """Empty cache of ``capacity`` positions per row (``max_extend``: unused, every slot is kept)."""
     del max_extend
-    shape = (config.num_hidden_layers, batch, capacity, config.num_key_value_heads, config.head_dim)
+    shape = (config.num_hidden_layers, batch, config.num_key_value_heads, capacity, config.head_dim)
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
 
 
@@ -151,8 +150,7 @@ def lm_head_kernel(params: dict) -> jax.Array:
 
 def compute_logits(params: dict, hidden: jax.Array) -> jax.Array:
     """hidden [..., H] (after the final norm) -> logits [..., V] in float32."""
-    return jnp.einsum("...h,hv->...v", hidden, lm_head_kernel(params),
-                      preferred_element_type=jnp.float32)
+    return nn.project_f32(hidden, lm_head_kernel(params))
 
 
 def logits(params: dict, config: TargetConfig, hidden: jax.Array) -> jax.Array:
@@ -165,10 +163,10 @@ def _layer(config: TargetConfig, x, p, positions, mask, k_cache=None, v_cache=No
     """One decoder layer over x [B, T, H].
 
     Without a cache: attention over the T new tokens (``mask`` [B, T, T]). With
-    one: this layer's read-only ``k_cache, v_cache [B, max_len, Hkv, D]``, of which the first
+    one: this layer's read-only ``k_cache, v_cache [B, Hkv, max_len, D]``, of which the first
     S = ``cache_mask.shape[-1]`` slots are read (``nn.attention``; visible per ``cache_mask``
     [B, T, S]), plus the new tokens (``mask``). Returns (x, k, v) with the new tokens' k, v
-    [B, T, Hkv, D] (written by the caller).
+    [B, Hkv, T, D] (head-major like the cache; written by the caller).
     """
     h = nn.rms_norm(x, p["input_layernorm"], config.rms_norm_eps)
     q, k, v = nn.qkv_heads(h, p, config.num_attention_heads, config.num_key_value_heads,
@@ -183,7 +181,7 @@ def _layer(config: TargetConfig, x, p, positions, mask, k_cache=None, v_cache=No
     b, t = x.shape[:2]
     x = x + attn.reshape(b, t, -1) @ p["o_proj"]
     x = x + nn.swiglu_mlp(nn.rms_norm(x, p["post_attention_layernorm"], config.rms_norm_eps), p)
-    return x, k, v
+    return x, nn.head_major(k), nn.head_major(v)
 
 
 def forward_pure(params: dict, config: TargetConfig, tokens: jax.Array, cache: KVCache | None = None,
@@ -195,7 +193,12 @@ def forward_pure(params: dict, config: TargetConfig, tokens: jax.Array, cache: K
     ``lengths[b] + t`` reading the first ``span`` cache slots (default all). Returns ``(hidden
     [B, T, H] after the final norm, features [B, T, n*H] or None, delta)``: features concatenate
     the raw outputs of decoder layers ``taps`` (-1 = embedding output); delta is the new
-    ``(k, v)`` [L, B, T, Hkv, D] (None without a cache), for ``KVCache.commit``.
+    ``(k, v)`` [L, B, Hkv, T, D] (None without a cache), for ``KVCache.commit``.
+
+    ``params["layers"]`` is the stacked tree (a ``lax.scan`` over layers) or a sequence of
+    per-layer trees (``params.unstack_layers``: a Python loop over layers whose weights are
+    separate buffers; XLA:GPU otherwise copies each layer's weights out of the stacked arrays
+    before its gemms, docs/performance.md section 0a). Same outputs.
     """
     b, t = tokens.shape
     embed = params["embed_tokens"]
@@ -237,10 +240,18 @@ def forward_pure(params: dict, config: TargetConfig, tokens: jax.Array, cache: K
             taps = jnp.where(idx >= 0, jax.lax.dynamic_update_index_in_dim(taps, x, slot, 0), taps)
         return (x, taps), (None if cache is None else (k, v))
 
-    xs = (layers, jnp.asarray(tap_index, jnp.int32))
-    if cache is not None:
-        xs = xs + (cache.k, cache.v)
-    (x, taps_out), delta = jax.lax.scan(body, (x, taps0), xs)     # delta: [Lyr, B, T, Hkv, D] x2
+    if isinstance(layers, (list, tuple)):  # one params tree per layer: an unrolled loop (see below)
+        carry, outs = (x, taps0), []
+        for i, p in enumerate(layers):
+            kv = () if cache is None else (cache.k[i], cache.v[i])
+            carry, out = body(carry, (p, jnp.int32(tap_index[i]), *kv))
+            outs.append(out)
+        (x, taps_out), delta = carry, (None if cache is None else tuple(jnp.stack(a) for a in zip(*outs)))
+    else:
+        xs = (layers, jnp.asarray(tap_index, jnp.int32))
+        if cache is not None:
+            xs = xs + (cache.k, cache.v)
+        (x, taps_out), delta = jax.lax.scan(body, (x, taps0), xs)     # delta: [Lyr, B, Hkv, T, D] x2
     hidden = nn.rms_norm(x, params["norm"].astype(dtype), config.rms_norm_eps)
     features = None
     if tap_ids:

@@ -111,15 +111,14 @@ def load_source(cfg: TrainConfig, target_cfg, draft_cfg, target_params):
 def load_drafter(cfg: TrainConfig, target_cfg: TargetConfig, target_params) -> tuple[DraftConfig, dict]:
     """(config, params) of the drafter to train: ``draft_init`` or a fresh one sharing the
     target's embedding and LM head."""
-    if cfg.draft_init:
-        draft_cfg, params = ckpt_io.load_draft(cfg.draft_init)
+    if cfg.draft_init:  # (a V4 checkpoint's own module shares target_params' embedding and head)
+        draft_cfg, params = ckpt_io.load_draft(cfg.draft_init, target_params=target_params)
         families.check_pair(draft_cfg, target_cfg)
         draft_cfg.check_compatible(target_cfg)
         return draft_cfg, params
     draft_cfg = cfg.draft_config(target_cfg)
     params = families.init_params(draft_cfg, jax.random.PRNGKey(cfg.seed),
-                                  embed_tokens=target_params["embed_tokens"],
-                                  lm_head=families.lm_head_kernel(target_cfg, target_params))
+                                  **families.shared_with_target(draft_cfg, target_cfg, target_params))
     return draft_cfg, params
 
 
@@ -251,7 +250,7 @@ def setup(cfg: TrainConfig, *, fast_compile: bool = False, force_resume: bool = 
     trainable, frozen = optim.split_params(params, draft_cfg)
     example = source[0]
     program = build_program(draft_cfg, target_cfg, cfg, mesh, total_steps=total_steps,
-                            weights_dtype=target_params["embed_tokens"].dtype,
+                            weights_dtype=families.lm_head_kernel(target_cfg, target_params).dtype,
                             feature_dtype=example["features"].dtype if "features" in example else np.float32,
                             fast_compile=fast_compile)
     target = _put(target_params, program.target_sharding) if program.online else None

@@ -238,6 +238,13 @@ class DeepseekV4Config:
         """The same model stored unquantized (what conversion writes)."""
         return dataclasses.replace(self, quant=None, expert_dtype=None)
 
+    def quantized(self, expert_dtype: str = "fp4") -> "DeepseekV4Config":
+        """The same model stored as the released checkpoints are: FP8 weights (e4m3, 128x128
+        ue8m0 block scales) and routed experts in ``expert_dtype`` ("fp4" = MXFP4, or "fp8")."""
+        _require(expert_dtype in EXPERT_DTYPES,
+                 f"expert_dtype {expert_dtype!r} is unknown; known {EXPERT_DTYPES}")
+        return dataclasses.replace(self, quant="fp8", quant_block=(128, 128), expert_dtype=expert_dtype)
+
     def to_hf(self) -> dict[str, Any]:
         """The upstream config.json keys (the layout ``--to torch`` writes)."""
         hf = {

@@ -71,7 +71,15 @@ GEMMA4_MASK_TOKEN_ID = 4
 
 _LAYER_IDS = {"Qwen/Qwen3-4B": (1, 9, 17, 25, 33), "Qwen/Qwen3-8B": (1, 9, 17, 25, 33),
               "Qwen/Qwen3-14B": (1, 10, 19, 28, 37), GEMMA4_12B: (5, 17, 29, 41, 46)}
+# the layers DeepSeek-V4's in-checkpoint DSpark module reads (``dspark_target_layer_ids``, DEEPSEEK_V4.md)
+_V4_DSPARK_LAYER_IDS = {V4_FLASH: (40, 41, 42), V4_PRO: (58, 59, 60)}
+
 _MASK_TOKEN_IDS = {GEMMA4_12B: GEMMA4_MASK_TOKEN_ID}
+
+
+def target_layer_ids(target: str) -> tuple[int, ...] | None:
+    """The target layers the released drafter of preset ``target`` reads (None: no preset)."""
+    return _LAYER_IDS.get(target) or _V4_DSPARK_LAYER_IDS.get(target)
 
 
 def mask_token_id(target: str) -> int:

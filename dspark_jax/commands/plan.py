@@ -18,23 +18,28 @@ def register(sub) -> None:
             "and the decode round on a mesh of simulated CPU devices (or, with --hardware, of\n"
             "compile-only TPU/GPU devices: the accelerator's own compiler), and print parameter\n"
             "counts, per-device bytes (params, optimizer state, activations from\n"
-            "compiled.memory_analysis()) and the collectives in each compiled program.\n\n"
+            "compiled.memory_analysis()) and the collectives in each compiled program. A target\n"
+            "with no released drafter (DeepSeek-V4) plans its forward as online training runs it\n"
+            "(--modes forward) and, once its family has a decode cache, its autoregressive step.\n\n"
             "example:\n"
             "  dspark-jax plan --config configs/dspark_qwen3_4b.py --mesh data=1,fsdp=8 --modes online\n"
             "  dspark-jax plan --target Qwen/Qwen3-8B --kind dspark --mesh fsdp=8 --modes decode\n"
             "  dspark-jax plan --config configs/dspark_gemma4_12b.py --mesh data=1,fsdp=8 --modes online\n"
             "  dspark-jax plan --target google/gemma-4-12B-it --kind dspark --mesh fsdp=8 --modes online\n"
+            "  dspark-jax plan --target deepseek-ai/DeepSeek-V4-Flash --mesh expert=8 --modes forward\n"
             "  dspark-jax plan --config configs/dspark_qwen3_4b.py --hardware tpu-v5e:2x4   # pip install -e \".[tpu]\"\n"
             "  dspark-jax plan --config configs/dspark_qwen3_8b.py --hardware h200:8        # pip install -e \".[cuda]\""))
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--config", help="training config file (configs/<name>.py); its target may be a "
                                       "checkpoint dir or a preset name such as Qwen/Qwen3-4B")
-    src.add_argument("--target", help="a target preset name (Qwen/Qwen3-4B, -8B, -14B, google/gemma-4-12B-it; not a checkpoint "
+    src.add_argument("--target", help="a target preset name (Qwen/Qwen3-4B, -8B, -14B, google/gemma-4-12B-it, "
+                                      "deepseek-ai/DeepSeek-V4-Flash, -Pro; not a checkpoint "
                                       "directory: give that as a config's target with --config); the "
-                                      "drafter is the released shape (--kind)")
+                                      "drafter is the released shape (--kind); DeepSeek-V4 has none yet")
     p.add_argument("--kind", default="dspark", choices=["dspark", "dflash"],
                    help="released drafter shape with --target (default: dspark)")
-    p.add_argument("--mesh", default=None, help="mesh axes, e.g. data=2,fsdp=4,tensor=1 "
+    p.add_argument("--mesh", default=None, help="mesh axes, e.g. data=2,fsdp=4,tensor=1; a mixture-of-experts "
+                                                "target (DeepSeek-V4) may add expert=N (expert parallelism) "
                                                 "(default: the config's mesh, else fsdp=<devices>)")
     p.add_argument("--devices", type=int, default=None,
                    help="simulated CPU devices (default: the mesh's size, else 8)")
@@ -43,8 +48,12 @@ def register(sub) -> None:
                         "accelerator needed): tpu-v5e:2x4, tpu-v5p:2x2x4, tpu-v6e:2x4, tpu-v4:2x2x2, h100:8, "
                         "h200:8, h200:1, ...; per-device memory then comes from the TPU/GPU compiler and is "
                         "checked against the chip's HBM. TPU needs the tpu extra (libtpu), GPU the cuda extra")
-    p.add_argument("--modes", default="online,cache,decode",
-                   help="comma list of programs: online, cache (train step), decode (round)")
+    p.add_argument("--modes", default=None,
+                   help="comma list of programs: online, cache (train step), decode (round; the "
+                        "autoregressive step without a drafter), forward (the target's forward as online "
+                        "training runs it: features of the drafter's target layers and the last hidden) "
+                        "(default: online,cache,decode; without a drafter forward, and decode where the "
+                        "target's family has a decode cache)")
     p.add_argument("--seq-len", type=int, default=None, help="training sequence length (default: config max_length or 4096)")
     p.add_argument("--micro-batch", type=int, default=None,
                    help="sequences per micro-step, global (default: one per data/fsdp shard)")
@@ -101,12 +110,16 @@ def _configs(args):
         draft_cfg = tcfg.draft_config(target_cfg)
         mesh_spec = args.mesh or tcfg.mesh
     else:
+        from dspark_jax.errors import ConfigError
         if args.target not in presets.TARGETS:
             raise InputError(f"--target {args.target!r} is not a preset name ({', '.join(presets.TARGETS)}); "
                              "for a checkpoint directory write a train config with that target and "
                              "pass --config")
         target_cfg = presets.resolve_target(args.target)
-        draft_cfg = presets.released_drafter(args.target, kind=args.kind)
+        try:
+            draft_cfg = presets.released_drafter(args.target, kind=args.kind)
+        except ConfigError:  # no drafter for this target yet (DeepSeek-V4): its forward / AR step only
+            draft_cfg = None
         mesh_spec = args.mesh
         tcfg = TrainConfig(target=args.target, data="<plan>", max_length=4096)
     memory = dataclasses.asdict(tcfg.memory)
@@ -170,6 +183,33 @@ def _check_args(args) -> None:
                      inputs={"--config": args.config})
 
 
+def _modes(args, draft_cfg, target_cfg) -> list[str]:
+    """The --modes list (its default depends on the drafter and the target family's runtime);
+    InputError for unknown programs or train-step modes without a drafter."""
+    from dspark_jax import families
+    from dspark_jax.errors import InputError
+
+    if args.modes is None:
+        has_cache = families.for_config(target_cfg).runtime is not None
+        modes = ["online", "cache", "decode"] if draft_cfg is not None else ["forward"] + ["decode"] * has_cache
+    else:
+        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = set(modes) - {"online", "cache", "decode", "forward"}
+    if unknown:
+        raise InputError(f"--modes: unknown programs {sorted(unknown)}")
+    if draft_cfg is None and {"online", "cache"} & set(modes):
+        raise InputError(f"--modes online / cache train a drafter; {args.target} has no released drafter yet "
+                         "(plan forward, decode)")
+    return modes
+
+
+def _taps(args, target_cfg) -> tuple[int, ...]:
+    """The layers a drafter reads from a --target preset without a drafter config (its in-checkpoint
+    DSpark module's for DeepSeek-V4), else the last layer."""
+    from dspark_jax import presets
+    return presets.target_layer_ids(args.target) or (target_cfg.num_hidden_layers - 1,)
+
+
 def run(args) -> int:
     from dspark_jax.errors import InputError
 
@@ -192,12 +232,11 @@ def run(args) -> int:
         if -1 not in sizes.values() and math.prod(sizes.values()) != hw.num_devices:
             mesh_spec = None  # the config's mesh is for another device count: fsdp over the chips
     mesh = _mesh(args, mesh_spec, devices)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = set(modes) - {"online", "cache", "decode"}
-    if unknown:
-        raise InputError(f"--modes: unknown programs {sorted(unknown)}")
+    modes = _modes(args, draft_cfg, target_cfg)
     micro = args.micro_batch or mesh.shape["data"] * mesh.shape["fsdp"]
-    report = plan_lib.param_report(draft_cfg, target_cfg)
+    report = plan_lib.target_param_report(target_cfg)
+    if draft_cfg is not None:
+        report.update(plan_lib.param_report(draft_cfg, target_cfg))
     report = {"mesh": dict(mesh.shape), "devices": mesh.size,
               "hardware": hw.to_json() if hw is not None else "simulated cpu",
               "seq_len": tcfg.max_length, "micro_batch": micro,
@@ -206,13 +245,22 @@ def run(args) -> int:
     where = f"{hw.spec} compile-only ({mesh.devices.flat[0].device_kind})" if hw else "simulated CPU"
     print(f"mesh {dict(mesh.shape)} on {mesh.size} {where} devices; compute {args.dtype}; "
           f"remat {mem['remat']}, loss_chunk {mem['loss_chunk']}, shard_activations {mem['shard_activations']}")
-    print(f"target params {report['target_params']:,}; drafter params {report['draft_params']:,} "
-          f"(trainable {report['draft_trainable_params']:,}; frozen (embed, head, declared buffers) "
-          f"{report['draft_params'] - report['draft_trainable_params']:,}); "
-          f"from the reference tensor shapes {report['draft_params_from_reference_shapes']:,}")
+    active = report["target_active_params"]
+    print(f"target params {report['target_params']:,}"
+          + (f" ({active:,} active per token)" if active != report["target_params"] else ""),
+          end="; " if draft_cfg is not None else "\n")
+    if draft_cfg is not None:
+        print(f"drafter params {report['draft_params']:,} "
+              f"(trainable {report['draft_trainable_params']:,}; frozen (embed, head, declared buffers) "
+              f"{report['draft_params'] - report['draft_trainable_params']:,}); "
+              f"from the reference tensor shapes {report['draft_params_from_reference_shapes']:,}")
     for mode in modes:
         print(f"compiling {mode} ...", file=sys.stderr, flush=True)
-        if mode == "decode":
+        if mode == "forward":
+            taps = draft_cfg.target_layer_ids if draft_cfg is not None else _taps(args, target_cfg)
+            plan, sizes = plan_lib.plan_target_forward(target_cfg, mesh, batch=micro, seq_len=tcfg.max_length,
+                                                       taps=taps, dtype=plan_lib.compute_dtype(tcfg))
+        elif mode == "decode":
             plan, sizes = plan_lib.plan_decode_round(draft_cfg, target_cfg, mesh, batch=args.decode_batch,
                                                      max_len=args.decode_len,
                                                      dtype=plan_lib.compute_dtype(tcfg))

@@ -86,6 +86,17 @@ def param_report(draft_cfg, target_cfg) -> dict:
             "draft_params_from_reference_shapes": reference_param_count(draft_cfg)}
 
 
+def target_param_report(target_cfg) -> dict:
+    """Parameter counts of a target alone: all, and active per token (a mixture-of-experts
+    family's routed-expert leaves, declared with an ``expert`` axis, counted at
+    ``num_experts_per_tok / n_routed_experts``; everything else counts whole)."""
+    specs = families.declare(target_cfg)
+    total = count_params(params_lib.abstract_params(specs))
+    experts = sum(math.prod(s.shape) for s in specs.values() if "expert" in (s.axes or ()))
+    k, e = (getattr(target_cfg, f, 1) for f in ("num_experts_per_tok", "n_routed_experts"))
+    return {"target_params": total, "target_active_params": total - experts + experts * k // e}
+
+
 def tree_bytes_per_device(tree) -> int:
     """Bytes a single device holds for a ShapeDtypeStruct tree with shardings."""
     total = 0
@@ -208,6 +219,41 @@ def plan_train_step(draft_cfg: DraftConfig, target_cfg: TargetConfig, train_cfg:
              "target_bytes": tree_bytes_per_device(program.target) if program.online else 0,
              "batch_bytes": tree_bytes_per_device(program.batch)}
     return plan, sizes
+
+
+def _target_forward(target_cfg) -> Callable:
+    """The target's protocol forward (``families.target_runtime``), or, for a family with no
+    runtime record yet, its module's ``forward`` (same signature)."""
+    from dspark_jax.errors import ConfigError
+    try:
+        return families.target_runtime(target_cfg).forward
+    except ConfigError:
+        return families.for_config(target_cfg).module().forward
+
+
+def plan_target_forward(target_cfg, mesh: Mesh, *, batch: int, seq_len: int, taps: tuple[int, ...],
+                        dtype=jnp.bfloat16) -> tuple[ProgramPlan, dict]:
+    """Compile the frozen target's forward as the online trainer runs it (``make_features``:
+    tokens [batch, seq_len] -> features of layers ``taps`` and the last hidden, one pass, no
+    cache) on ``mesh`` for abstract params in ``dtype`` placed by their declared axes (an
+    ``expert`` mesh axis carries the routed experts) and batch-sharded tokens.
+
+    Returns the plan and per-device bytes of the params and the tokens."""
+    from dspark_jax import runtime
+
+    rules = shard_lib.DEFAULT_RULES
+    t_abs, _ = families.abstract_params(target_cfg, mesh, dtype, rules)
+    tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=NamedSharding(
+        mesh, shard_lib.logical_to_spec(("batch", None), rules, (batch, seq_len), mesh)))
+    ctx = runtime.Context.make(mesh, rules, dtype)
+    forward = _target_forward(target_cfg)
+
+    def features(params, ids):
+        hidden, feats, _ = forward(params, target_cfg, ids, None, ctx=ctx, taps=tuple(taps), span=None)
+        return feats, hidden
+
+    plan = compile_plan("target_forward", features, t_abs, tokens, platform=mesh_platform(mesh))
+    return plan, {"target_bytes": tree_bytes_per_device(t_abs), "batch_bytes": tree_bytes_per_device(tokens)}
 
 
 def sharding_summary(tree) -> dict[str, str]:

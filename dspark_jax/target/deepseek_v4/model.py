@@ -23,12 +23,10 @@ appended, 16 experts, top-k 3 of 10 entries), so we match it where it is right: 
 top-k >= entries (the golden fixture), and at a prompt's last position otherwise (no future
 entries exist there). tests/test_deepseek_v4.py checks our causality directly.
 
-MoE dispatch: dense. Every expert runs on every token and a combine matrix [B, S, E] (zero for the
-experts a token did not choose) weights the outputs: static shapes, exact (unselected experts add
-exact zeros), no capacity or token dropping, and over an ``expert`` mesh axis each device computes
-its own experts and one all-reduce sums them. The cost is E / k times the routed-expert FLOPs of a
-sparse dispatch (V4-Flash: 256 / 6 ≈ 43x): fine for the tiny and test configs, and the place a
-sort-based grouped matmul (ragged_dot) goes for real-size prefill.
+MoE dispatch (``moe.py``): dense (every expert on every token; the exact reference, for tiny
+sizes) or sorted (assignments sorted by expert, a grouped matmul, un-sorted: the routed FLOPs of
+the k chosen experts only), both lossless, expert-parallel over an ``expert`` mesh axis; that
+module's docstring gives the costs.
 
 Attention over a whole sequence is dense too: [B, nh, S, S + T] scores (window and compressed
 masks), O(S²) memory.
@@ -52,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax import nn
+from dspark_jax.target.deepseek_v4 import moe as moe_lib
 from dspark_jax.target.deepseek_v4.cache import Compressor, V4Cache, V4Delta
 from dspark_jax.target.deepseek_v4.config import CSA, HASH_MOE, HCA, MOE, SLIDING, DeepseekV4Config
 
@@ -385,32 +384,11 @@ def route(cfg, lp: dict, x: jax.Array, tokens: jax.Array, tid2eid: jax.Array | N
     return jnp.einsum("bsk,bske->bse", chosen, onehot)
 
 
-def constrain(x: jax.Array, axes: tuple, ctx: Any) -> jax.Array:
-    """``x`` sharded by logical ``axes`` on ``ctx.mesh`` (through ``ctx.rules``, default rules);
-    unchanged without a mesh."""
-    mesh = getattr(ctx, "mesh", None) if ctx is not None else None
-    if mesh is None:
-        return x
-    from jax.sharding import NamedSharding
-
-    from dspark_jax import sharding
-    rules = getattr(ctx, "rule_map", None) or sharding.DEFAULT_RULES  # Context.rules: sorted pairs
-    return jax.lax.with_sharding_constraint(
-        x, NamedSharding(mesh, sharding.logical_to_spec(axes, rules, x.shape, mesh)))
-
-
 def moe(cfg, lp: dict, x: jax.Array, combine: jax.Array, ctx: Any = None) -> jax.Array:
-    """Dense dispatch (module docstring): every expert on every token, weighted by ``combine``;
-    on a mesh the per-expert activations [B, S, E, H] stay sharded over the ``expert`` axis (each
-    device its own experts) until the combine sums them."""
-    lim = cfg.swiglu_limit
-    gate = jnp.minimum(jnp.einsum("bsh,ehi->bsei", x, lp["experts_w1"]), lim)
-    up = jnp.clip(jnp.einsum("bsh,ehi->bsei", x, lp["experts_w3"]), -lim, lim)
-    hidden = constrain(jax.nn.silu(gate) * up, ("batch", None, "expert", "mlp"), ctx)
-    per_expert = constrain(jnp.einsum("bsei,eih->bseh", hidden, lp["experts_w2"]),
-                           ("batch", None, "expert", None), ctx)
-    routed = jnp.einsum("bseh,bse->bsh", per_expert, combine.astype(per_expert.dtype))
-    return routed + swiglu(cfg, x, lp["shared_w1"], lp["shared_w3"], lp["shared_w2"])
+    """Routed experts weighted by ``combine`` [B, S, E] (``moe.routed``: dense or sorted dispatch,
+    expert-parallel on ``ctx.mesh``) plus the shared expert: x [B, S, H] -> [B, S, H]."""
+    out = moe_lib.routed(cfg, x, combine, lp["experts_w1"], lp["experts_w3"], lp["experts_w2"], ctx)
+    return out + swiglu(cfg, x, lp["shared_w1"], lp["shared_w3"], lp["shared_w2"])
 
 
 # ----------------------------------------------------------------------------- the model

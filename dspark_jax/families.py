@@ -185,10 +185,10 @@ def init_params(config, rng, dtype=None, **shared):
 
 
 def shared_with_target(draft_config, target_config, target_params) -> dict:
-    """The target arrays a fresh drafter shares (``init_params`` keywords): the drafter family
-    module's ``shared_from_target(target_params)`` when it has one (V4's DSpark: ``embed`` /
-    ``head``), else the embedding and LM head kernel (``embed_tokens`` / ``lm_head``)."""
-    own = getattr(for_config(draft_config).module(), "shared_from_target", None)
+    """The target arrays a fresh drafter shares (``init_params`` keywords): its family's
+    ``shared_from_target(target_params)`` when declared (V4's DSpark: ``embed`` / ``head``), else
+    the embedding and LM head kernel (``embed_tokens`` / ``lm_head``)."""
+    own = for_config(draft_config).shared_from_target
     if own is not None:
         return own(target_params)
     return {"embed_tokens": target_params["embed_tokens"],

@@ -178,6 +178,9 @@ class Family:
                    (DeepSeek-V4's in-checkpoint DSpark module, ``mtp.*``).
     runtime:       the ``runtime.TargetRuntime`` / ``runtime.DraftRuntime`` record the decode
                    engine and the trainer call (``families.target_runtime`` / ``draft_runtime``).
+    shared_from_target: drafters: ``target params -> {name: array}``, the target arrays a fresh
+                   drafter shares (``families.shared_with_target``); None: the target's
+                   ``embed_tokens`` and LM head kernel (``lm_head``).
     """
 
     name: str
@@ -194,6 +197,7 @@ class Family:
     source_names: Any = None
     aside_tensors: tuple[str, ...] = ()
     runtime: Any = None
+    shared_from_target: Any = None
 
     def __post_init__(self):
         if self.kind not in KINDS:

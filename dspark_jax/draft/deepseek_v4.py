@@ -444,4 +444,4 @@ def propose(p: dict, cfg: DeepseekV4DSparkConfig, ring: Ring, anchor: jax.Array,
 FAMILY = params_lib.Family(
     name="deepseek_v4_dspark", kind="draft", architectures=(), model_types=(),
     config_cls=DeepseekV4DSparkConfig, declare=declare, forward=__name__, pairs_with="deepseek_v4",
-    runtime=OPS)
+    runtime=OPS, shared_from_target=shared_from_target)

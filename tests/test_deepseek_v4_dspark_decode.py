@@ -73,17 +73,44 @@ def test_module_only_directory_needs_the_target(tmp_path):
     np.testing.assert_array_equal(np.asarray(p["main_norm"]), np.asarray(dparams["main_norm"]))
 
 
+def test_draft_context_is_a_ring_of_the_window():
+    """The decode state's drafter context holds each stage's last W = sliding_window rows once
+    (K = V), whatever the cache length: O(W) per row, not O(L)."""
+    from dspark_jax.decode import memory, programs
+    from dspark_jax.decode.state import DecodeStatic
+    tcfg, tparams, dcfg, dparams = _pair()
+    static = DecodeStatic(tcfg, dcfg, None, True, 8)
+    ctx = programs.abstract_decode_state(tparams, dparams, static, 2, 256, prompt_len=40).ctx
+    assert ctx.ring and ctx.v is None and ctx.k.shape == (3, 2, 1, dcfg.window, dcfg.head_dim), ctx
+    assert memory.context_bytes_per_row(dcfg, 256, np.float32) == 3 * dcfg.window * dcfg.head_dim * 4
+
+
 @pytest.mark.slow  # two compiles of the V4 speculative round (~1.5 min each on 2 shared cores)
-def test_greedy_speculative_decoding_gives_the_target_tokens():
-    """decode_greedy.json token for token: one prompt at a time and all three in one batch."""
+def test_greedy_speculative_decoding_gives_the_target_tokens(tmp_path):
+    """decode_greedy.json token for token: one prompt at a time and all three in one batch (prompts
+    of 53..136 tokens, past the drafter's window W = 16: the context ring wraps). Then the export of
+    a trained module into an FP8 / MXFP4 target (test_deepseek_v4_dspark_export), loaded back:
+    its tokens are that FP8 target's own (the same program as the fixture pair's module on it)."""
+    from test_deepseek_v4_dspark_export import export_into_fp8
     ref = _golden()
     tcfg, tparams, dcfg, dparams = _pair()
+    assert min(len(p) for p in ref["prompts"]) > dcfg.window
     n = len(ref["output_ids"][0])
+    run = functools.partial(speculative_generate, prompts=ref["prompts"], max_new_tokens=n,
+                            cache_spans=(256,), max_cache_len=256)
     for batch in (1, 3):
-        res = speculative_generate(tcfg, tparams, dcfg, dparams, ref["prompts"], max_new_tokens=n,
-                                   batch_size=batch, cache_spans=(256,), max_cache_len=256)
+        res = run(tcfg, tparams, dcfg, dparams, batch_size=batch)
         assert [list(r.output_ids) for r in res] == ref["output_ids"], batch
         assert all(a >= 1 for r in res for a in r.acceptance_lengths)
+    _, _, dst, _ = export_into_fp8(tmp_path)
+    qcfg, qparams = checkpoint.load_target(dst)
+    assert qcfg == tcfg   # the model, dequantized: the compiled round is reused
+    _, exported = checkpoint.load_draft(dst, target_params=qparams)
+    res = run(qcfg, qparams, dcfg, exported, batch_size=3)
+    own = run(qcfg, qparams, dcfg, {**dparams, "embed": qparams["embed"], "head": qparams["head"]}, batch_size=3)
+    assert [list(r.output_ids) for r in res] == [list(r.output_ids) for r in own]
+    print("fp8 target tokens differ from the float target's at", sum(
+        a != b for r, want in zip(res, ref["output_ids"]) for a, b in zip(r.output_ids, want)), "positions")
 
 
 @pytest.mark.slow  # an 8-device SPMD compile of the continuous engine's round

@@ -166,11 +166,17 @@ def write_checkpoint(src, dst, cfg: DeepseekV4DSparkConfig, params: Mapping, *, 
     module's ``dspark_*`` keys. Other files (tokenizer, generation config) are copied, and
     ``sidecars`` ({file name: text}) written beside them."""
     s = Path(src)
-    hf = read_json_object(s / "config.json", "config.json")
-    if _model(DeepseekV4DSparkConfig.from_hf({**hf, **cfg.hf_fields()}).target) != _model(cfg.target):
-        raise CheckpointError(f"{s}: the module's target config differs from this checkpoint's")
+    hf = _target_config(s, cfg)
     reader = safetensors_io.TensorReader(s)
     return _write(s, dst, hf, cfg, stored_module(cfg, params, s, reader.infos), reader, force, sidecars)
+
+
+def _target_config(src: Path, cfg: DeepseekV4DSparkConfig) -> dict:
+    """``src``'s config.json; CheckpointError unless it is the model ``cfg``'s module was built on."""
+    hf = read_json_object(src / "config.json", "config.json")
+    if _model(DeepseekV4DSparkConfig.from_hf({**hf, **cfg.hf_fields()}).target) != _model(cfg.target):
+        raise CheckpointError(f"{src}: the module's target config differs from this checkpoint's")
+    return hf
 
 
 def _write(s: Path, dst, hf: Mapping, cfg: DeepseekV4DSparkConfig, tensors: Mapping, reader, force: bool,
@@ -224,11 +230,9 @@ def export(draft, dst, engine: str, *, target=None, force: bool = False, sps: Ma
     if all(n.startswith(PREFIX) or n in shared for n in reader.infos):
         raise CheckpointError(f"{src}: holds the DSpark module but not its target's layers; pass --target "
                               f"(the V4 checkpoint it is written into)")
-    hf = read_json_object(src / "config.json", "config.json")
-    if _model(DeepseekV4DSparkConfig.from_hf({**hf, **cfg.hf_fields()}).target) != _model(cfg.target):
-        raise CheckpointError(f"{src}: the module's target config differs from this checkpoint's")
+    src_hf = _target_config(src, cfg)
     tensors = stored_module(cfg, params, src, reader.infos)
-    hf = {**hf, **cfg.hf_fields()}
+    hf = {**src_hf, **cfg.hf_fields()}
     names = {n: i.dtype for n, i in reader.infos.items() if not n.startswith(PREFIX)}
     names.update({n: t.dtype for n, t in tensors.items()})
     facts = engines.v4_facts(hf, names)
@@ -250,7 +254,7 @@ def export(draft, dst, engine: str, *, target=None, force: bool = False, sps: Ma
             sidecars[engines.SPS_FILE] = json.dumps(table, indent=1) + "\n"
         else:
             notes.append(f"{engine} reads no SPS file: --sps is not written")
-    _write(src, dst, read_json_object(src / "config.json", "config.json"), cfg, tensors, reader, force, sidecars)
+    _write(src, dst, src_hf, cfg, tensors, reader, force, sidecars)
     return {"event": "export", "engine": engine, "src": str(draft), "target": str(src), "dst": str(dst),
             "architecture": hf["architectures"][0], "tensors": len(tensors),
             "bytes": int(sum(t.nbytes for t in tensors.values())), "dtype": str(params["main_norm"].dtype),

@@ -63,7 +63,7 @@ def context_bytes_per_row(dcfg, max_len: int, dtype) -> int:
     from dspark_jax import families
 
     ring = families.draft_ops(dcfg).ring
-    rows = max_len if ring is None else ring.rows(dcfg)
+    rows = max_len if ring is None else min(ring.rows(dcfg), max_len)
     arrays = 1 if ring is not None and ring.shared_kv else 2
     return (arrays * dcfg.num_hidden_layers * rows * dcfg.num_key_value_heads * dcfg.head_dim
             * np.dtype(dtype).itemsize)

@@ -78,14 +78,15 @@ def context_kv(dparams: dict, dcfg: DraftConfig, taps: jax.Array, positions: jax
 def init_context(dparams: dict, dcfg: DraftConfig, taps: jax.Array, max_len: int,
                  lengths: jax.Array | None = None) -> ContextCache:
     """Context cache after a prefill: taps [B, P, n*H] of positions 0..P-1 (row b's first
-    ``lengths[b]`` committed, default all P), capacity ``max_len`` (a ring family's: its window)."""
+    ``lengths[b]`` committed, default all P), capacity ``max_len`` (a ring family's: its window W,
+    at most ``max_len``)."""
     b, p = taps.shape[:2]
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     k, v = context_kv(dparams, dcfg, taps, positions)
     ring = families.draft_ops(dcfg).ring
     if ring is None:
         return ContextCache.from_prefix(k, v, max_len)
-    shape = (*k.shape[:3], ring.rows(dcfg), k.shape[4])
+    shape = (*k.shape[:3], min(ring.rows(dcfg), max_len), k.shape[4])
     empty = ContextCache(jnp.zeros(shape, k.dtype), None if ring.shared_kv else jnp.zeros(shape, v.dtype), True)
     lengths = jnp.full((b,), p, jnp.int32) if lengths is None else lengths
     return empty.scatter(k, v, empty.slots(positions, positions < lengths[:, None]))

@@ -59,7 +59,9 @@ caches are stored: ``nn.cache_scores``),
 positions, k_ctx, v_ctx, ctx_mask, block_valid, ...) -> hidden``, ``compute_logits(params, cfg,
 hidden) -> [..., V] float32``, and ``replicable`` as for a target; ``block_heads`` (optional,
 the signature of ``draft.model.block_heads`` without ``ops``) replaces the shared heads for a
-family whose heads read other than the backbone's normed output (DeepSeek-V4's module).
+family whose heads read other than the backbone's normed output (DeepSeek-V4's module);
+``ring`` (optional, ``ContextRing``) makes the decode-time context cache a ring of the window's
+rows for a drafter whose blocks read only a sliding window of the context (DeepSeek-V4's module).
 """
 
 from __future__ import annotations
@@ -139,6 +141,20 @@ class TargetRuntime:
 
 
 @dataclasses.dataclass(frozen=True)
+class ContextRing:
+    """A drafter whose blocks read only the last ``rows(cfg)`` committed positions (a sliding
+    window): its decode-time context cache is a ring of that many rows, position p in slot
+    p mod rows (``draft.decode``), one array when ``shared_kv`` (K = V). ``forward(params, cfg,
+    embeds [B, 1, G, H], positions [B, 1, G], k [Ld, B, Hkv, W, D], v (None when shared_kv),
+    visible [B, 1, W]) -> hidden [B, 1, G, H]``: the block against the visible slots (in slot
+    order, each row rotated at its own position)."""
+
+    rows: Callable[[Any], int]
+    forward: Callable[..., jax.Array]
+    shared_kv: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class DraftRuntime:
     """A drafter family's backbone functions (see the module docstring)."""
 
@@ -149,6 +165,7 @@ class DraftRuntime:
     compute_logits: Callable[..., jax.Array]
     replicable: frozenset = frozenset()
     block_heads: Callable[..., tuple] | None = None  # a family's own [.., V] heads (``draft.model.block_heads``)
+    ring: ContextRing | None = None  # a windowed drafter's decode context cache (None: position-indexed)
 
 
 def concat_features(hidden_size: int, taps) -> int:

@@ -129,8 +129,22 @@ def cache_scores(qg: jax.Array, k: jax.Array) -> jax.Array:
 def cache_values(probs: jax.Array, v: jax.Array) -> jax.Array:
     """[B, Q, Hkv, G, D] (v's dtype): probs [B, Hkv, G, Q, S] over a cache v [B, Hkv, S, D]. The
     dot's output keeps (B, Hkv) leading (``bhgqd``; XLA:GPU transposes the cache for a ``bqhgd``
-    output at B = 1), then the small result is transposed."""
-    return jnp.einsum("bhgqk,bhkd->bhgqd", probs, v).transpose(0, 3, 1, 2, 4)
+    output at B = 1), then the small result is transposed. Few queries on CUDA: a multiply fused
+    into a reduction over S, which reads the layer's V in place (like ``cache_scores``)."""
+    if probs.shape[3] > SMALL_QUERY:
+        out = _values_dot(probs, v)
+    else:
+        out = jax.lax.platform_dependent(probs, v, default=_values_dot, cuda=_values_in_place)
+    return out.transpose(0, 3, 1, 2, 4)
+
+
+def _values_dot(probs, v):
+    return jnp.einsum("bhgqk,bhkd->bhgqd", probs, v)
+
+
+def _values_in_place(probs, v):
+    p = probs[..., None].astype(jnp.float32)                                   # [B, Hkv, G, Q, S, 1]
+    return jnp.sum(p * v[:, :, None, None].astype(jnp.float32), axis=-2).astype(v.dtype)
 
 
 def _scores_dot(qg, k):
@@ -140,6 +154,14 @@ def _scores_dot(qg, k):
 def _scores_in_place(qg, k):
     q = qg.transpose(0, 2, 3, 1, 4)[:, :, :, :, None, :].astype(jnp.float32)   # [B, Hkv, G, Q, 1, D]
     return jnp.sum(q * k[:, :, None, None].astype(jnp.float32), axis=-1)
+
+
+def layer_slices(stacked: tuple[jax.Array, ...], i: int) -> tuple[jax.Array, ...]:
+    """Layer ``i`` of each of the ``stacked`` [L, ...] arrays, indexed at run time: the index
+    passes an optimisation barrier, so that in an unrolled layer loop every layer's kernels are
+    the same program (compiled once) rather than one program per constant slice."""
+    index = jax.lax.optimization_barrier(jnp.int32(i))
+    return tuple(jax.lax.dynamic_index_in_dim(a, index, 0, keepdims=False) for a in stacked)
 
 
 def project_f32(x: jax.Array, kernel: jax.Array) -> jax.Array:

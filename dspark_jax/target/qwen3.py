@@ -243,7 +243,7 @@ def forward_pure(params: dict, config: TargetConfig, tokens: jax.Array, cache: K
     if isinstance(layers, (list, tuple)):  # one params tree per layer: an unrolled loop (see below)
         carry, outs = (x, taps0), []
         for i, p in enumerate(layers):
-            kv = () if cache is None else (cache.k[i], cache.v[i])
+            kv = () if cache is None else nn.layer_slices((cache.k, cache.v), i)
             carry, out = body(carry, (p, jnp.int32(tap_index[i]), *kv))
             outs.append(out)
         (x, taps_out), delta = carry, (None if cache is None else tuple(jnp.stack(a) for a in zip(*outs)))

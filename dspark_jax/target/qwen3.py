@@ -270,7 +270,7 @@ def forward(params: dict, config: TargetConfig, tokens: jax.Array, cache: KVCach
 
 RUNTIME = runtime.TargetRuntime(
     init_cache=init_cache, forward=forward_pure, logits=logits,
-    feature_dim=lambda config, taps: runtime.concat_features(config.hidden_size, taps))
+    feature_dim=lambda config, taps: runtime.concat_features(config.hidden_size, taps), per_layer=True)
 
 FAMILY = params_lib.Family(
     name="qwen3", kind="target", architectures=("Qwen3ForCausalLM",), model_types=("qwen3",),

@@ -138,6 +138,7 @@ class TargetRuntime:
     feature_dim: Callable[[Any, tuple], int]
     rules: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     replicable: frozenset = frozenset()
+    per_layer: bool = False  # ``forward`` also takes ``params["layers"]`` as per-layer trees (``params.for_platform``)
 
 
 @dataclasses.dataclass(frozen=True)

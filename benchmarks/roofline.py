@@ -62,6 +62,7 @@ from dspark_jax.config import DraftConfig, TargetConfig  # noqa: E402
 from dspark_jax.draft import model as draft_model  # noqa: E402
 from dspark_jax.target import gemma4, qwen3  # noqa: E402
 from dspark_jax.compiles import COMPILES
+from dspark_jax.flops import model_flops, target_attention_flops  # noqa: E402,F401  (accelerator.py reads them here)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -296,59 +297,6 @@ def print_compiled(report: dict) -> None:
             for prog in (r, a):
                 big = ", ".join(f"{v['shape']} {v['op']}" for v in prog["largest"][:3])
                 print(f"       {prog['name']} largest: {big}")
-
-
-def _matmul_params(layers: dict) -> int:
-    """Weights of the stacked layer matmuls: every 3-D leaf ([layers, in, out]) of ``layers``."""
-    return int(sum(np.prod(v.shape) for v in jax.tree.leaves(layers) if len(v.shape) == 3))
-
-
-def _visible_keys(seq: int, window: int | None) -> int:
-    """Keys summed over the S queries of causal attention (within ``window`` when sliding)."""
-    if window is None or window >= seq:
-        return seq * (seq + 1) // 2
-    return window * (window + 1) // 2 + (seq - window) * window
-
-
-def target_attention_flops(tcfg, seq: int) -> float:
-    """QK^T + PV FLOPs of a causal forward over ``seq`` tokens, all layers: 4 x Hq x D x visible
-    keys per layer. Gemma4: sliding layers (``head_dim``) see <= ``sliding_window`` keys, full
-    layers ``global_head_dim``; Qwen3: every layer full with ``head_dim``."""
-    hq = tcfg.num_attention_heads
-    layer_types = getattr(tcfg, "layer_types", None)
-    if layer_types is None:
-        return float(tcfg.num_hidden_layers * 4 * hq * tcfg.head_dim * _visible_keys(seq, None))
-    total = 0
-    for t in layer_types:
-        full = t == gemma4.FULL
-        total += 4 * hq * (tcfg.global_head_dim if full else tcfg.head_dim) * _visible_keys(
-            seq, None if full else tcfg.sliding_window)
-    return float(total)
-
-
-def model_flops(tcfg, dcfg, seq: int, online: bool = True) -> float:
-    """Analytic FLOPs of one train step on one sequence (no remat recompute counted); the
-    target forward only when ``online`` (cache mode reads precomputed features). Any target /
-    drafter family (params from ``families.init_params`` shapes).
-
-    Target forward: 2 x layer matmul params x S + causal attention (``target_attention_flops``).
-    Drafter (forward + backward = 3 forwards) over N x G block tokens: layer matmuls, the
-    [H, V] LM head and Markov [r, V] projection per block token, attention over <= S context
-    + G block keys; context fc + k/v projections over the S context tokens.
-    """
-    key = jax.random.PRNGKey(0)
-    tpar = jax.eval_shape(lambda k: families.init_params(tcfg, k), key)
-    dpar = jax.eval_shape(lambda k: families.init_params(dcfg, k), key)
-    t_fwd = 2 * _matmul_params(tpar) * seq + target_attention_flops(tcfg, seq)
-    ng = dcfg.num_anchors * dcfg.block_size
-    h, v = dcfg.hidden_size, dcfg.vocab_size
-    layers = dpar["layers"]
-    d_layers = _matmul_params(layers)
-    d_tok = 2 * (d_layers + h * v + (dcfg.markov_rank * v if dcfg.has_markov else 0))
-    d_attn = dcfg.num_hidden_layers * 4 * (seq / 2 + dcfg.block_size) * dcfg.num_attention_heads * dcfg.head_dim
-    kv = sum(int(np.prod(layers[k].shape)) for k in ("k_proj", "v_proj") if k in layers)  # all layers
-    d_ctx = 2 * (dcfg.num_context_features * h * h + kv) * seq
-    return float((t_fwd if online else 0) + 3 * (ng * (d_tok + d_attn) + d_ctx))
 
 
 def train_costs(fam: dict, seq: int) -> dict:

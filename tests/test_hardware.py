@@ -77,6 +77,10 @@ def test_plan_compiles_tiny_fixture_for_tpu(tmp_path, tiny_dir):
         assert prog["platform"] == "tpu" and prog["fits"] and prog["upcast_bytes"] == 0
         assert 0 < prog["peak_bytes"] < 2**30 and prog["argument_bytes"] > 0
     assert report["programs"]["decode"]["alias_bytes"] > 0  # the decode state is donated on TPU too
+    online = report["programs"]["online"]  # loops counted per trip: at least the body-once count
+    assert online["step_flops"] >= online["flops"] > 0 and online["step_bytes"] > 0
+    proj = online["projected"]
+    assert proj["tokens"] == 64 and proj["tokens_per_s"] > 0 and 0 < proj["mfu"] < 1
 
 
 def test_gpu_cache_attention_forms_match_the_dots():

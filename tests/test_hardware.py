@@ -143,3 +143,4 @@ def test_round_cost_compile_only_for_tpu(tmp_path):
         assert prog["largest"] and prog["projected"]["seconds"] > 0
         assert set(prog["copies"]) == {"cache", "cache_layer", "weight"}  # copies marked per kind
     assert row["round"]["flops"] > row["ar_step"]["flops"]  # the round also drafts and verifies G+1 tokens
+    assert row["round"]["step_flops"] > row["ar_step"]["step_flops"] > 0 and row["step_round_over_ar"] > 0

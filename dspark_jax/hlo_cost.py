@@ -9,9 +9,10 @@ the optimised HLO text instead and weights each computation by how often it runs
   writes it, else the ``compare(counter, constant N), direction=LT`` of its condition, as XLA:TPU
   leaves it, counting from 0); ``call`` / async wrappers once; ``conditional`` its costliest branch.
 - flops: matrix products only, 2 x output elements x contracted size: ``dot``, ``convolution`` (how
-  XLA:TPU writes dots: contracted size = the kernel's dims other than its output feature) and the
-  cuBLAS gemm custom calls of XLA:GPU, inside fusions or not. Elementwise flops are left out
-  (< 1% of these programs' matmul flops).
+  XLA:TPU writes dots: contracted size = the kernel's input features x the window taps that land
+  on input), the cuBLAS gemm custom calls of XLA:GPU, and a ``reduce`` of a ``multiply`` (a
+  matrix-vector product written elementwise: 2 x the product's elements), inside fusions or not.
+  Other elementwise flops are left out (a few % of these programs' matmul flops).
 - bytes: each top-level instruction (a fusion counts as one) reads its operands and writes its
   result, except where it touches only part of a buffer: an operand consumed only through
   ``dynamic-slice`` / ``slice`` / ``gather`` costs those slices, and an in-place
@@ -109,12 +110,29 @@ def matmul_flops(ins: Instr, by_name) -> float:
         lhs = _dims_of(by_name, ins.operands[0])
         idx = [int(i) for i in (contract.group(1) or contract.group(2)).replace('"', "").split(",") if i]
         return 2.0 * math.prod(out) * math.prod(lhs[i] for i in idx)
+    if ins.op == "reduce" and ins.operands:  # a product written as multiply + reduce (matrix-vector, GPU scores)
+        src = ins.operands[0]
+        while src in by_name and by_name[src].op in ("convert", "bitcast", "copy"):
+            src = by_name[src].operands[0]
+        return 2.0 * math.prod(_dims_of(by_name, src)) if src in by_name and by_name[src].op == "multiply" else 0.0
     if ins.op == "convolution" and len(ins.operands) > 1:
-        labels = re.search(r"dim_labels=\w*_(\w+)->", ins.attrs)
-        kernel = _dims_of(by_name, ins.operands[1])
-        if not labels or len(labels.group(1)) != len(kernel):
+        labels = re.search(r"dim_labels=(\w+)_(\w+)->", ins.attrs)
+        lhs, kernel = _dims_of(by_name, ins.operands[0]), _dims_of(by_name, ins.operands[1])
+        if not labels or len(labels.group(2)) != len(kernel) or len(labels.group(1)) != len(lhs):
             return 0.0
-        k = math.prod(s for s, c in zip(kernel, labels.group(1)) if c != "o")
+        lhs_spatial = {int(c): n for c, n in zip(labels.group(1), lhs) if c.isdigit()}
+        window = re.search(r"window=\{([^}]*)\}", ins.attrs)
+        field = lambda key: [int(v) for v in re.search(key + r"=([0-9x]+)", window.group(1)).group(1).split("x")] \
+            if window and key + "=" in window.group(1) else None
+        dilate = field("lhs_dilate")
+        k = 1.0
+        for dim, label in zip(kernel, labels.group(2)):
+            if label == "i":
+                k *= dim
+            elif label.isdigit():  # a window dim: the taps that land on input, not on padding or dilation holes
+                d = int(label)   # (XLA:TPU writes batched dots as dilated / padded windows)
+                k *= min(dim / (dilate[d] if dilate and d < len(dilate) else 1), lhs_spatial.get(d, dim))
+        k = max(k, 1.0)
         groups = re.search(r"feature_group_count=([0-9]+)", ins.attrs)
         return 2.0 * math.prod(_dims_of(by_name, ins.name)) * k / (int(groups.group(1)) if groups else 1)
     return 0.0
@@ -146,17 +164,6 @@ def fusion_bytes(ins: Instr, comps, by_name) -> float:
     dynamic-update-slice / scatter root (not read; only the update is written)."""
     body = comps.get(ins.callee("calls") or "", [])
     params = {c.name: int(c.args) for c in body if c.op == "parameter" and c.args.isdigit()}
-    users: dict[str, list[Instr]] = {}
-    for c in body:
-        for o in c.operands:
-            users.setdefault(o, []).append(c)
-
-    def uses(name):  # the non-bitcast users of a value, looking through bitcasts
-        out = []
-        for u in users.get(name, []):
-            out += uses(u.name) if u.op == "bitcast" else [u]
-        return out
-
     root = next((c for c in body if c.root), None)
     roots = [by_name[o] for o in root.operands if o in by_name] if root is not None and root.op == "tuple" else [root]
     written, in_place = float(ins.nbytes), set()
@@ -174,12 +181,41 @@ def fusion_bytes(ins: Instr, comps, by_name) -> float:
         if idx in in_place or idx >= len(ins.operands) or ins.operands[idx] not in by_name:
             continue
         full = by_name[ins.operands[idx]].nbytes
-        consumers = uses(pname)
-        if consumers and all(u.op in _PARTIAL_READ for u in consumers):
-            read += min(full, sum(u.nbytes for u in consumers))
-        else:
-            read += full
+        part = _sliced_read(pname, body, comps)
+        read += full if part is None else min(full, part)
     return max(written, 0.0) + read
+
+
+def _sliced_read(param: str, body: list[Instr], comps) -> float | None:
+    """Bytes a fusion reads of parameter ``param`` when every use of it (through bitcasts and
+    nested fusions) is a slice: the slices' sizes; None when some use reads all of it."""
+    users: dict[str, list[Instr]] = {}
+    for c in body:
+        for o in c.operands:
+            users.setdefault(o, []).append(c)
+    total, stack = 0.0, [param]
+    while stack:
+        name = stack.pop()
+        if name not in users:
+            return None  # the fusion's result itself, or unused
+        for u in users[name]:
+            if u.op == "bitcast":
+                stack.append(u.name)
+            elif u.op in _PARTIAL_READ and u.operands[0] == name:
+                total += u.nbytes
+            elif u.op == "fusion":
+                inner = comps.get(u.callee("calls") or "", [])
+                inner_params = {int(c.args): c.name for c in inner if c.op == "parameter" and c.args.isdigit()}
+                for idx, o in enumerate(u.operands):
+                    if o != name:
+                        continue
+                    part = _sliced_read(inner_params.get(idx, ""), inner, comps)
+                    if part is None:
+                        return None
+                    total += part
+            else:
+                return None
+    return total
 
 
 def _fused_flops(comp: str, comps, by_name, memo) -> float:

@@ -32,8 +32,9 @@ config file's ``draft`` section, the train options its ``compute_dtype`` and ``m
 
 ``--hardware CHIP:GRID`` (e.g. ``h200:1``, ``tpu-v5e:2x4``; the ``cuda`` / ``tpu`` extra): instead,
 the round and the AR step are compiled by that accelerator's compiler for compile-only devices
-(mesh ``tensor=N``, loops unrolled), and flops, bytes, memory and the projection come from the
-compiled programs themselves (``compiled_decode_costs``).
+(mesh ``tensor=N``, scanned as shipped), and flops, bytes (every loop body x its trip count,
+``hlo_cost.step_cost``), memory and the projection come from the compiled programs themselves
+(``compiled_decode_costs``).
 
 Writes ``roofline.json`` to ``--out``; prints the tables.
 """
@@ -250,9 +251,10 @@ def decode_costs(fam: dict, batch: int, prompt_len: int, max_new: int) -> dict:
 
 
 def compiled_decode_costs(fam: dict, batch: int, prompt_len: int, max_new: int, hw, devices) -> dict:
-    """The round and the AR step compiled for ``hw`` (compile-only devices, mesh ``tensor=N``),
-    every loop unrolled: per-device flops and bytes from that compiler's own cost analysis
-    (``hardware.program_cost``), memory from its buffer assignment, projected on ``hw.chip``.
+    """The round and the AR step compiled for ``hw`` (compile-only devices, mesh ``tensor=N``), as
+    shipped (scanned layers): per-device flops and bytes per step from the compiled HLO with every
+    loop body counted per trip (``hlo_cost.step_cost``, recorded as ``step_flops`` / ``step_bytes``),
+    memory from its buffer assignment, projected on ``hw.chip``.
     The cache capacity is the CPU projection's (prompt + new tokens, ``decode_programs``);
     attention reads all of it (one compiled span, the capacity)."""
     from dspark_jax import sharding
@@ -267,10 +269,9 @@ def compiled_decode_costs(fam: dict, batch: int, prompt_len: int, max_new: int, 
     out = {"batch": batch, "prompt_len": prompt_len, "cache_len": cap, "block_size": dcfg.block_size,
            "hardware": hw.spec, "mesh": dict(mesh.shape)}
     for name, draft in (("round", dcfg), ("ar_step", None)):
-        with hardware.unrolled_loops():
-            plan, sizes = plan_lib.plan_decode_round(draft, tcfg, mesh, batch=batch, max_len=cap,
-                                                     max_new_tokens=max_new, spans=(cap,))
-        proj = hardware.project(plan.flops, plan.bytes_accessed, hw.chip)
+        plan, sizes = plan_lib.plan_decode_round(draft, tcfg, mesh, batch=batch, max_len=cap,
+                                                 max_new_tokens=max_new, spans=(cap,))
+        proj = plan_lib.projected(plan, hw.chip)
         out[name] = dict(plan.to_json(), **sizes, projected=proj, fits=hardware.fits(plan.peak_bytes, hw.chip),
                          compulsory_bytes=sizes["target_bytes"] + sizes["draft_bytes"] + sizes["state_bytes"])
     out["round_over_ar"] = out["round"]["projected"]["seconds"] / out["ar_step"]["projected"]["seconds"]
@@ -284,13 +285,13 @@ def print_compiled(report: dict) -> None:
             continue
         d0 = rows[0]
         print(f"\n{name}: decode compiled for {d0['hardware']} (mesh {d0['mesh']}, cache {d0['cache_len']}, "
-              f"block {d0['block_size']}; per device, every loop unrolled)")
+              f"block {d0['block_size']}; per device, every loop body x its trip count)")
         print(f"{'B':>4} {'round GFLOP':>12} {'round GB':>9} {'AR GFLOP':>9} {'AR GB':>7} {'round/AR ms':>18} "
               f"{'ratio':>6} {'temp rnd/AR GiB':>16} {'fits':>5} {'compile s':>10}")
         for d in rows:
             r, a = d["round"], d["ar_step"]
-            print(f"{d['batch']:>4} {r['flops'] / 1e9:>12.1f} {r['bytes_accessed'] / 1e9:>9.2f} "
-                  f"{a['flops'] / 1e9:>9.1f} {a['bytes_accessed'] / 1e9:>7.2f} "
+            print(f"{d['batch']:>4} {r['step_flops'] / 1e9:>12.1f} {r['step_bytes'] / 1e9:>9.2f} "
+                  f"{a['step_flops'] / 1e9:>9.1f} {a['step_bytes'] / 1e9:>7.2f} "
                   f"{r['projected']['seconds'] * 1e3:>8.3f}/{a['projected']['seconds'] * 1e3:<9.3f} "
                   f"{d['round_over_ar']:>6.2f} {r['temp_bytes'] / 2**30:>7.2f}/{a['temp_bytes'] / 2**30:<8.2f} "
                   f"{str(r['fits'] and a['fits']):>5} {r['compile_seconds']:>5.0f}/{a['compile_seconds']:<4.0f}")

@@ -47,7 +47,9 @@ def register(sub) -> None:
                    help="compile for real accelerators instead of simulated CPU devices (compile-only, no "
                         "accelerator needed): tpu-v5e:2x4, tpu-v5p:2x2x4, tpu-v6e:2x4, tpu-v4:2x2x2, h100:8, "
                         "h200:8, h200:1, ...; per-device memory then comes from the TPU/GPU compiler and is "
-                        "checked against the chip's HBM. TPU needs the tpu extra (libtpu), GPU the cuda extra")
+                        "checked against the chip's HBM, and each program's flops / bytes per run (loop bodies x "
+                        "trip counts) give its roofline time on the chip; train steps add tokens/s per chip and "
+                        "MFU. TPU needs the tpu extra (libtpu), GPU the cuda extra")
     p.add_argument("--modes", default=None,
                    help="comma list of programs: online, cache (train step), decode (round; the "
                         "autoregressive step without a drafter), forward (the target's forward as online "

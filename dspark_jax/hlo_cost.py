@@ -6,8 +6,9 @@ compile time, which rules it out for a full-size train step on a small host. ``s
 the optimised HLO text instead and weights each computation by how often it runs:
 
 - ``while``: its body x the trip count (``known_trip_count`` in the backend config, as XLA:GPU
-  writes it, else the ``compare(counter, constant N), direction=LT`` of its condition, as XLA:TPU
-  leaves it, counting from 0); ``call`` / async wrappers once; ``conditional`` its costliest branch.
+  writes it, else, as XLA:TPU leaves it, from the condition's ``counter < N``, the body's
+  ``counter + step`` and the counter's initial constant); ``call`` / async wrappers once;
+  ``conditional`` its costliest branch.
 - flops: matrix products only, 2 x output elements x contracted size: ``dot``, ``convolution`` (how
   XLA:TPU writes dots: contracted size = the kernel's input features x the window taps that land
   on input), the cuBLAS gemm custom calls of XLA:GPU, and a ``reduce`` of a ``multiply`` (a
@@ -139,16 +140,30 @@ def matmul_flops(ins: Instr, by_name) -> float:
 
 
 def trip_count(ins: Instr, comps, by_name) -> int:
-    """A while loop's trip count: XLA:GPU's ``known_trip_count``, else its condition's
-    ``counter < N`` (counting from 0, as ``lax.scan`` / ``fori_loop`` lower), else 1."""
+    """A while loop's trip count: XLA:GPU's ``known_trip_count``, else read from the loop as XLA:TPU
+    leaves it: the condition's ``counter < N`` (a tuple element, a constant), the body's
+    ``counter + step`` and the counter's initial constant (0 when not a constant); else 1."""
     m = re.search(r'"known_trip_count":\{"n":"([0-9]+)"', ins.attrs)
     if m:
         return int(m.group(1))
+    const = lambda name: int(by_name[name].args) if name in by_name and by_name[name].op == "constant" \
+        and re.fullmatch(r"-?[0-9]+", by_name[name].args) else None
+    index = lambda i: int(re.search(r"index=([0-9]+)", i.attrs).group(1)) if i and i.op == "get-tuple-element" else None
     for c in comps.get(ins.callee("condition") or "", []):
-        if c.op == "compare" and "direction=LT" in c.attrs:
-            for o in c.operands:
-                if o in by_name and by_name[o].op == "constant" and re.fullmatch(r"[0-9]+", by_name[o].args):
-                    return max(int(by_name[o].args), 1)
+        if c.op != "compare" or "direction=LT" not in c.attrs or len(c.operands) != 2:
+            continue
+        k, limit = index(by_name.get(c.operands[0])), const(c.operands[1])
+        if k is None or limit is None:
+            continue
+        step, start = 1, 0
+        root = next((i for i in comps.get(ins.callee("body") or "", []) if i.root), None)
+        nxt = by_name.get(root.operands[k]) if root is not None and root.op == "tuple" and k < len(root.operands) else None
+        if nxt is not None and nxt.op == "add":
+            step = next((const(o) for o in nxt.operands if const(o) is not None), 1) or 1
+        init = by_name.get(ins.operands[0]) if ins.operands else None
+        if init is not None and init.op == "tuple" and k < len(init.operands):
+            start = const(init.operands[k]) or 0
+        return max(-(-(limit - start) // step), 1)
     return 1
 
 

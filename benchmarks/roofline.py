@@ -32,8 +32,9 @@ config file's ``draft`` section, the train options its ``compute_dtype`` and ``m
 
 ``--hardware CHIP:GRID`` (e.g. ``h200:1``, ``tpu-v5e:2x4``; the ``cuda`` / ``tpu`` extra): instead,
 the round and the AR step are compiled by that accelerator's compiler for compile-only devices
-(mesh ``tensor=N``, loops unrolled), and flops, bytes, memory and the projection come from the
-compiled programs themselves (``compiled_decode_costs``).
+(mesh ``tensor=N``, scanned as shipped), and flops, bytes (every loop body x its trip count,
+``hlo_cost.step_cost``), memory and the projection come from the compiled programs themselves
+(``compiled_decode_costs``).
 
 Writes ``roofline.json`` to ``--out``; prints the tables.
 """
@@ -62,6 +63,7 @@ from dspark_jax.config import DraftConfig, TargetConfig  # noqa: E402
 from dspark_jax.draft import model as draft_model  # noqa: E402
 from dspark_jax.target import gemma4, qwen3  # noqa: E402
 from dspark_jax.compiles import COMPILES
+from dspark_jax.flops import model_flops, target_attention_flops  # noqa: E402,F401  (accelerator.py reads them here)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -249,9 +251,10 @@ def decode_costs(fam: dict, batch: int, prompt_len: int, max_new: int) -> dict:
 
 
 def compiled_decode_costs(fam: dict, batch: int, prompt_len: int, max_new: int, hw, devices) -> dict:
-    """The round and the AR step compiled for ``hw`` (compile-only devices, mesh ``tensor=N``),
-    every loop unrolled: per-device flops and bytes from that compiler's own cost analysis
-    (``hardware.program_cost``), memory from its buffer assignment, projected on ``hw.chip``.
+    """The round and the AR step compiled for ``hw`` (compile-only devices, mesh ``tensor=N``), as
+    shipped (scanned layers): per-device flops and bytes per step from the compiled HLO with every
+    loop body counted per trip (``hlo_cost.step_cost``, recorded as ``step_flops`` / ``step_bytes``),
+    memory from its buffer assignment, projected on ``hw.chip``.
     The cache capacity is the CPU projection's (prompt + new tokens, ``decode_programs``);
     attention reads all of it (one compiled span, the capacity)."""
     from dspark_jax import sharding
@@ -266,10 +269,9 @@ def compiled_decode_costs(fam: dict, batch: int, prompt_len: int, max_new: int, 
     out = {"batch": batch, "prompt_len": prompt_len, "cache_len": cap, "block_size": dcfg.block_size,
            "hardware": hw.spec, "mesh": dict(mesh.shape)}
     for name, draft in (("round", dcfg), ("ar_step", None)):
-        with hardware.unrolled_loops():
-            plan, sizes = plan_lib.plan_decode_round(draft, tcfg, mesh, batch=batch, max_len=cap,
-                                                     max_new_tokens=max_new, spans=(cap,))
-        proj = hardware.project(plan.flops, plan.bytes_accessed, hw.chip)
+        plan, sizes = plan_lib.plan_decode_round(draft, tcfg, mesh, batch=batch, max_len=cap,
+                                                 max_new_tokens=max_new, spans=(cap,))
+        proj = plan_lib.projected(plan, hw.chip)
         out[name] = dict(plan.to_json(), **sizes, projected=proj, fits=hardware.fits(plan.peak_bytes, hw.chip),
                          compulsory_bytes=sizes["target_bytes"] + sizes["draft_bytes"] + sizes["state_bytes"])
     out["round_over_ar"] = out["round"]["projected"]["seconds"] / out["ar_step"]["projected"]["seconds"]
@@ -283,72 +285,19 @@ def print_compiled(report: dict) -> None:
             continue
         d0 = rows[0]
         print(f"\n{name}: decode compiled for {d0['hardware']} (mesh {d0['mesh']}, cache {d0['cache_len']}, "
-              f"block {d0['block_size']}; per device, every loop unrolled)")
+              f"block {d0['block_size']}; per device, every loop body x its trip count)")
         print(f"{'B':>4} {'round GFLOP':>12} {'round GB':>9} {'AR GFLOP':>9} {'AR GB':>7} {'round/AR ms':>18} "
               f"{'ratio':>6} {'temp rnd/AR GiB':>16} {'fits':>5} {'compile s':>10}")
         for d in rows:
             r, a = d["round"], d["ar_step"]
-            print(f"{d['batch']:>4} {r['flops'] / 1e9:>12.1f} {r['bytes_accessed'] / 1e9:>9.2f} "
-                  f"{a['flops'] / 1e9:>9.1f} {a['bytes_accessed'] / 1e9:>7.2f} "
+            print(f"{d['batch']:>4} {r['step_flops'] / 1e9:>12.1f} {r['step_bytes'] / 1e9:>9.2f} "
+                  f"{a['step_flops'] / 1e9:>9.1f} {a['step_bytes'] / 1e9:>7.2f} "
                   f"{r['projected']['seconds'] * 1e3:>8.3f}/{a['projected']['seconds'] * 1e3:<9.3f} "
                   f"{d['round_over_ar']:>6.2f} {r['temp_bytes'] / 2**30:>7.2f}/{a['temp_bytes'] / 2**30:<8.2f} "
                   f"{str(r['fits'] and a['fits']):>5} {r['compile_seconds']:>5.0f}/{a['compile_seconds']:<4.0f}")
             for prog in (r, a):
                 big = ", ".join(f"{v['shape']} {v['op']}" for v in prog["largest"][:3])
                 print(f"       {prog['name']} largest: {big}")
-
-
-def _matmul_params(layers: dict) -> int:
-    """Weights of the stacked layer matmuls: every 3-D leaf ([layers, in, out]) of ``layers``."""
-    return int(sum(np.prod(v.shape) for v in jax.tree.leaves(layers) if len(v.shape) == 3))
-
-
-def _visible_keys(seq: int, window: int | None) -> int:
-    """Keys summed over the S queries of causal attention (within ``window`` when sliding)."""
-    if window is None or window >= seq:
-        return seq * (seq + 1) // 2
-    return window * (window + 1) // 2 + (seq - window) * window
-
-
-def target_attention_flops(tcfg, seq: int) -> float:
-    """QK^T + PV FLOPs of a causal forward over ``seq`` tokens, all layers: 4 x Hq x D x visible
-    keys per layer. Gemma4: sliding layers (``head_dim``) see <= ``sliding_window`` keys, full
-    layers ``global_head_dim``; Qwen3: every layer full with ``head_dim``."""
-    hq = tcfg.num_attention_heads
-    layer_types = getattr(tcfg, "layer_types", None)
-    if layer_types is None:
-        return float(tcfg.num_hidden_layers * 4 * hq * tcfg.head_dim * _visible_keys(seq, None))
-    total = 0
-    for t in layer_types:
-        full = t == gemma4.FULL
-        total += 4 * hq * (tcfg.global_head_dim if full else tcfg.head_dim) * _visible_keys(
-            seq, None if full else tcfg.sliding_window)
-    return float(total)
-
-
-def model_flops(tcfg, dcfg, seq: int, online: bool = True) -> float:
-    """Analytic FLOPs of one train step on one sequence (no remat recompute counted); the
-    target forward only when ``online`` (cache mode reads precomputed features). Any target /
-    drafter family (params from ``families.init_params`` shapes).
-
-    Target forward: 2 x layer matmul params x S + causal attention (``target_attention_flops``).
-    Drafter (forward + backward = 3 forwards) over N x G block tokens: layer matmuls, the
-    [H, V] LM head and Markov [r, V] projection per block token, attention over <= S context
-    + G block keys; context fc + k/v projections over the S context tokens.
-    """
-    key = jax.random.PRNGKey(0)
-    tpar = jax.eval_shape(lambda k: families.init_params(tcfg, k), key)
-    dpar = jax.eval_shape(lambda k: families.init_params(dcfg, k), key)
-    t_fwd = 2 * _matmul_params(tpar) * seq + target_attention_flops(tcfg, seq)
-    ng = dcfg.num_anchors * dcfg.block_size
-    h, v = dcfg.hidden_size, dcfg.vocab_size
-    layers = dpar["layers"]
-    d_layers = _matmul_params(layers)
-    d_tok = 2 * (d_layers + h * v + (dcfg.markov_rank * v if dcfg.has_markov else 0))
-    d_attn = dcfg.num_hidden_layers * 4 * (seq / 2 + dcfg.block_size) * dcfg.num_attention_heads * dcfg.head_dim
-    kv = sum(int(np.prod(layers[k].shape)) for k in ("k_proj", "v_proj") if k in layers)  # all layers
-    d_ctx = 2 * (dcfg.num_context_features * h * h + kv) * seq
-    return float((t_fwd if online else 0) + 3 * (ng * (d_tok + d_attn) + d_ctx))
 
 
 def train_costs(fam: dict, seq: int) -> dict:

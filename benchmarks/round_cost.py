@@ -651,15 +651,17 @@ def compile_only(sizes, batches, hw_spec: str, cache_len: int, unrolled: bool, p
                                                               spans=(cache_len,), per_layer=per_layer)
                 row[name] = dict(plan.to_json(), **sizes_, fits=hardware.fits(plan.peak_bytes, hw.chip),
                                  projected=hardware.project(plan.flops, plan.bytes_accessed, hw.chip),
-                                 cpu_seconds=time.process_time() - cpu0)  # trace + lower + compile
+                                 cpu_seconds=time.process_time() - cpu0,  # trace + lower + compile
+                                 step_projected=plan_lib.projected(plan, hw.chip))
                 p = row[name]
                 print(f"{size} B={b} {name:<8} on {hw.spec}: args {p['argument_bytes'] / 2**30:.2f} GiB, "
                       f"temporaries {p['temp_bytes'] / 2**30:.2f} GiB, peak {p['peak_bytes'] / 2**30:.2f} GiB "
                       f"({'fits' if p['fits'] else 'DOES NOT FIT'}), {p['flops'] / 1e9:.1f} GFLOP, "
                       f"{p['bytes_accessed'] / 1e9:.2f} GB accessed{'' if unrolled else ' (loop bodies once)'}, "
                       f"projected {p['projected']['seconds'] * 1e3:.3f} ms, compiled in {p['compile_seconds']:.0f} s "
-                      f"({p['cpu_seconds']:.0f} CPU s)",
-                      flush=True)
+                      f"({p['cpu_seconds']:.0f} CPU s); "
+                      f"per step (loops x trips, hlo_cost): {p['step_flops'] / 1e9:.1f} GFLOP, "
+                      f"{p['step_bytes'] / 1e9:.2f} GB, {p['step_projected']['seconds'] * 1e3:.3f} ms", flush=True)
                 p["copies"] = copies(p["largest"], watch)
                 print("    copies among the 32 largest values: " + ", ".join(
                     f"{kind} {c['count']} ({c['bytes'] / 2**20:.0f} MiB)" for kind, c in p["copies"].items()))
@@ -667,6 +669,9 @@ def compile_only(sizes, batches, hw_spec: str, cache_len: int, unrolled: bool, p
                     print(f"    {v['bytes'] / 2**20:9.1f} MiB  {v['shape']:<28} {v['op']:<16} {v['name']}"
                           f"{'  <- ' + v['copy_of'] if v.get('copy_of') else ''}")
             row["round_over_ar"] = row["round"]["projected"]["seconds"] / row["ar_step"]["projected"]["seconds"]
+            row["step_round_over_ar"] = (row["round"]["step_projected"]["seconds"]
+                                         / row["ar_step"]["step_projected"]["seconds"])
+            print(f"{size} B={b} round/AR per step (loops x trips): {row['step_round_over_ar']:.2f}", flush=True)
             rows.append(row)
     return rows
 

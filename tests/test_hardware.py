@@ -77,6 +77,10 @@ def test_plan_compiles_tiny_fixture_for_tpu(tmp_path, tiny_dir):
         assert prog["platform"] == "tpu" and prog["fits"] and prog["upcast_bytes"] == 0
         assert 0 < prog["peak_bytes"] < 2**30 and prog["argument_bytes"] > 0
     assert report["programs"]["decode"]["alias_bytes"] > 0  # the decode state is donated on TPU too
+    online = report["programs"]["online"]  # loops counted per trip: at least the body-once count
+    assert online["step_flops"] >= online["flops"] > 0 and online["step_bytes"] > 0
+    proj = online["projected"]
+    assert proj["tokens"] == 64 and proj["tokens_per_s"] > 0 and 0 < proj["mfu"] < 1
 
 
 def test_gpu_cache_attention_forms_match_the_dots():
@@ -153,3 +157,4 @@ def test_round_cost_compile_only_for_tpu(tmp_path):
         assert prog["largest"] and prog["projected"]["seconds"] > 0
         assert set(prog["copies"]) == {"cache", "cache_layer", "weight"}  # copies marked per kind
     assert row["round"]["flops"] > row["ar_step"]["flops"]  # the round also drafts and verifies G+1 tokens
+    assert row["round"]["step_flops"] > row["ar_step"]["step_flops"] > 0 and row["step_round_over_ar"] > 0

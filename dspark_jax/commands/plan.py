@@ -47,7 +47,9 @@ def register(sub) -> None:
                    help="compile for real accelerators instead of simulated CPU devices (compile-only, no "
                         "accelerator needed): tpu-v5e:2x4, tpu-v5p:2x2x4, tpu-v6e:2x4, tpu-v4:2x2x2, h100:8, "
                         "h200:8, h200:1, ...; per-device memory then comes from the TPU/GPU compiler and is "
-                        "checked against the chip's HBM. TPU needs the tpu extra (libtpu), GPU the cuda extra")
+                        "checked against the chip's HBM, and each program's flops / bytes per run (loop bodies x "
+                        "trip counts) give its roofline time on the chip; train steps add tokens/s per chip and "
+                        "MFU. TPU needs the tpu extra (libtpu), GPU the cuda extra")
     p.add_argument("--modes", default=None,
                    help="comma list of programs: online, cache (train step), decode (round; the "
                         "autoregressive step without a drafter), forward (the target's forward as online "
@@ -151,7 +153,20 @@ def _mesh(args, mesh_spec, devices=None):
     return sharding.make_mesh(mesh_spec or f"fsdp={len(devices)}", devices)
 
 
-def _print_program(plan, sizes: dict, hw=None) -> None:
+def _projection(plan, mode, hw, tcfg, target_cfg, draft_cfg, micro: int, devices: int) -> dict:
+    """The compiled program's roofline on ``hw``'s chip; a train step's with tokens/s per chip and MFU
+    (analytic model flops of the micro-batch's sequences, spread over the chips)."""
+    from dspark_jax import flops
+    from dspark_jax.pipelines import plan as plan_lib
+
+    if mode not in ("online", "cache"):
+        return plan_lib.projected(plan, hw.chip)
+    per_seq = flops.model_flops(target_cfg, draft_cfg, tcfg.max_length, online=mode == "online")
+    return plan_lib.projected(plan, hw.chip, tokens=micro * tcfg.max_length / devices,
+                              model_flops=per_seq * micro / devices)
+
+
+def _print_program(plan, sizes: dict, hw=None, proj=None) -> None:
     print(f"\n[{plan.name}] compiled in {plan.compile_seconds:.1f}s; per device:")
     for key, value in sizes.items():
         print(f"  {key:<22}{_mib(value)}")
@@ -165,6 +180,13 @@ def _print_program(plan, sizes: dict, hw=None) -> None:
         from dspark_jax import hardware
         verdict = "fits" if hardware.fits(plan.peak_bytes, hw.chip) else "DOES NOT FIT"
         print(f"  {verdict} in {hw.chip.name}'s {_mib(hw.chip.hbm_bytes).strip()} of HBM")
+    if proj is not None:
+        print(f"  per run (loops x trips): {plan.step_flops / 1e12:.2f} TFLOP, {plan.step_bytes / 1e9:.1f} GB -> "
+              f"{proj['seconds'] * 1e3:.1f} ms on {hw.chip.name} ({proj['bound']}-bound; collectives not charged)")
+        if "mfu" in proj:
+            print(f"  {proj['tokens_per_s']:,.0f} tokens/s per chip, MFU {proj['mfu'] * 100:.1f}% "
+                  f"(model {proj['model_flops'] / 1e12:.2f} TFLOP per chip; compiled/model flops "
+                  f"{proj['compiled_over_model_flops']:.2f})")
     coll = ", ".join(f"{op} x{c['count']} ({_mib(c['bytes']).strip()})" for op, c in plan.collectives.items())
     print(f"  collectives: {coll or 'none'}")
 
@@ -271,7 +293,9 @@ def run(args) -> int:
         report["programs"][mode] = dict(plan.to_json(), **sizes)
         if hw is not None:
             report["programs"][mode]["fits"] = hardware.fits(plan.peak_bytes, hw.chip)
-        _print_program(plan, sizes, hw)
+            report["programs"][mode]["projected"] = _projection(plan, mode, hw, tcfg, target_cfg, draft_cfg,
+                                                                 micro, mesh.size)
+        _print_program(plan, sizes, hw, report["programs"][mode].get("projected"))
     if args.json_out:
         from dspark_jax.fileio import write_json
         write_json(args.json_out, report, force=args.force)

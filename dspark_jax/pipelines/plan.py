@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from dspark_jax import families, hardware
+from dspark_jax import families, hardware, hlo_cost
 from dspark_jax import params as params_lib
 from dspark_jax import sharding as shard_lib
 from dspark_jax.config import DraftConfig, TargetConfig
@@ -51,6 +51,8 @@ class ProgramPlan:
     platform: str = "cpu"
     flops: float = 0.0  # the compiler's cost analysis (a while loop's body counted once)
     bytes_accessed: float = 0.0
+    step_flops: float = 0.0  # per run, every loop body x its trip count (``hlo_cost.step_cost``)
+    step_bytes: float = 0.0
     largest: list = dataclasses.field(default_factory=list)  # largest_values of the compiled HLO
 
     @property
@@ -193,11 +195,26 @@ def compile_plan(name: str, fn: Callable, *abstract_args, platform: str | None =
     get = lambda attr: int(getattr(mem, attr, 0) or 0) if mem is not None else 0
     text = compiled.as_text()
     cost = hardware.program_cost(compiled)
+    step = hlo_cost.step_cost(text)
     return ProgramPlan(name, get("argument_size_in_bytes"), get("output_size_in_bytes"),
                        get("temp_size_in_bytes"), get("alias_size_in_bytes"),
                        get("generated_code_size_in_bytes"), collectives_in(text), seconds,
                        upcast_bytes(text) if platform == "cpu" else 0, platform, cost["flops"],
-                       cost["bytes"], largest_values(text, 32))
+                       cost["bytes"], step["flops"], step["bytes"], largest_values(text, 32))
+
+
+def projected(plan: ProgramPlan, chip, *, tokens: float = 0.0, model_flops: float = 0.0) -> dict:
+    """Roofline of one run of a compiled program on ``chip`` from its own per-run cost
+    (``step_flops`` / ``step_bytes``: loop bodies x trip counts; collectives not charged):
+    seconds = max(flops / peak, bytes / bandwidth). For a train step, ``tokens`` trained per chip
+    per step and the analytic ``model_flops`` per chip (``flops.model_flops``) add tokens/s per
+    chip and MFU = model flops / (seconds x peak)."""
+    out = hardware.project(plan.step_flops, plan.step_bytes, chip)
+    if tokens:
+        out.update(tokens=tokens, tokens_per_s=tokens / out["seconds"], model_flops=model_flops,
+                   mfu=model_flops / (out["seconds"] * chip.peak_flops),
+                   compiled_over_model_flops=plan.step_flops / model_flops if model_flops else None)
+    return out
 
 
 def plan_train_step(draft_cfg: DraftConfig, target_cfg: TargetConfig, train_cfg: TrainConfig,

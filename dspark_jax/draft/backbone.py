@@ -61,11 +61,10 @@ def block_visibility(ctx_mask: jax.Array, block_valid: jax.Array, g: int) -> jax
     return jnp.concatenate([vis_ctx, vis_blk], axis=-1)[:, None, None, :, None, :]
 
 
-def _block_attention(q, k_blk, v_blk, k_ctx, v_ctx, visible, scale=None, unrolled=False):
+def _block_attention(q, k_blk, v_blk, k_ctx, v_ctx, visible, scale=None):
     """q, k_blk, v_blk [B,N,G,H*,D]; k_ctx, v_ctx [B,Hkv,S,D]; visible from ``block_visibility``.
 
-    ``scale`` multiplies the scores (default D^-0.5; Gemma4 uses 1.0). ``unrolled``: k_ctx, v_ctx
-    are one layer's slice in an unrolled layer loop (``nn.cache_values``).
+    ``scale`` multiplies the scores (default D^-0.5; Gemma4 uses 1.0).
     """
     b, n, g, hq, d = q.shape
     hkv, s = k_ctx.shape[1:3]
@@ -74,7 +73,7 @@ def _block_attention(q, k_blk, v_blk, k_ctx, v_ctx, visible, scale=None, unrolle
     s_blk = jnp.einsum("bngjrd,bnkjd->bjrngk", q, k_blk, preferred_element_type=jnp.float32)
     probs = nn.masked_softmax(jnp.concatenate([s_ctx, s_blk], axis=-1), visible,
                               d ** -0.5 if scale is None else scale).astype(v_ctx.dtype)
-    out = (nn.cache_values(probs[..., :s].reshape(b, hkv, hq // hkv, n * g, s), v_ctx, unrolled).reshape(q.shape)
+    out = (nn.cache_values(probs[..., :s].reshape(b, hkv, hq // hkv, n * g, s), v_ctx).reshape(q.shape)
            + jnp.einsum("bjrngk,bnkjd->bngjrd", probs[..., s:], v_blk))
     return out.reshape(b, n, g, hq * d)
 
@@ -118,7 +117,7 @@ def block_forward(
         q, k = nn.apply_rope(q, cos, sin), nn.apply_rope(k, cos, sin)
         split = lambda a: a.reshape(b, n, g, *a.shape[2:])
         attn = _block_attention(split(q), split(k), split(v), k_ctx.astype(q.dtype),
-                                v_ctx.astype(q.dtype), visible, unrolled=unrolled)
+                                v_ctx.astype(q.dtype), visible)
         x = x + attn @ p["o_proj"]
         x = x + nn.swiglu_mlp(nn.rms_norm(x, p["post_attention_layernorm"], eps), p)
         return x, None

@@ -167,6 +167,7 @@ class DraftRuntime:
     replicable: frozenset = frozenset()
     block_heads: Callable[..., tuple] | None = None  # a family's own [.., V] heads (``draft.model.block_heads``)
     ring: ContextRing | None = None  # a windowed drafter's decode context cache (None: position-indexed)
+    per_layer: bool = False  # ``context_kv`` / ``block_forward`` also take per-layer ``params["layers"]``
 
 
 def concat_features(hidden_size: int, taps) -> int:

@@ -42,3 +42,26 @@ def test_greedy_parity_per_layer_weights(tiny_reference):
     for i, r in enumerate(res):
         assert r.output_ids == ref["output_ids"][i], f"prompt {i}: tokens differ"
         assert r.acceptance_lengths == ref["acceptance_lengths"][i], f"prompt {i}: acceptance lengths differ"
+
+
+def test_greedy_parity_per_layer_draft_weights(tiny_reference):
+    """The drafter's layers as per-layer buffers too (decode's placement on GPUs: an unrolled
+    draft layer loop reading context K/V at a run-time layer index) give the reference tokens."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from dspark_jax import params as params_lib
+    from dspark_jax.draft import backbone
+    tc, tp, dc, dp, ref = tiny_reference
+    dp_layers = params_lib.for_platform(dp, "gpu")
+    assert isinstance(dp_layers["layers"], tuple) and len(dp_layers["layers"]) == dc.num_hidden_layers
+    ctx = jax.random.normal(jax.random.PRNGKey(0), (2, 5, dc.hidden_size), jnp.float32)
+    pos = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
+    for a, b in zip(backbone.context_kv(dp, dc, ctx, pos), backbone.context_kv(dp_layers, dc, ctx, pos)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+    res = speculative_generate(tc, params_lib.for_platform(tp, "gpu"), dc, dp_layers, ref["prompts"],
+                               max_new_tokens=ref["max_new_tokens"], temperature=0.0,
+                               batch_size=len(ref["prompts"]))
+    for i, r in enumerate(res):
+        assert r.output_ids == ref["output_ids"][i], f"prompt {i}: tokens differ"
+        assert r.acceptance_lengths == ref["acceptance_lengths"][i], f"prompt {i}: acceptance lengths differ"

@@ -78,11 +78,12 @@ class DecodeProgram:
         return self.platform_layers(sharded.place_params(params, config, self.mesh, self.rules), config)
 
     def platform_layers(self, params, config):
-        """A target whose forward takes per-layer weights (``TargetRuntime.per_layer``) gets its
-        layers as the mesh's platform reads them best (``params.for_platform``: per-layer
-        buffers on GPUs); other params unchanged (arrays or abstract)."""
+        """A target or drafter whose layer loop takes per-layer weights (``TargetRuntime.per_layer``,
+        ``DraftRuntime.per_layer``) gets its layers as the mesh's platform reads them best
+        (``params.for_platform``: per-layer buffers on GPUs); other params unchanged (arrays or
+        abstract)."""
         family = families.for_config(config)
-        if params is None or family.kind != "target" or not family.runtime.per_layer:
+        if params is None or family.runtime is None or not family.runtime.per_layer:
             return params
         platform = jax.default_backend() if self.mesh is None else self.mesh.devices.flat[0].platform
         return params_lib.for_platform(params, platform)

@@ -7,6 +7,10 @@ Context keys/values are computed once per layer (``context_kv``) so decoding
 can keep them in a cache and training computes them for the whole sequence.
 Each block attends jointly (one softmax) to the context rows it may see and
 to every position of its own block, at cost O(N*G*(S+G)) per head.
+
+``params["layers"]`` is either stacked ([Ld, ...] leaves: a ``lax.scan`` over layers) or a tuple
+of per-layer trees (``params.for_platform`` on GPUs: an unrolled loop that reads each layer's
+weights and context K/V where they lie; XLA:GPU copies a scan's slices before each gemm).
 """
 
 from __future__ import annotations
@@ -37,7 +41,15 @@ def context_kv(params: dict, config: DraftConfig, ctx: jax.Array, positions: jax
         k, v = nn.kv_heads(ctx, p, config.num_key_value_heads, config.head_dim, config.rms_norm_eps)
         return nn.head_major(nn.apply_rope(k, cos, sin)), nn.head_major(v)
 
+    if _per_layer(params):
+        ks, vs = zip(*map(one_layer, params["layers"]))
+        return jnp.stack(ks), jnp.stack(vs)
     return jax.lax.map(one_layer, params["layers"])
+
+
+def _per_layer(params: dict) -> bool:
+    """Whether ``params["layers"]`` is a tuple of per-layer trees (else stacked)."""
+    return isinstance(params["layers"], (list, tuple))
 
 
 def block_visibility(ctx_mask: jax.Array, block_valid: jax.Array, g: int) -> jax.Array:
@@ -87,12 +99,15 @@ def block_forward(
     False/"none" keeps everything, True/"dots" keeps only the weight matmuls'
     outputs (attention scores and elementwise ops are recomputed), "full" keeps
     nothing but the layer inputs. Values and gradients do not change.
+    Per-layer ``params["layers"]`` (a tuple): an unrolled loop reading layer i's ctx_k / ctx_v at a
+    run-time index (``nn.layer_slices``: one kernel set for all layers).
     Returns hidden [B, N, G, H] after the final norm.
     """
     b, n, g, h = block_embeds.shape
     cos, sin = nn.rope_cos_sin(block_positions.reshape(b, n * g), config.head_dim, config.rope_theta)
     eps = config.rms_norm_eps
     visible = block_visibility(ctx_mask, block_valid, g)
+    unrolled = _per_layer(params)
 
     def layer(x, xs):
         p, k_ctx, v_ctx = xs
@@ -109,7 +124,12 @@ def block_forward(
 
     if remat not in (False, None, "none"):
         layer = jax.checkpoint(layer, policy=remat_policy(remat))
-    x, _ = jax.lax.scan(layer, block_embeds, (params["layers"], ctx_k, ctx_v))
+    if unrolled:
+        x = block_embeds
+        for i, p in enumerate(params["layers"]):
+            x, _ = layer(x, (p, *nn.layer_slices((ctx_k, ctx_v), i)))
+    else:
+        x, _ = jax.lax.scan(layer, block_embeds, (params["layers"], ctx_k, ctx_v))
     return nn.rms_norm(x, params["norm"], eps)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dspark_jax import nn
 from dspark_jax import params as params_lib
 from dspark_jax.config import DraftConfig
 from dspark_jax.params import ParamSpec
@@ -81,8 +82,7 @@ def step(p: dict, config: DraftConfig, state: jax.Array, prev_tokens: jax.Array,
         latent = jnp.tanh(o)
     else:  # validated by DraftConfig
         raise ValueError(kind)
-    bias = jnp.einsum("...r,rv->...v", latent, p["markov_w2"].astype(latent.dtype),
-                      preferred_element_type=jnp.float32)
+    bias = nn.project_f32(latent, p["markov_w2"].astype(latent.dtype))  # no f32 copy of W2 at B = 1 on CUDA
     return bias, state
 
 

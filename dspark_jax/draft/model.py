@@ -207,6 +207,7 @@ QWEN3_OPS = runtime.DraftRuntime(
     block_forward=backbone.block_forward,              # (params, config, embeds, positions, ...) -> h
     embed_block=lambda p, config, ids: p["embed_tokens"][ids],        # block input embeddings
     compute_logits=lambda p, config, hidden: compute_logits(p, hidden),  # [..., H] -> [..., V] f32
+    per_layer=True,                                    # per-layer layers on GPUs (params.for_platform)
 )
 
 FAMILY = params_lib.Family(

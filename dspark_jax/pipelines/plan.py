@@ -326,6 +326,8 @@ def plan_decode_round(draft_cfg: DraftConfig | None, target_cfg: TargetConfig, m
         sizes = {"target_bytes": tree_bytes_per_device(t_abs), "draft_bytes": 0}
     else:
         d_abs, _ = families.abstract_params(draft_cfg, mesh, dtype, prog.rules)
+        if per_layer is None:
+            d_abs = prog.platform_layers(d_abs, draft_cfg)  # per-layer drafter layers on GPUs
         static = DecodeStatic(target_cfg, draft_cfg, FullPolicy(), False, max_new_tokens, spans=spans)
         state_shapes = programs.abstract_decode_state(t_abs, d_abs, static, batch, max_len)
         args = (t_abs, d_abs, abstract(state_shapes, prog.state_sharding(state_shapes)), *temp_stop,

@@ -159,16 +159,14 @@ def logits(params: dict, config: TargetConfig, hidden: jax.Array) -> jax.Array:
     return compute_logits(params, hidden)
 
 
-def _layer(config: TargetConfig, x, p, positions, mask, k_cache=None, v_cache=None, cache_mask=None,
-           unrolled: bool = False):
+def _layer(config: TargetConfig, x, p, positions, mask, k_cache=None, v_cache=None, cache_mask=None):
     """One decoder layer over x [B, T, H].
 
     Without a cache: attention over the T new tokens (``mask`` [B, T, T]). With
     one: this layer's read-only ``k_cache, v_cache [B, Hkv, max_len, D]``, of which the first
     S = ``cache_mask.shape[-1]`` slots are read (``nn.attention``; visible per ``cache_mask``
-    [B, T, S]), plus the new tokens (``mask``); ``unrolled``: one layer of an unrolled loop
-    (``nn.attention``). Returns (x, k, v) with the new tokens' k, v [B, Hkv, T, D] (head-major
-    like the cache; written by the caller).
+    [B, T, S]), plus the new tokens (``mask``). Returns (x, k, v) with the new tokens' k, v
+    [B, Hkv, T, D] (head-major like the cache; written by the caller).
     """
     h = nn.rms_norm(x, p["input_layernorm"], config.rms_norm_eps)
     q, k, v = nn.qkv_heads(h, p, config.num_attention_heads, config.num_key_value_heads,
@@ -178,7 +176,7 @@ def _layer(config: TargetConfig, x, p, positions, mask, k_cache=None, v_cache=No
     if k_cache is None:
         attn = nn.attention(q, k, v, mask)
     else:
-        attn = nn.attention(q, k, v, mask, unrolled=unrolled,
+        attn = nn.attention(q, k, v, mask,
                             prefix=(k_cache.astype(q.dtype), v_cache.astype(q.dtype), cache_mask))
     b, t = x.shape[:2]
     x = x + attn.reshape(b, t, -1) @ p["o_proj"]
@@ -238,7 +236,7 @@ def forward_pure(params: dict, config: TargetConfig, tokens: jax.Array, cache: K
             x, k, v = _layer(config, x, p, positions, causal)
         else:
             p, idx, k_cache, v_cache = xs
-            x, k, v = _layer(config, x, p, positions, causal, k_cache, v_cache, cache_mask, unrolled)
+            x, k, v = _layer(config, x, p, positions, causal, k_cache, v_cache, cache_mask)
         if tap_ids:
             slot = jnp.maximum(idx, 0)
             taps = jnp.where(idx >= 0, jax.lax.dynamic_update_index_in_dim(taps, x, slot, 0), taps)

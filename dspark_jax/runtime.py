@@ -59,7 +59,10 @@ caches are stored: ``nn.cache_scores``),
 positions, k_ctx, v_ctx, ctx_mask, block_valid, ...) -> hidden``, ``compute_logits(params, cfg,
 hidden) -> [..., V] float32``, and ``replicable`` as for a target; ``block_heads`` (optional,
 the signature of ``draft.model.block_heads`` without ``ops``) replaces the shared heads for a
-family whose heads read other than the backbone's normed output (DeepSeek-V4's module).
+family whose heads read other than the backbone's normed output (DeepSeek-V4's module);
+``bind`` (optional, ``Context -> DraftRuntime``): the record for a ``Context`` (its mesh), for a
+family whose backbone shards inside itself (DeepSeek-V4's module: its MoE stages ``shard_map``
+the expert dispatch over ``ctx.mesh``); ``on(ctx)`` gives it (the record itself without ``bind``).
 """
 
 from __future__ import annotations
@@ -149,6 +152,11 @@ class DraftRuntime:
     compute_logits: Callable[..., jax.Array]
     replicable: frozenset = frozenset()
     block_heads: Callable[..., tuple] | None = None  # a family's own [.., V] heads (``draft.model.block_heads``)
+    bind: Callable[[Context], "DraftRuntime"] | None = None  # the record on a Context (its mesh)
+
+    def on(self, ctx: Context) -> "DraftRuntime":
+        """This record for ``ctx`` (``bind(ctx)``; itself when the family has no ``bind``)."""
+        return self.bind(ctx) if self.bind is not None else self
 
 
 def concat_features(hidden_size: int, taps) -> int:

@@ -33,8 +33,8 @@ about the number of kernels/loops the backend runs).
 ``--compile-only --hardware CHIP:GRID`` times nothing: it compiles the shipped AR step and
 round for compile-only TPU / GPU devices and prints that compiler's memory, largest values and
 flops / bytes (``compile_only``), marking each copy of a whole cache, of one layer's cache and of
-one layer's weight among the largest values (``copies``); ``--per-layer`` compiles them with
-the target's weights as per-layer buffers (``params.unstack_layers``).
+one layer's weight among the largest values (``copies``); the target's weights as ``generate``
+places them (per-layer buffers on GPUs, stacked elsewhere), or ``--per-layer`` / ``--stacked``.
 
 Writes ``round_cost.json`` (and ``round_cost.png``, a stacked bar of the parts per
 (size, B) in units of one AR step) to ``--out``; prints a table.
@@ -46,6 +46,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -573,9 +574,17 @@ def watched_shapes(tcfg, dcfg, batch: int, cache_len: int, mesh=None) -> dict:
             if "layers" in axes:
                 keys["cache_layer"].add(per_layer(shape, axes))
     for cfg in (tcfg, dcfg):
+        by_input = {}  # kernels reading the same input: XLA:GPU's dot merger concatenates them
         for spec in families.declare(cfg).values():
             if spec.axes and spec.axes[0] == "layers" and len(spec.shape) > 2:
                 keys["weight"].add(per_layer(spec.shape, spec.axes))
+                if len(spec.shape) == 3:
+                    d_in, d_out = shard(spec.shape, spec.axes)[1:]
+                    by_input.setdefault(d_in, []).append(d_out)
+        for d_in, outs in by_input.items():
+            for n in range(2, len(outs) + 1):
+                for group in itertools.combinations(outs, n):
+                    keys["weight"].add(_dims_key((d_in, sum(group))))
     return keys
 
 
@@ -598,14 +607,16 @@ def copies(values: list[dict], watch: dict) -> dict:
     return out
 
 
-def compile_only(sizes, batches, hw_spec: str, cache_len: int, unrolled: bool, per_layer: bool = False) -> list[dict]:
+def compile_only(sizes, batches, hw_spec: str, cache_len: int, unrolled: bool, per_layer: bool | None = None) -> list[dict]:
     """The shipped round and AR step compiled (not run) for ``hw_spec``'s compile-only devices
     (mesh ``tensor=N``), attention over the whole ``cache_len`` cache: per-device memory from
     that compiler (arguments, temporaries, peak, fits), the largest values it materialises,
     flops / bytes from its cost analysis (``unrolled``: every loop unrolled, so per step; else a
     loop's body counted once). Sizes: ``presets.TARGETS`` names (released DSpark drafter) or
-    tiny / mid / large. ``per_layer``: the target's weights as per-layer buffers (``--per-layer``)."""
-    from dspark_jax import hardware, presets, sharding
+    tiny / mid / large. ``per_layer``: the target's weights as per-layer buffers (True,
+    ``--per-layer``), stacked (False, ``--stacked``) or as the decode places them (None)."""
+    from dspark_jax import families, hardware, presets, sharding
+    from dspark_jax import params as params_lib
     from dspark_jax.errors import InputError
     from dspark_jax.pipelines import plan as plan_lib
 
@@ -629,21 +640,25 @@ def compile_only(sizes, batches, hw_spec: str, cache_len: int, unrolled: bool, p
             raise SystemExit(f"unknown size {size!r}; a preset ({', '.join(presets.TARGETS)}) or tiny,mid,large")
         for b in batches:
             row = {"size": size, "batch": b, "hardware": hw.spec, "cache_len": cache_len, "unrolled": unrolled,
-                   "per_layer": per_layer}
+                   "per_layer": per_layer if per_layer is not None else bool(
+                       families.target_runtime(tcfg).per_layer and hw.chip.platform in params_lib.PER_LAYER_PLATFORMS)}
             watch = watched_shapes(tcfg, dcfg, b, cache_len, mesh)
             for name, draft in (("ar_step", None), ("round", dcfg)):
                 ctx = hardware.unrolled_loops() if unrolled else contextlib.nullcontext()
+                cpu0 = time.process_time()
                 with ctx:
                     plan, sizes_ = plan_lib.plan_decode_round(draft, tcfg, mesh, batch=b, max_len=cache_len,
                                                               spans=(cache_len,), per_layer=per_layer)
                 row[name] = dict(plan.to_json(), **sizes_, fits=hardware.fits(plan.peak_bytes, hw.chip),
-                                 projected=hardware.project(plan.flops, plan.bytes_accessed, hw.chip))
+                                 projected=hardware.project(plan.flops, plan.bytes_accessed, hw.chip),
+                                 cpu_seconds=time.process_time() - cpu0)  # trace + lower + compile
                 p = row[name]
                 print(f"{size} B={b} {name:<8} on {hw.spec}: args {p['argument_bytes'] / 2**30:.2f} GiB, "
                       f"temporaries {p['temp_bytes'] / 2**30:.2f} GiB, peak {p['peak_bytes'] / 2**30:.2f} GiB "
                       f"({'fits' if p['fits'] else 'DOES NOT FIT'}), {p['flops'] / 1e9:.1f} GFLOP, "
                       f"{p['bytes_accessed'] / 1e9:.2f} GB accessed{'' if unrolled else ' (loop bodies once)'}, "
-                      f"projected {p['projected']['seconds'] * 1e3:.3f} ms, compiled in {p['compile_seconds']:.0f} s",
+                      f"projected {p['projected']['seconds'] * 1e3:.3f} ms, compiled in {p['compile_seconds']:.0f} s "
+                      f"({p['cpu_seconds']:.0f} CPU s)",
                       flush=True)
                 p["copies"] = copies(p["largest"], watch)
                 print("    copies among the 32 largest values: " + ", ".join(
@@ -686,9 +701,13 @@ def main(argv=None) -> int:
     ap.add_argument("--cache-len", type=int, default=4096, help="--compile-only: cache capacity (default 4096)")
     ap.add_argument("--unrolled", action="store_true",
                     help="--compile-only: unroll every loop (flops / bytes per step, slower compiles)")
-    ap.add_argument("--per-layer", action="store_true",
-                    help="--compile-only: the target's layer weights as separate per-layer buffers "
-                         "(params.unstack_layers; an unrolled layer loop), instead of the stacked arrays")
+    layers = ap.add_mutually_exclusive_group()
+    layers.add_argument("--per-layer", dest="per_layer", action="store_const", const=True, default=None,
+                        help="--compile-only: the target's layer weights as separate per-layer buffers "
+                             "(params.unstack_layers; an unrolled layer loop), whatever the platform")
+    layers.add_argument("--stacked", dest="per_layer", action="store_const", const=False,
+                        help="--compile-only: the target's layer weights stacked (a lax.scan over layers), "
+                             "whatever the platform (default: as generate places them: per-layer on GPUs)")
     args = ap.parse_args(argv)
     if args.compile_only:
         sizes = args.sizes.split(",") if not args.smoke else ["tiny"]

@@ -34,9 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     from dspark_jax import interrupt
-    from dspark_jax.hardware import quiet_cpu_host
+    from dspark_jax.hardware import quiet_cpu_host, set_gpu_flags
 
     quiet_cpu_host()  # libtpu installed on a host without a TPU: JAX stays on the CPU
+    set_gpu_flags()  # the XLA:GPU flags our programs are compiled with (hardware.GPU_XLA_FLAGS)
     command = "?"
     try:
         with interrupt.sigint_recorded():  # from the start: imports run JAX's gc callbacks too

@@ -163,8 +163,7 @@ def compile_devices(hw: Hardware) -> list:
         # XLA:GPU's Triton gemm emitter fails on some small dots of these programs when compiling
         # without a device ("Couldn't find output tile sizes"): gemms go to cuBLAS. Read by XLA
         # once per process, so this holds where no XLA flag was parsed yet (the CLI, benchmarks).
-        if "xla_gpu_enable_triton_gemm" not in os.environ.get("XLA_FLAGS", ""):
-            os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_triton_gemm=false").strip()
+        set_gpu_flags(("--xla_gpu_enable_triton_gemm=false",))
         hosts, per_host = (1, *hw.shape) if len(hw.shape) == 1 else hw.shape
         topo = topologies.get_topology_desc(platform="cuda", target_config=gpu_target_config(hw.chip),
                                             topology=f"1x{hosts}x{per_host}")
@@ -172,6 +171,24 @@ def compile_devices(hw: Hardware) -> list:
     if len(devices) != hw.num_devices:  # megacore or a topology the compiler reads differently
         raise InputError(f"--hardware {hw.spec}: the compiler made {len(devices)} devices, not {hw.num_devices}")
     return devices
+
+
+# XLA:GPU flags every program of this project is compiled with (``set_gpu_flags``):
+# - the dot merger joins the q / k / v projections of one layer into one gemm by concatenating
+#   their kernels, a copy of 3/8 of the layer's attention weights on every call (48 MiB per
+#   Qwen3-8B layer per decode step); three gemms read the kernels where they lie.
+GPU_XLA_FLAGS = ("--xla_gpu_dot_merger_threshold_mb=0",)
+
+
+def set_gpu_flags(extra: tuple[str, ...] = ()) -> None:
+    """Append ``GPU_XLA_FLAGS`` (and ``extra``) to ``XLA_FLAGS``, each unless the user set that
+    flag already. XLA reads XLA_FLAGS once per process, at its first backend: call this before
+    (the CLI's entry point, ``compile_devices``); xla_gpu flags do nothing on other platforms."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    for flag in GPU_XLA_FLAGS + tuple(extra):
+        if flag.split("=")[0] not in flags:
+            flags = f"{flags} {flag}".strip()
+    os.environ["XLA_FLAGS"] = flags
 
 
 def quiet_cpu_host() -> None:

@@ -72,7 +72,7 @@ def read_span(cache_span: int | None, capacity: int) -> int:
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
               prefix: tuple[jax.Array, jax.Array, jax.Array] | None = None,
-              scale: float | None = None) -> jax.Array:
+              scale: float | None = None, unrolled: bool = False) -> jax.Array:
     """Masked GQA attention, optionally jointly over a read-only prefix (a KV cache).
 
     q [B, Q, Hq, D]; k, v [B, K, Hkv, D]; mask [B, Q, K] (True = visible).
@@ -81,6 +81,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     softmax over [the first S prefix slots ; k] without materialising their concatenation (a
     cache read over its used span, ``read_span``; S = 0: no prefix). Rows with no visible key
     return zeros. ``scale`` multiplies the scores (default D^-0.5; Gemma4 uses 1.0).
+    ``unrolled``: the prefix is one layer's slice in an unrolled layer loop (``cache_values``).
     Returns [B, Q, Hq, D].
     """
     b, nq, hq, d = q.shape
@@ -98,7 +99,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     s_pre = cache_scores(qg, k_pre)
     m = jnp.concatenate([pre_mask, mask], axis=-1)[:, None, None]
     probs = masked_softmax(jnp.concatenate([s_pre, scores], axis=-1), m, scale).astype(v.dtype)
-    out = cache_values(probs[..., :s], v_pre) + jnp.einsum("bhgqk,bkhd->bqhgd", probs[..., s:], v)
+    out = cache_values(probs[..., :s], v_pre, unrolled) + jnp.einsum("bhgqk,bkhd->bqhgd", probs[..., s:], v)
     return out.reshape(b, nq, hq, d)
 
 
@@ -126,11 +127,28 @@ def cache_scores(qg: jax.Array, k: jax.Array) -> jax.Array:
     return jax.lax.platform_dependent(qg, k, default=_scores_dot, cuda=_scores_in_place)
 
 
-def cache_values(probs: jax.Array, v: jax.Array) -> jax.Array:
+def cache_values(probs: jax.Array, v: jax.Array, unrolled: bool = False) -> jax.Array:
     """[B, Q, Hkv, G, D] (v's dtype): probs [B, Hkv, G, Q, S] over a cache v [B, Hkv, S, D]. The
     dot's output keeps (B, Hkv) leading (``bhgqd``; XLA:GPU transposes the cache for a ``bqhgd``
-    output at B = 1), then the small result is transposed."""
-    return jnp.einsum("bhgqk,bhkd->bhgqd", probs, v).transpose(0, 3, 1, 2, 4)
+    output at B = 1), then the small result is transposed. On CUDA, for one query, or for a few
+    when ``v`` is one layer's slice in an unrolled layer loop (``unrolled``), a multiply fused into
+    a reduction over S reads V in place (like ``cache_scores``; the dot gets a copy of the
+    layer's slice). Inside a layer scan, several queries' reduction would make XLA:GPU transpose
+    the whole stacked V cache: the dot (a per-layer copy) is the lesser cost there."""
+    if probs.shape[3] > (SMALL_QUERY if unrolled else 1):
+        out = _values_dot(probs, v)
+    else:
+        out = jax.lax.platform_dependent(probs, v, default=_values_dot, cuda=_values_in_place)
+    return out.transpose(0, 3, 1, 2, 4)
+
+
+def _values_dot(probs, v):
+    return jnp.einsum("bhgqk,bhkd->bhgqd", probs, v)
+
+
+def _values_in_place(probs, v):
+    p = probs[..., None].astype(jnp.float32)                                   # [B, Hkv, G, Q, S, 1]
+    return jnp.sum(p * v[:, :, None, None].astype(jnp.float32), axis=-2).astype(v.dtype)
 
 
 def _scores_dot(qg, k):
@@ -140,6 +158,14 @@ def _scores_dot(qg, k):
 def _scores_in_place(qg, k):
     q = qg.transpose(0, 2, 3, 1, 4)[:, :, :, :, None, :].astype(jnp.float32)   # [B, Hkv, G, Q, 1, D]
     return jnp.sum(q * k[:, :, None, None].astype(jnp.float32), axis=-1)
+
+
+def layer_slices(stacked: tuple[jax.Array, ...], i: int) -> tuple[jax.Array, ...]:
+    """Layer ``i`` of each of the ``stacked`` [L, ...] arrays, indexed at run time: the index
+    passes an optimisation barrier, so that in an unrolled layer loop every layer's kernels are
+    the same program (compiled once) rather than one program per constant slice."""
+    index = jax.lax.optimization_barrier(jnp.int32(i))
+    return tuple(jax.lax.dynamic_index_in_dim(a, index, 0, keepdims=False) for a in stacked)
 
 
 def project_f32(x: jax.Array, kernel: jax.Array) -> jax.Array:

@@ -443,3 +443,17 @@ def iter_torch(specs: Specs, params: Mapping, to_host=np.asarray):
 def to_torch(specs: Specs, params: Mapping) -> dict[str, np.ndarray]:
     """Our params tree -> torch-named numpy tensors in torch layout (same dtypes, same bits)."""
     return dict(iter_torch(specs, params))
+
+
+PER_LAYER_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def for_platform(tree: Mapping, platform: str) -> dict:
+    """``tree`` as the programs of ``platform`` read it best: on GPUs the stacked ``"layers"`` as
+    per-layer buffers (``unstack_layers``), elsewhere unchanged. XLA:GPU hands cuBLAS a copy of
+    each layer's slice of a stacked kernel (its dynamic-slice fusion, which would pass the slice
+    in place, fails to compile in jax 0.10.2): every decode step would move the weights twice.
+    TPUs fuse the slice into the dot, and a ``lax.scan`` over the stack compiles faster."""
+    if platform not in PER_LAYER_PLATFORMS or "layers" not in tree or isinstance(tree["layers"], (list, tuple)):
+        return dict(tree)
+    return unstack_layers(tree)

@@ -60,6 +60,8 @@ positions, k_ctx, v_ctx, ctx_mask, block_valid, ...) -> hidden``, ``compute_logi
 hidden) -> [..., V] float32``, and ``replicable`` as for a target; ``block_heads`` (optional,
 the signature of ``draft.model.block_heads`` without ``ops``) replaces the shared heads for a
 family whose heads read other than the backbone's normed output (DeepSeek-V4's module);
+``ring`` (optional, ``ContextRing``) makes the decode-time context cache a ring of the window's
+rows for a drafter whose blocks read only a sliding window of the context (DeepSeek-V4's module).
 ``bind`` (optional, ``Context -> DraftRuntime``): the record for a ``Context`` (its mesh), for a
 family whose backbone shards inside itself (DeepSeek-V4's module: its MoE stages ``shard_map``
 the expert dispatch over ``ctx.mesh``); ``on(ctx)`` gives it (the record itself without ``bind``).
@@ -139,6 +141,21 @@ class TargetRuntime:
     feature_dim: Callable[[Any, tuple], int]
     rules: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     replicable: frozenset = frozenset()
+    per_layer: bool = False  # ``forward`` also takes ``params["layers"]`` as per-layer trees (``params.for_platform``)
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextRing:
+    """A drafter whose blocks read only the last ``rows(cfg)`` committed positions (a sliding
+    window): its decode-time context cache is a ring of that many rows, position p in slot
+    p mod rows (``draft.decode``), one array when ``shared_kv`` (K = V). ``forward(params, cfg,
+    embeds [B, 1, G, H], positions [B, 1, G], k [Ld, B, Hkv, W, D], v (None when shared_kv),
+    visible [B, 1, W]) -> hidden [B, 1, G, H]``: the block against the visible slots (in slot
+    order, each row rotated at its own position)."""
+
+    rows: Callable[[Any], int]
+    forward: Callable[..., jax.Array]
+    shared_kv: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +169,7 @@ class DraftRuntime:
     compute_logits: Callable[..., jax.Array]
     replicable: frozenset = frozenset()
     block_heads: Callable[..., tuple] | None = None  # a family's own [.., V] heads (``draft.model.block_heads``)
+    ring: ContextRing | None = None  # a windowed drafter's decode context cache (None: position-indexed)
     bind: Callable[[Context], "DraftRuntime"] | None = None  # the record on a Context (its mesh)
 
     def on(self, ctx: Context) -> "DraftRuntime":

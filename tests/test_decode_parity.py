@@ -27,3 +27,18 @@ def test_greedy_parity(tiny_reference, batch_size):
     acc = [a for x in ref["acceptance_lengths"] for a in x]
     assert s["tau"] == pytest.approx(sum(acc) / len(acc))
     assert s["output_tokens"] == n * ref["max_new_tokens"]
+
+
+def test_greedy_parity_per_layer_weights(tiny_reference):
+    """The target's layers as per-layer buffers (how decode places them on GPUs,
+    params.for_platform: unrolled layer loop, per-layer cache reads) give the reference tokens."""
+    from dspark_jax import params as params_lib
+    tc, tp, dc, dp, ref = tiny_reference
+    per_layer = params_lib.for_platform(tp, "gpu")
+    assert isinstance(per_layer["layers"], tuple) and len(per_layer["layers"]) == tc.num_hidden_layers
+    assert params_lib.for_platform(tp, "tpu")["layers"] is tp["layers"]  # TPUs and CPUs keep the stack
+    res = speculative_generate(tc, per_layer, dc, dp, ref["prompts"], max_new_tokens=ref["max_new_tokens"],
+                               temperature=0.0, batch_size=len(ref["prompts"]))
+    for i, r in enumerate(res):
+        assert r.output_ids == ref["output_ids"][i], f"prompt {i}: tokens differ"
+        assert r.acceptance_lengths == ref["acceptance_lengths"][i], f"prompt {i}: acceptance lengths differ"

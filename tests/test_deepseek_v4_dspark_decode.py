@@ -73,17 +73,77 @@ def test_module_only_directory_needs_the_target(tmp_path):
     np.testing.assert_array_equal(np.asarray(p["main_norm"]), np.asarray(dparams["main_norm"]))
 
 
+def test_draft_context_is_a_ring_of_the_window():
+    """The decode state's drafter context holds each stage's last W = sliding_window rows once
+    (K = V), whatever the cache length: O(W) per row, not O(L)."""
+    from dspark_jax.decode import memory, programs
+    from dspark_jax.decode.state import DecodeStatic
+    tcfg, tparams, dcfg, dparams = _pair()
+    static = DecodeStatic(tcfg, dcfg, None, True, 8)
+    ctx = programs.abstract_decode_state(tparams, dparams, static, 2, 256, prompt_len=40).ctx
+    assert ctx.ring and ctx.v is None and ctx.k.shape == (3, 2, 1, dcfg.window, dcfg.head_dim), ctx
+    assert memory.context_bytes_per_row(dcfg, 256, np.float32) == 3 * dcfg.window * dcfg.head_dim * 4
+
+
 @pytest.mark.slow  # two compiles of the V4 speculative round (~1.5 min each on 2 shared cores)
-def test_greedy_speculative_decoding_gives_the_target_tokens():
-    """decode_greedy.json token for token: one prompt at a time and all three in one batch."""
+def test_greedy_speculative_decoding_gives_the_target_tokens(tmp_path):
+    """decode_greedy.json token for token: one prompt at a time and the three in one batch (prompts
+    of 53..136 tokens, past the drafter's window W = 16: the context ring wraps) with a fourth,
+    prompt 2 + its first token (its tokens: prompt 2's from the second on); the rings the rounds
+    drafted from (``_check_rings``). Then the export of a trained module into an FP8 / MXFP4 target
+    (test_deepseek_v4_dspark_export), loaded back: its tokens are that FP8 target's own (the same
+    program as the fixture pair's module on it)."""
+    from test_deepseek_v4_dspark_export import export_into_fp8
     ref = _golden()
     tcfg, tparams, dcfg, dparams = _pair()
+    assert min(len(p) for p in ref["prompts"]) > dcfg.window
     n = len(ref["output_ids"][0])
-    for batch in (1, 3):
-        res = speculative_generate(tcfg, tparams, dcfg, dparams, ref["prompts"], max_new_tokens=n,
-                                   batch_size=batch, cache_spans=(256,), max_cache_len=256)
-        assert [list(r.output_ids) for r in res] == ref["output_ids"], batch
+    prompts = ref["prompts"] + [ref["prompts"][2] + ref["output_ids"][2][:1]]
+    run = functools.partial(speculative_generate, max_new_tokens=n, cache_spans=(256,), max_cache_len=256)
+    for batch, ps in ((1, ref["prompts"]), (4, prompts)):
+        res = run(tcfg, tparams, dcfg, dparams, ps, batch_size=batch)
+        assert [list(r.output_ids) for r in res[:3]] == ref["output_ids"], batch
         assert all(a >= 1 for r in res for a in r.acceptance_lengths)
+    assert res[3].output_ids[:n - 1] == ref["output_ids"][2][1:]
+    _check_rings(res, ref)
+    _, _, dst, _ = export_into_fp8(tmp_path)
+    qcfg, qparams = checkpoint.load_target(dst)
+    assert qcfg == tcfg   # the model, dequantized: the compiled round is reused
+    _, exported = checkpoint.load_draft(dst, target_params=qparams)
+    res = run(qcfg, qparams, dcfg, exported, prompts, batch_size=4)
+    own = run(qcfg, qparams, dcfg, {**dparams, "embed": qparams["embed"], "head": qparams["head"]}, prompts,
+              batch_size=4)
+    assert [list(r.output_ids) for r in res] == [list(r.output_ids) for r in own]
+    print("fp8 target tokens differ from the float target's at", sum(
+        a != b for r, want in zip(res, ref["output_ids"]) for a, b in zip(r.output_ids, want)), "positions")
+
+
+def _check_rings(res, ref):
+    """The rings the rounds drafted from, through each round's first confidence logit
+    (proj . [h_0 ; W1[anchor]], h_0 the block against the ring): at round 0 of prompts 0, 1, 2 (the
+    prefill's rings of 80-, 53- and 136-token rows in one padded batch) it equals the training
+    forward's block at the same anchors over the HF reference's features (forward.npz: prompt 0,
+    prompt 2, whose first 53 tokens are prompt 1); at round 1 of prompt 2 (the ring after a round
+    of rejected drafts: its committed position written, the rejected ones not) it equals round 0
+    of request 3 (prompt 2 + that token, a fresh prefill's ring)."""
+    from dspark_jax.draft import model as draft_model
+    _, _, dcfg, dparams = _pair()
+    fwd = np.load(FIX / "forward.npz")
+    lens = [len(p) for p in ref["prompts"]]
+    assert [list(fwd["input_ids"][r, :lens[i]]) for r, i in ((0, 0), (1, 1), (1, 2))] == ref["prompts"]
+    feats = np.concatenate([fwd["layer_mean"][i] for i in dcfg.target_layer_ids], axis=-1)   # [2, 160, 3H]
+    ids = np.array(fwd["input_ids"], np.int32)
+    anchors = np.array([[lens[0], lens[0]], [lens[1], lens[2]]], np.int32)
+    ids[0, lens[0]], ids[1, lens[1]] = ref["output_ids"][0][0], ref["output_ids"][1][0]   # the anchors
+    ids[1, lens[2]] = ref["output_ids"][2][0]
+    h = draft_model.training_hidden(dparams, dcfg, jnp.asarray(ids), jnp.asarray(feats), jnp.ones(ids.shape),
+                                    jnp.asarray(anchors), jnp.ones((2, 2), bool), compute_dtype=jnp.float32,
+                                    ops=dv4.OPS).hidden[:, :, 0]                          # [2, 2, H]
+    want = dv4.confidence_logits(dparams, dcfg, h, jnp.asarray(np.take_along_axis(ids, anchors, 1)))
+    got = [[res[0].confidence_logits[0][0]] * 2, [res[1].confidence_logits[0][0], res[2].confidence_logits[0][0]]]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-3, rtol=1e-3)
+    assert res[2].acceptance_lengths[0] == 1   # rejected drafts: positions 137..141 never written
+    np.testing.assert_allclose(res[2].confidence_logits[1][0], res[3].confidence_logits[0][0], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.slow  # an 8-device SPMD compile of the continuous engine's round

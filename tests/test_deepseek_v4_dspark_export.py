@@ -5,6 +5,7 @@ export, and every rule has a checkpoint it refuses."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -12,8 +13,9 @@ import jax
 import numpy as np
 import pytest
 
-from dspark_jax.convert import checkpoint, dspark_v4, engines, safetensors_io
+from dspark_jax.convert import checkpoint, dspark_v4, engines, quant, safetensors_io
 from dspark_jax.errors import CheckpointError, ConfigError
+from dspark_jax.params import Quant
 
 FIX = Path(__file__).parent / "fixtures" / "deepseek_v4_tiny"
 SRC = FIX / "target_dspark"
@@ -103,7 +105,9 @@ NEGATIVE = [  # (engine, rule, change): each rule refuses (or warns on) a checkp
     ("vllm", "dspark-keys", _set(architectures=["DeepseekV3ForCausalLM"])),
     ("vllm", "stage-count", _two_stages),
     ("vllm", "sliding-stages", lambda hf, t: hf.update(compress_ratios=hf["compress_ratios"][:-1] + [4])),
-    ("vllm", "quantized-module", _set(quantization_config={"quant_method": "fp8", "fmt": "e4m3"})),
+    ("vllm", "module-storage", _set(quantization_config={"quant_method": "fp8", "fmt": "e4m3"})),
+    ("vllm", "module-storage", lambda hf, t: t.update({n: "int8" for n in t if n.startswith("layers.")
+                                                       and ".ffn.experts." in n})),
     ("vllm", "markov-head", _drop("mtp.2.markov_head.markov_w2.weight")),
     ("vllm", "markov-head", _set(dspark_markov_rank=0)),
     ("vllm", "confidence-optional", _drop("mtp.2.confidence_head.proj.weight")),
@@ -133,15 +137,101 @@ def test_every_v4_rule_has_a_negative_case():
     assert "stage-count" not in {r.name for r, _ in named}
 
 
-def test_sts_temperatures_travel_to_sglang(tmp_path):
+def test_sts_and_sps_files_travel_to_sglang(tmp_path, capsys):
     """`calibrate --write-draft` of the V4 checkpoint writes a module directory carrying the STS
-    temperatures; its SGLang export writes them as SGLang's STS file (vLLM's has none)."""
+    temperatures; its SGLang export (`export --sps` of a profile-sps table) writes them as SGLang's
+    STS file and the table as its SPS file (a verify step of B requests = B * (block + 1) tokens);
+    vLLM's export has neither (a note says --sps was not written); a bad table is refused."""
+    from dspark_jax import cli
     from dspark_jax.pipelines.calibrate import _save_draft_with_sts
     temps = [1.1, 1.2, 1.3, 1.4, 1.5]
     _save_draft_with_sts(SRC, tmp_path / "cal", temps)
     assert checkpoint.sts_temperatures(tmp_path / "cal") == temps
-    summary = engines.export_draft(tmp_path / "cal", tmp_path / "sg", "sglang", target=SRC)
-    assert summary["sidecars"] == [engines.STS_FILE]
+    (tmp_path / "sps.json").write_text(json.dumps({"batch_sizes": [4, 1, 2], "sps": [20.0, 40.0, 38.0]}))
+    args = ["--target", str(SRC), "--sps", str(tmp_path / "sps.json")]
+    assert cli.main(["export", str(tmp_path / "cal"), str(tmp_path / "sg"), "--engine", "sglang", *args]) == 0
+    summary = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert summary["sidecars"] == [engines.SPS_FILE, engines.STS_FILE] and summary["warnings"] == []
     assert json.loads((tmp_path / "sg" / engines.STS_FILE).read_text())["temperatures"] == temps
-    engines.export_draft(tmp_path / "cal", tmp_path / "vl", "vllm", target=SRC)
-    assert not (tmp_path / "vl" / engines.STS_FILE).exists()
+    assert json.loads((tmp_path / "sg" / engines.SPS_FILE).read_text()) == {
+        "sample_batch_tokens": [6, 12, 24], "sample_steps_per_sec": [40.0, 38.0, 20.0], "max_batch_tokens": 24}
+    summary = engines.export_draft(tmp_path / "cal", tmp_path / "vl", "vllm", target=SRC, sps=tmp_path / "sps.json")
+    assert summary["sidecars"] == [] and "--sps is not written" in summary["warnings"][0]
+    assert not (tmp_path / "vl" / engines.STS_FILE).exists() and not (tmp_path / "vl" / engines.SPS_FILE).exists()
+    (tmp_path / "bad.json").write_text(json.dumps({"batch_sizes": [1, 2], "sps": [1.0]}))
+    with pytest.raises(ConfigError, match="equal length"):
+        engines.export_draft(tmp_path / "cal", tmp_path / "bad", "sglang", target=SRC, sps=tmp_path / "bad.json")
+    assert not (tmp_path / "bad").exists()
+
+
+# ----------------------------------------------------------------------------- into an FP8 / MXFP4 target
+
+
+def export_into_fp8(tmp_path, engine="vllm"):
+    """(the trained module's (cfg, params), the FP8 target (the fixture's, FP8 e4m3 weights in
+    128x128 blocks and MXFP4 experts: test_deepseek_v4_quant's writer), the export, its summary)."""
+    from test_deepseek_v4_quant import _write_quantized
+    _write_quantized(tmp_path / "q")
+    cfg, params = _trained_module()
+    dspark_v4.save_module(tmp_path / "module", cfg, params)
+    summary = engines.export_draft(tmp_path / "module", tmp_path / engine, engine, target=tmp_path / "q")
+    return (cfg, params), tmp_path / "q", tmp_path / engine, summary
+
+
+def test_export_into_an_fp8_target_stores_the_module_as_its_layers(tmp_path):
+    """Every mtp.* tensor is stored as the target stores the same tensor of its own layers (FP8 +
+    ue8m0 128x128 scales for the attention / shared-expert linears and main_proj, MXFP4 + [1, 32]
+    scales for the routed experts, float for the rest); dequantized it is the module within the
+    format's rounding; the target's tensors are byte for byte the FP8 checkpoint's; both engines'
+    rules pass; the module reads back (dequantized) as written."""
+    (cfg, params), q, dst, summary = export_into_fp8(tmp_path)
+    assert summary["stored_dtypes"]["float8_e4m3fn"] > 0 and summary["stored_dtypes"]["int8"] > 0
+    for engine in ("vllm", "sglang"):
+        assert engines.v4_violations(_facts(dst), engine) == [], engine
+    got, target = safetensors_io.read_tensors(dst), safetensors_io.read_tensors(q)
+    assert all(got[n].dtype == t.dtype and got[n].tobytes() == t.tobytes() for n, t in target.items())
+    module, fmts = dspark_v4.module_tensors(cfg, params), {}
+    for name, w in module.items():
+        role = "attn.wq_a.weight" if name == "mtp.0.main_proj.weight" else name.split(".", 2)[2]
+        like = target.get(f"layers.3.{role}")
+        stored = got[name]
+        if stored.dtype in (quant.FP8, np.dtype(np.int8)):
+            assert like is not None and like.dtype == stored.dtype, name
+            qf = Quant("fp8", (128, 128)) if stored.dtype == quant.FP8 else Quant("fp4", (1, 32))
+            back = quant.dequantize(stored, got[qf.scale_name(name)], qf)
+            step = 2.0 ** -3 if qf.fmt == "fp8" else 0.5   # the format's spacing near its block max
+            assert np.abs(back - w).max() <= step * np.abs(w).max(), name
+            fmts[qf.fmt] = fmts.get(qf.fmt, 0) + 1
+        else:
+            assert like is None or like.dtype == stored.dtype, name
+            assert stored.tobytes() == w.tobytes(), name
+    n_exp = cfg.target.n_routed_experts * 3 * cfg.num_hidden_layers
+    assert fmts == {"fp8": 1 + 8 * cfg.num_hidden_layers, "fp4": n_exp}   # main_proj + 5 attn + 3 shared
+    hf = json.loads((dst / "config.json").read_text())
+    assert hf["quantization_config"]["weight_block_size"] == [128, 128] and hf["expert_dtype"] == "fp4"
+    _, back = dspark_v4.load_module(dst)
+    w1 = module["mtp.1.ffn.experts.2.w1.weight"]
+    np.testing.assert_allclose(np.asarray(back["layers"]["experts_w1"][1, 2]).T, w1,
+                               atol=0.5 * np.abs(w1).max())
+
+
+def test_fp8_export_refusals(tmp_path):
+    """A target whose layers store one tensor in two formats has no format to match (refused
+    before writing); a checkpoint whose config says FP8 over float layers is refused with vLLM's
+    rule (its layers would load as FP8)."""
+    from test_deepseek_v4_quant import _write_quantized
+    _write_quantized(tmp_path / "q")
+    infos = dict(safetensors_io.TensorReader(tmp_path / "q").infos)
+    name = "layers.2.ffn.experts.5.w1.weight"
+    infos[name] = dataclasses.replace(infos[name], dtype=np.dtype(np.float32))
+    with pytest.raises(CheckpointError, match="more than one format"):
+        dspark_v4.storage_plan(tmp_path / "q", infos, ["mtp.0.ffn.experts.5.w1.weight"])
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "model.safetensors").symlink_to((SRC / "model.safetensors").resolve())
+    hf = json.loads((SRC / "config.json").read_text())
+    hf["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                 "weight_block_size": [128, 128]}
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ConfigError, match="module-storage"):
+        engines.export_draft(tmp_path / "cfg", tmp_path / "out", "vllm")
+    assert not (tmp_path / "out").exists()

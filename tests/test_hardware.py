@@ -98,6 +98,20 @@ def test_gpu_cache_attention_forms_match_the_dots():
     out = nn.cache_values(probs, v)
     assert nn.cache_scores(qg, k).shape == (2, 2, 3, 5, 40) and out.shape == (2, 5, 2, 3, 16)
     np.testing.assert_allclose(out[1, 3, 0, 2], np.asarray(probs[1, 0, 2, 3]) @ np.asarray(v[1, 0]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(nn._values_in_place(probs, v), nn._values_dot(probs, v), rtol=1e-5, atol=1e-5)
+    stacked = jax.random.normal(k1, (4, 2, 3))
+    assert all(np.array_equal(a, stacked[i]) for i in range(4) for a in nn.layer_slices((stacked,), i))
+
+
+def test_gpu_flags_keep_the_users(monkeypatch):
+    """set_gpu_flags adds the project's XLA:GPU flags to XLA_FLAGS, never over a user's own value."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_dot_merger_threshold_mb=7 --other=1")
+    hardware.set_gpu_flags(("--xla_gpu_enable_triton_gemm=false",))
+    flags = os.environ["XLA_FLAGS"].split()
+    assert flags == ["--xla_gpu_dot_merger_threshold_mb=7", "--other=1", "--xla_gpu_enable_triton_gemm=false"]
+    monkeypatch.delenv("XLA_FLAGS")
+    hardware.set_gpu_flags()
+    assert os.environ["XLA_FLAGS"].split() == list(hardware.GPU_XLA_FLAGS)
 
 
 def test_gpu_one_row_projection_matches_the_dot():

@@ -27,8 +27,10 @@ the drafter carries STS temperatures from `calibrate --write-draft`) and SPS tab
 DST is refused unless --force.
 
 DeepSeek-V4's own DSpark module (vllm, sglang): DST is the V4 checkpoint (--target, or DRAFT
-when it is one) with its mtp.* tensors and dspark_* keys replaced by DRAFT's module; the
-target's tensor files are hard-linked or copied byte for byte.
+when it is one) with its mtp.* tensors and dspark_* keys replaced by DRAFT's module, stored as
+the target stores its own layers (in an FP8 checkpoint: FP8 e4m3 with ue8m0 block scales, the
+experts in its expert dtype, e.g. MXFP4); the target's tensor files are hard-linked or copied
+byte for byte.
 """
 
 

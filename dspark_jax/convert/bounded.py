@@ -223,11 +223,10 @@ def _write_torch(tmp: Path, src, units, dtypes, *, config, qplan, max_shard_size
             if u.spec.torch_dtype:
                 a = params_lib._as_dtype(a, u.spec.torch_dtype, u.name)
             if u.name in qplan:
-                data, scale = quant.quantize(a, qplan[u.name])
-                held += data.nbytes + scale.nbytes
+                stored = quant.store(u.name, a, qplan[u.name])
+                held += sum(t.nbytes for t in stored.values())
                 _account(stats, held)
-                yield u.name, data
-                yield qplan[u.name].scale_name(u.name), scale
+                yield from stored.items()
             else:
                 _account(stats, held)
                 yield u.name, a

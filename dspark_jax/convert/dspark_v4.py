@@ -13,6 +13,7 @@ head are the target's: neither is read nor written as part of the module.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -27,6 +28,8 @@ from dspark_jax.convert import mapping, quant, safetensors_io
 from dspark_jax.convert.checkpoint import read_extras, read_json_object, sts_temperatures
 from dspark_jax.draft.deepseek_v4 import KEYS, DeepseekV4DSparkConfig, declare, module_specs
 from dspark_jax.draft.deepseek_v4 import with_target  # noqa: F401 (load_draft's, beside load_module)
+from dspark_jax.target import deepseek_v4 as v4
+from dspark_jax.target.deepseek_v4.config import DeepseekV4Config
 from dspark_jax.errors import CheckpointError, ConfigError
 from dspark_jax.fileio import atomic_dir
 
@@ -109,20 +112,76 @@ def _model(target_cfg):
     return dataclasses.replace(target_cfg.dequantized(), extra=())
 
 
+def _role(name: str) -> str:
+    """The target-layer tensor a module tensor is stored like: ``mtp.{s}.<rest>`` -> ``<rest>``
+    (the target's ``layers.{i}.<rest>``); ``main_proj`` as the attention's first projection (a
+    linear of the model's quantization config in both engines)."""
+    return "attn.wq_a.weight" if name == "mtp.0.main_proj.weight" else name.split(".", 2)[-1]
+
+
+def storage_plan(src, infos: Mapping, names) -> dict[str, quant.Quant]:
+    """{module tensor name: its stored format} for the module tensors ``names`` written into the V4
+    checkpoint ``src`` (safetensors header ``infos``): each stored as the target stores the same
+    tensor of its own layers (FP8 e4m3 with the config's ue8m0 block scales; the experts in the
+    target's expert dtype, e.g. MXFP4); not in the plan (float) where the target's are float or
+    it has no such tensor. CheckpointError when the target's layers store one tensor in more than
+    one format (then no format is the target's)."""
+    tcfg = DeepseekV4Config.from_hf(read_json_object(Path(src) / "config.json", "config.json"))
+    declared = params_lib.quantized(v4.declare(tcfg))
+    formats: dict[str, set] = {}
+    for name, info in infos.items():
+        if name.startswith("layers."):
+            formats.setdefault(name.split(".", 2)[2], set()).add(
+                None if quant.is_float(info.dtype) else declared.get(name))
+    plan = {}
+    for name in names:
+        fmts = formats.get(_role(name), {None})
+        if len(fmts) > 1:
+            raise CheckpointError(f"{src}: the target's layers store {_role(name)} in more than one format "
+                                  f"({', '.join(sorted(str(f and f.fmt) for f in fmts))}); the module's "
+                                  f"{name} has no single format to match")
+        if None not in fmts:
+            plan[name] = next(iter(fmts))
+    return plan
+
+
+def stored_module(cfg: DeepseekV4DSparkConfig, params: Mapping, src, infos: Mapping) -> dict[str, np.ndarray]:
+    """The module's checkpoint tensors for the V4 checkpoint ``src``: ``module_tensors`` stored as
+    the target's own layers are (``storage_plan``; ``quant.store``: data + ``.scale``)."""
+    tensors = module_tensors(cfg, params)
+    plan = storage_plan(src, infos, tensors)
+    out = {}
+    for name, t in tensors.items():
+        out.update(quant.store(name, t, plan[name]) if name in plan else {name: t})
+    return out
+
+
 def write_checkpoint(src, dst, cfg: DeepseekV4DSparkConfig, params: Mapping, *, force: bool = False,
                      sidecars: Mapping[str, str] | None = None) -> Path:
     """The V4 checkpoint ``src`` with its DSpark module replaced by ``params`` (config ``cfg``) at
     ``dst``: the target's tensors untouched (a shard holding no ``mtp.*`` tensor is hard-linked, or
     copied where links fail; others have their target tensors copied raw), the module in
-    ``MODULE_FILE``, a ``model.safetensors.index.json`` over all, and ``src``'s config.json with
-    the module's ``dspark_*`` keys. Other files (tokenizer, generation config) are copied, and
+    ``MODULE_FILE`` stored as the target's layers are (``stored_module``: FP8 / MXFP4 in a quantized
+    checkpoint), a ``model.safetensors.index.json`` over all, and ``src``'s config.json with the
+    module's ``dspark_*`` keys. Other files (tokenizer, generation config) are copied, and
     ``sidecars`` ({file name: text}) written beside them."""
     s = Path(src)
-    hf = read_json_object(s / "config.json", "config.json")
-    if _model(DeepseekV4DSparkConfig.from_hf({**hf, **cfg.hf_fields()}).target) != _model(cfg.target):
-        raise CheckpointError(f"{s}: the module's target config differs from this checkpoint's")
-    tensors = module_tensors(cfg, params)
+    hf = _target_config(s, cfg)
     reader = safetensors_io.TensorReader(s)
+    return _write(s, dst, hf, cfg, stored_module(cfg, params, s, reader.infos), reader, force, sidecars)
+
+
+def _target_config(src: Path, cfg: DeepseekV4DSparkConfig) -> dict:
+    """``src``'s config.json; CheckpointError unless it is the model ``cfg``'s module was built on."""
+    hf = read_json_object(src / "config.json", "config.json")
+    if _model(DeepseekV4DSparkConfig.from_hf({**hf, **cfg.hf_fields()}).target) != _model(cfg.target):
+        raise CheckpointError(f"{src}: the module's target config differs from this checkpoint's")
+    return hf
+
+
+def _write(s: Path, dst, hf: Mapping, cfg: DeepseekV4DSparkConfig, tensors: Mapping, reader, force: bool,
+           sidecars: Mapping[str, str] | None) -> Path:
+    """``write_checkpoint``'s writing, of the module's stored ``tensors``."""
     by_file: dict[str, list[str]] = {}
     for name, info in reader.infos.items():
         by_file.setdefault(info.file, []).append(name)
@@ -140,9 +199,7 @@ def write_checkpoint(src, dst, cfg: DeepseekV4DSparkConfig, params: Mapping, *, 
             else:
                 safetensors_io.copy_raw(s, keep, tmp / file)
             weight_map.update({n: file for n in keep})
-        from safetensors.numpy import save_file
-        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp / MODULE_FILE),
-                  metadata={"format": "pt"})
+        safetensors_io.write_file(tmp / MODULE_FILE, tensors)
         weight_map.update({n: MODULE_FILE for n in tensors})
         total = sum((tmp / f).stat().st_size for f in set(weight_map.values()))
         (tmp / safetensors_io.INDEX_NAME).write_text(json.dumps(
@@ -157,11 +214,13 @@ def write_checkpoint(src, dst, cfg: DeepseekV4DSparkConfig, params: Mapping, *, 
     return Path(dst)
 
 
-def export(draft, dst, engine: str, *, target=None, force: bool = False) -> dict:
+def export(draft, dst, engine: str, *, target=None, force: bool = False, sps: Mapping | None = None) -> dict:
     """``dspark-jax export`` of a V4 DSpark module: the V4 checkpoint ``target`` (default ``draft``
     itself, when it is a whole V4 checkpoint) with its module replaced by ``draft``'s
     (``write_checkpoint``), refused with the engine's rule (``engines.V4_RULES``) before anything is
-    written when the engine could not load the result. Returns a summary."""
+    written when the engine could not load the result. For SGLang, beside it the STS file (when
+    ``draft`` carries calibrated temperatures) and the SPS file of ``sps`` (a profile-sps table
+    {batch_sizes, sps}), as for the Qwen3 drafters; vLLM reads neither. Returns a summary."""
     from dspark_jax.convert import engines
 
     cfg, params = load_module(draft)
@@ -171,8 +230,9 @@ def export(draft, dst, engine: str, *, target=None, force: bool = False) -> dict
     if all(n.startswith(PREFIX) or n in shared for n in reader.infos):
         raise CheckpointError(f"{src}: holds the DSpark module but not its target's layers; pass --target "
                               f"(the V4 checkpoint it is written into)")
-    hf = {**read_json_object(src / "config.json", "config.json"), **cfg.hf_fields()}
-    tensors = module_tensors(cfg, params)
+    src_hf = _target_config(src, cfg)
+    tensors = stored_module(cfg, params, src, reader.infos)
+    hf = {**src_hf, **cfg.hf_fields()}
     names = {n: i.dtype for n, i in reader.infos.items() if not n.startswith(PREFIX)}
     names.update({n: t.dtype for n, t in tensors.items()})
     facts = engines.v4_facts(hf, names)
@@ -187,9 +247,17 @@ def export(draft, dst, engine: str, *, target=None, force: bool = False) -> dict
                               f"dspark_block_size is {cfg.block_size}")
         sidecars[engines.STS_FILE] = json.dumps(engines.sts_sidecar(temps, read_extras(draft).get("sts_report")),
                                                 indent=1) + "\n"
-    write_checkpoint(src, dst, cfg, params, force=force, sidecars=sidecars)
+    notes = []
+    if sps is not None:
+        table = engines.sps_sidecar(sps, cfg.block_size)  # validated for every engine
+        if engine == "sglang":  # its planner's cost table (dspark_components/dspark_sps.py)
+            sidecars[engines.SPS_FILE] = json.dumps(table, indent=1) + "\n"
+        else:
+            notes.append(f"{engine} reads no SPS file: --sps is not written")
+    _write(src, dst, src_hf, cfg, tensors, reader, force, sidecars)
     return {"event": "export", "engine": engine, "src": str(draft), "target": str(src), "dst": str(dst),
             "architecture": hf["architectures"][0], "tensors": len(tensors),
-            "bytes": int(sum(t.nbytes for t in tensors.values())), "dtype": str(next(iter(tensors.values())).dtype),
-            "sidecars": sorted(sidecars), "warnings": [f"{engine} will load it with a limitation: {why} [{r.source}]"
-                                         for r, why in engines.v4_violations(facts, engine, "warning")]}
+            "bytes": int(sum(t.nbytes for t in tensors.values())), "dtype": str(params["main_norm"].dtype),
+            "stored_dtypes": dict(sorted(collections.Counter(np.dtype(t.dtype).name for t in tensors.values()).items())),
+            "sidecars": sorted(sidecars), "warnings": notes + [f"{engine} will load it with a limitation: {why} [{r.source}]"
+                                                 for r, why in engines.v4_violations(facts, engine, "warning")]}

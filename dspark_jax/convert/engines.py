@@ -500,9 +500,8 @@ def export_draft(src, dst, engine: str, *, force: bool = False, sps=None, target
     src = Path(src)
     from dspark_jax.convert import dspark_v4
     if dspark_v4.holds_module(src):
-        if sps is not None:
-            raise ConfigError("--sps: the SPS sidecar is not written for DeepSeek-V4's DSpark module")
-        return dspark_v4.export(src, dst, engine, target=target, force=force)
+        return dspark_v4.export(src, dst, engine, target=target, force=force,
+                                sps=_read_sps(sps) if sps is not None else None)
     if target is not None:
         raise ConfigError("--target is only for a DeepSeek-V4 DSpark module (written into its target)")
     cfg, params = checkpoint.load_draft(src)
@@ -612,12 +611,30 @@ def _v4_sliding_stages(f: V4Facts):
     return None
 
 
-def _v4_quantized_module(f: V4Facts):
-    if not f.hf.get("quantization_config"):
-        return None
-    if "mtp.0.main_proj.scale" not in f.tensors:
+_FLOATS = ("float32", "float16", "bfloat16")
+
+
+def _v4_module_storage(f: V4Facts):
+    """The module's tensors load with the model's one quantization config: each stored as the
+    target's own layers store the same tensor (FP8 / MXFP4 ones with their ``.scale``), and with a
+    quantization_config the module's main_proj FP8 with its scale."""
+    if f.hf.get("quantization_config") and "mtp.0.main_proj.scale" not in f.tensors:
         return ("the checkpoint is quantized (quantization_config) so the module's linears load as "
                 "FP8 with block scales; mtp.0.main_proj is stored unquantized (no mtp.0.main_proj.scale)")
+    target: dict[str, set] = {}
+    for name, dtype in f.tensors.items():
+        if name.startswith("layers."):
+            target.setdefault(name.split(".", 2)[2], set()).add(dtype)
+    for name, dtype in sorted(f.tensors.items()):
+        if not name.startswith("mtp."):
+            continue
+        want = target.get(name.split(".", 2)[2])
+        if want and dtype not in want:
+            return (f"{name} is stored {dtype} but the target's layers store that tensor as "
+                    f"{'/'.join(sorted(want))}: the module's layers load with the target's quantization")
+        scale = name[:-len(".weight")] + ".scale" if name.endswith(".weight") else None
+        if scale and dtype not in _FLOATS and scale not in f.tensors:
+            return f"{name} is stored {dtype} without its block scale {scale}"
     return None
 
 
@@ -676,8 +693,8 @@ V4_RULES: tuple[Rule, ...] = (
          "layers.{num_hidden_layers + i})", _v4_sliding_stages, families=("deepseek_v4",)),
     # main_proj = ReplicatedLinear(..., quant_config=vllm_config.quant_config); the layers'
     # linears and experts take the checkpoint's quantization too (load_weights: ".scale" suffixes)
-    Rule("vllm", "quantized-module", V4_SOURCES["vllm"] + " (main_proj ReplicatedLinear quant_config; "
-         "load_weights .scale)", _v4_quantized_module, families=("deepseek_v4",)),
+    Rule("vllm", "module-storage", V4_SOURCES["vllm"] + " (main_proj ReplicatedLinear quant_config; "
+         "DeepseekV4DecoderLayer quant_config; load_weights .scale)", _v4_module_storage, families=("deepseek_v4",)),
     Rule("vllm", "markov-head", V4_SOURCES["vllm"] + " (DSparkMarkovHead(vocab, draft_vocab, "
          "dspark_markov_rank))", _v4_markov, families=("deepseek_v4",)),
     # load_weights: confidence_head set to None when no confidence_head.* tensor was loaded

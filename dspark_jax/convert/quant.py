@@ -8,7 +8,8 @@ low nibble first (value codes 0..7 = 0, .5, 1, 1.5, 2, 3, 4, 6; bit 3 the sign),
 
 Which tensors may be stored quantized, and in which format, is declared (``ParamSpec.quant``);
 ``logical_infos`` validates a checkpoint's headers against that (dtype, scale tensor present and
-of the right block count) before any data is read, and ``dequantize`` decodes one tensor.
+of the right block count) before any data is read, ``dequantize`` decodes one tensor and
+``store`` encodes one (``quantize``: what every writer of a quantized checkpoint calls).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class Stored:
     scale: str
 
 
-def _is_float(dtype) -> bool:
+def is_float(dtype) -> bool:
     dtype = np.dtype(dtype)
     return dtype in (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 
@@ -54,7 +55,7 @@ def logical_infos(quantized: Mapping[str, Quant], infos: Mapping, what: str, mak
         if name not in infos:
             continue
         info, scale = infos[name], q.scale_name(name)
-        if _is_float(info.dtype):
+        if is_float(info.dtype):
             continue
         want = FP8 if q.fmt == "fp8" else (np.dtype(np.int8), np.dtype(np.uint8))
         if np.dtype(info.dtype) not in (want if isinstance(want, tuple) else (want,)):
@@ -69,7 +70,7 @@ def logical_infos(quantized: Mapping[str, Quant], infos: Mapping, what: str, mak
                                   f"{want_scale} (one per {q.block[0]}x{q.block[1]} block of {shape})")
         del out[scale]
         stored[name], shapes[name] = Stored(q, scale), shape
-    plain = [np.dtype(i.dtype) for k, i in out.items() if k not in stored and k not in fixed and _is_float(i.dtype)]
+    plain = [np.dtype(i.dtype) for k, i in out.items() if k not in stored and k not in fixed and is_float(i.dtype)]
     dtype = max(plain, key=lambda d: d.itemsize) if plain else np.dtype(np.float32)
     return {k: make_info(shapes[k], dtype, i) if k in stored else i for k, i in out.items()}, stored
 
@@ -145,3 +146,10 @@ def quantize(w: np.ndarray, q: Quant) -> tuple[np.ndarray, np.ndarray]:
             return x.astype(FP8), scale
     codes = np.abs(np.abs(x)[..., None] - E2M1[:8]).argmin(-1).astype(np.uint8) | (np.signbit(x) * 8).astype(np.uint8)
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).view(np.int8), scale
+
+
+def store(name: str, w: np.ndarray, q: Quant) -> dict[str, np.ndarray]:
+    """The checkpoint tensors holding torch-layout ``w`` (named ``name``) in format ``q``: the stored
+    data under ``name`` and its ue8m0 scale under ``q.scale_name(name)`` (``quantize``)."""
+    data, scale = quantize(w, q)
+    return {name: data, q.scale_name(name): scale}

@@ -198,7 +198,8 @@ class TensorReader:
             try:
                 with safe_open(str(file), framework="np") as f:
                     for name in names:
-                        yield name, f.get_tensor(name)
+                        raw = self.infos[name].dtype.name.startswith("float8")  # as in ``get``
+                        yield name, _read_raw(file, name, self.infos[name]) if raw else f.get_tensor(name)
             except CheckpointError:
                 raise
             except Exception as e:
@@ -261,6 +262,11 @@ def _write_file(path: Path, entries, arrays) -> None:
                                  f"{name!r} {np.dtype(dtype)}{tuple(shape)} was planned")
             f.write(array.reshape(-1).view(np.uint8).data)  # any dtype (float8 too) as bytes
     os.chmod(path, 0o644)
+
+
+def write_file(path, tensors: Mapping[str, np.ndarray]) -> None:
+    """One safetensors file of ``tensors`` (any dtype, float8 too; mode 0644)."""
+    _write_file(Path(path), [(n, t.dtype, t.shape) for n, t in tensors.items()], tensors.items())
 
 
 def write_planned(directory, entries, arrays, *, max_shard_size=None) -> list[str]:

@@ -52,9 +52,21 @@ def decode_bytes(tcfg, tparams, dcfg, dparams, batch: int, max_len: int) -> dict
              "target KV cache": tree_bytes(cache),
              "tokens and logits": batch * (max_len * 4 + 3 * (g + 1) * tcfg.vocab_size * 4)}
     if dcfg is not None:
-        parts["drafter context"] = (2 * dcfg.num_hidden_layers * batch * max_len * dcfg.num_key_value_heads
-                                    * dcfg.head_dim * np.dtype(dtype).itemsize)
+        parts["drafter context"] = batch * context_bytes_per_row(dcfg, max_len, dtype)
     return parts
+
+
+def context_bytes_per_row(dcfg, max_len: int, dtype) -> int:
+    """Bytes of one row's drafter context cache (``draft.decode.ContextCache``): k and v of every
+    draft layer at ``max_len`` positions, or for a ring family (``runtime.ContextRing``) its
+    window's rows (k alone when K = V)."""
+    from dspark_jax import families
+
+    ring = families.draft_ops(dcfg).ring
+    rows = max_len if ring is None else min(ring.rows(dcfg), max_len)
+    arrays = 1 if ring is not None and ring.shared_kv else 2
+    return (arrays * dcfg.num_hidden_layers * rows * dcfg.num_key_value_heads * dcfg.head_dim
+            * np.dtype(dtype).itemsize)
 
 
 def check_decode_memory(tcfg, tparams, dcfg, dparams, batch: int, max_len: int, mesh=None) -> None:

@@ -31,7 +31,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from dspark_jax import runtime
+from dspark_jax import families, runtime
+from dspark_jax import params as params_lib
 from dspark_jax import sharding as sharding_lib
 from dspark_jax.decode import requests, sharded, step
 from dspark_jax.decode.shapes import MAX_STOP_IDS
@@ -73,7 +74,18 @@ class DecodeProgram:
         return sharded.state_sharding_tree(like, self.mesh, self.rules)
 
     def place_params(self, params, config):
-        return sharded.place_params(params, config, self.mesh, self.rules)
+        """``params`` on the mesh by their declared axes, then ``platform_layers``."""
+        return self.platform_layers(sharded.place_params(params, config, self.mesh, self.rules), config)
+
+    def platform_layers(self, params, config):
+        """A target whose forward takes per-layer weights (``TargetRuntime.per_layer``) gets its
+        layers as the mesh's platform reads them best (``params.for_platform``: per-layer
+        buffers on GPUs); other params unchanged (arrays or abstract)."""
+        family = families.for_config(config)
+        if params is None or family.kind != "target" or not family.runtime.per_layer:
+            return params
+        platform = jax.default_backend() if self.mesh is None else self.mesh.devices.flat[0].platform
+        return params_lib.for_platform(params, platform)
 
     def place(self, x):
         """A host input (prompts, lens, ...) on the mesh, batch-sharded when its dim 0 divides."""

@@ -9,7 +9,7 @@ seq [B, L]                  ("batch", "sequence")
 pos/num_input/active/...    ("batch",)
 acc/prop/drafts rec [B, R]  ("batch", None); conf_rec [B, R, G] ("batch", None, None)
 target cache                its own declaration, ``cache.axes()`` (``dspark_jax.runtime``)
-draft context cache k, v    ("layers", "batch", "kv_heads", "sequence", "head_dim")
+draft context cache k, v    ("layers", "batch", "kv_heads", "sequence", "head_dim") (v None: K = V)
 key, round, policy state    replicated (``()``)
 ==========================  =========================================================
 

@@ -12,8 +12,8 @@ policy lengths -> one target forward over [x0, x_1..x_{w-1}] at p..p+w-1 for the
 compiled width w (``shapes.round_widths``, one ``lax.switch`` branch each; cache spans likewise)
 -> rejection sampling of each row's own l_b tokens -> after the switch: the target cache commits
 each active row's accepted tokens only (``cache.commit``), the tokens and records are written,
-and the verified positions' features go into the draft context cache (it is read only below
-``pos``). Finished rows stay in the batch as masked no-ops.
+and the committed positions' features go into the draft context cache (only those: a ring
+family's slots are reused W positions later). Finished rows stay in the batch as masked no-ops.
 
 Every program has one signature for both modes (``tparams, dparams, state, temperature,
 stop_ids, conf_temps``; the autoregressive step ignores the drafter's arguments), so a driver
@@ -71,7 +71,7 @@ def _prefill(tparams, dparams, prompts, lens, valid, key, temperature, stop_ids,
     active = valid & ~is_stop(first, stop_ids)
     draft_ctx = None
     if static.draft is not None:
-        draft_ctx = draft_decode.init_context(dparams, static.draft, features, max_len)
+        draft_ctx = draft_decode.init_context(dparams, static.draft, features, max_len, lens)
     return cache, seq, active, draft_ctx, key
 
 
@@ -144,7 +144,7 @@ def _draft(dparams, state: DecodeState, anchor, key, temperature, conf_temps,
     dcfg = static.draft
     b, g = anchor.shape[0], dcfg.block_size
     hidden = by_span(lambda s: draft_decode.block_hidden(dparams, dcfg, anchor, state.pos, state.ctx, s),
-                     spans, s_index)
+                     (None,) if state.ctx.ring else spans, s_index)  # a ring has no spans
     drafts, draft_logits, conf_logits = draft_decode.propose_from_hidden(
         dparams, dcfg, hidden, anchor, key, temperature, static.greedy)
     if dcfg.enable_confidence_head:
@@ -207,10 +207,9 @@ def speculative_round(tparams, dparams, state: DecodeState, temperature, stop_id
     slots = jnp.where(active[:, None] & in_width, state.pos[:, None] + 1 + k_idx, max_len)
     seq = state.seq.at[rows[:, None], slots].set(new_tokens, mode="drop")
     new_pos = jnp.where(active, state.pos + acc_len, state.pos)
-    # Draft context: features of the verified positions p..p+w-1 (only < new_pos are ever read).
+    # Draft context: features of the committed positions p..new_pos-1 (acc_len <= w).
     draft_ctx = draft_decode.extend_context(
-        dparams, dcfg, state.ctx, taps,
-        jnp.where(in_width, state.pos[:, None] + k_idx, state.ctx.max_len), active)
+        dparams, dcfg, state.ctx, taps, state.pos[:, None] + k_idx, active[:, None] & (k_idx < acc_len[:, None]))
 
     next_stop = ~verdict.stopped & is_stop(verdict.next_token, stop_ids)
     still = (active & ~verdict.stopped & ~next_stop

@@ -4,9 +4,12 @@ Shapes: B rows, L cache capacity, G block size, V vocab, Ld draft layers, Hkv KV
 heads, D head_dim, T new context positions, n*H concatenated target features.
 
 The context cache holds the drafter's keys/values of the committed positions
-(``context_kv`` of the projected target features). The backbone functions are the drafter
-family's (``families.draft_ops``: Qwen3 ``draft.backbone``, Gemma4 ``draft.gemma4.OPS``). A block at anchor
-position p reads context rows < p and the whole block (paper section 3).
+(``context_kv`` of the projected target features): row p at slot p, or for a family with a
+``runtime.ContextRing`` (a sliding-window drafter, DeepSeek-V4's module) only the last W rows,
+position p at slot p mod W (memory O(W), not O(L)). Only committed positions are written, so a
+ring's slots always hold the W positions before the anchor. The backbone functions are the
+drafter family's (``families.draft_ops``: Qwen3 ``draft.backbone``, Gemma4 ``draft.gemma4.OPS``).
+A block at anchor position p reads context rows < p and the whole block (paper section 3).
 """
 
 from __future__ import annotations
@@ -28,10 +31,12 @@ CONTEXT_AXES = ("layers", runtime.BATCH, "kv_heads", runtime.STEP, "head_dim")  
 
 @flax.struct.dataclass
 class ContextCache:
-    """Draft context keys/values ``k, v [Ld, B, Hkv, L, D]``; row b holds positions < pos[b]."""
+    """Draft context keys/values ``k, v [Ld, B, Hkv, L, D]``; row b holds positions < pos[b]
+    (slot = position; with ``ring`` the last L of them, slot = position mod L; ``v`` None: K = V)."""
 
     k: jax.Array
-    v: jax.Array
+    v: jax.Array | None
+    ring: bool = flax.struct.field(pytree_node=False, default=False)
 
     @property
     def max_len(self) -> int:
@@ -39,7 +44,7 @@ class ContextCache:
 
     def axes(self) -> "ContextCache":
         """Logical axes of k and v (``runtime``'s cache declaration)."""
-        return ContextCache(CONTEXT_AXES, CONTEXT_AXES)
+        return ContextCache(CONTEXT_AXES, None if self.v is None else CONTEXT_AXES, self.ring)
 
     @classmethod
     def from_prefix(cls, k_new: jax.Array, v_new: jax.Array, max_len: int) -> "ContextCache":
@@ -52,7 +57,15 @@ class ContextCache:
     def scatter(self, k_new: jax.Array, v_new: jax.Array, slots: jax.Array) -> "ContextCache":
         """Write k_new, v_new [Ld, B, Hkv, T, D] at ``slots [B, T]`` (slots >= L are dropped)."""
         return self.replace(k=runtime.write_steps(self.k, k_new, slots),
-                            v=runtime.write_steps(self.v, v_new, slots))
+                            v=None if self.v is None else runtime.write_steps(self.v, v_new, slots))
+
+    def slots(self, positions: jax.Array, write: jax.Array) -> jax.Array:
+        """Slots [B, T] of positions [B, T] where ``write`` (else L: dropped). A ring keeps each
+        row's last L written positions (distinct mod L) at position mod L."""
+        if not self.ring:
+            return jnp.where(write, positions, self.max_len)
+        last = jnp.max(jnp.where(write, positions, -1), axis=1, keepdims=True)
+        return jnp.where(write & (positions > last - self.max_len), positions % self.max_len, self.max_len)
 
 
 def context_kv(dparams: dict, dcfg: DraftConfig, taps: jax.Array, positions: jax.Array):
@@ -62,18 +75,29 @@ def context_kv(dparams: dict, dcfg: DraftConfig, taps: jax.Array, positions: jax
     return ops.context_kv(dparams, dcfg, ctx, positions)
 
 
-def init_context(dparams: dict, dcfg: DraftConfig, taps: jax.Array, max_len: int) -> ContextCache:
-    """Context cache after a prefill: taps [B, P, n*H] of positions 0..P-1, capacity ``max_len``."""
+def init_context(dparams: dict, dcfg: DraftConfig, taps: jax.Array, max_len: int,
+                 lengths: jax.Array | None = None) -> ContextCache:
+    """Context cache after a prefill: taps [B, P, n*H] of positions 0..P-1 (row b's first
+    ``lengths[b]`` committed, default all P), capacity ``max_len`` (a ring family's: its window W,
+    at most ``max_len``)."""
     b, p = taps.shape[:2]
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    return ContextCache.from_prefix(*context_kv(dparams, dcfg, taps, positions), max_len)
+    k, v = context_kv(dparams, dcfg, taps, positions)
+    ring = families.draft_ops(dcfg).ring
+    if ring is None:
+        return ContextCache.from_prefix(k, v, max_len)
+    shape = (*k.shape[:3], min(ring.rows(dcfg), max_len), k.shape[4])
+    empty = ContextCache(jnp.zeros(shape, k.dtype), None if ring.shared_kv else jnp.zeros(shape, v.dtype), True)
+    lengths = jnp.full((b,), p, jnp.int32) if lengths is None else lengths
+    return empty.scatter(k, v, empty.slots(positions, positions < lengths[:, None]))
 
 
 def extend_context(dparams: dict, dcfg: DraftConfig, cache: ContextCache, taps: jax.Array,
                    positions: jax.Array, write: jax.Array) -> ContextCache:
-    """Add the features taps [B, T, n*H] of positions [B, T] for rows where ``write [B]``."""
+    """Add the features taps [B, T, n*H] of positions [B, T] where ``write [B, T]`` (committed
+    positions only: a ring's slot is reused W positions later)."""
     k_new, v_new = context_kv(dparams, dcfg, taps, positions)
-    return cache.scatter(k_new, v_new, jnp.where(write[:, None], positions, cache.max_len))
+    return cache.scatter(k_new, v_new, cache.slots(positions, write))
 
 
 class Proposal(NamedTuple):
@@ -90,17 +114,21 @@ def block_hidden(dparams: dict, dcfg: DraftConfig, anchor: jax.Array, pos: jax.A
                  ctx: ContextCache, span: int | None = None) -> jax.Array:
     """Backbone output hidden [B, G, H] of the block [anchor, MASK, ..] at positions pos..pos+G-1
     (anchor [B], pos [B]), attending to context rows < pos and the whole block. ``span`` (static,
-    default the capacity): read only the first ``span`` context rows (every row needs pos <= span)."""
+    default the capacity): read only the first ``span`` context rows (every row needs pos <= span;
+    a ring reads all its W slots: those < pos hold positions pos-W..pos-1 that exist)."""
     b = anchor.shape[0]
     g = dcfg.block_size
     chex.assert_shape(pos, (b,))
-    chex.assert_shape([ctx.k, ctx.v], (dcfg.num_hidden_layers, b, dcfg.num_key_value_heads, None,
-                                       dcfg.head_dim))
+    chex.assert_shape([ctx.k] + ([] if ctx.v is None else [ctx.v]),
+                      (dcfg.num_hidden_layers, b, dcfg.num_key_value_heads, None, dcfg.head_dim))
     block_ids = jnp.concatenate(
         [anchor[:, None], jnp.full((b, g - 1), dcfg.mask_token_id, jnp.int32)], axis=1)
     ops = families.draft_ops(dcfg)
     embeds = ops.embed_block(dparams, dcfg, block_ids)[:, None]               # [B,1,G,H]
     block_pos = (pos[:, None] + jnp.arange(g, dtype=jnp.int32))[:, None]      # [B,1,G]
+    if ctx.ring:
+        visible = (jnp.arange(ctx.max_len)[None, :] < pos[:, None])[:, None]  # [B,1,W]
+        return ops.ring.forward(dparams, dcfg, embeds, block_pos, ctx.k, ctx.v, visible)[:, 0]
     span = ctx.max_len if span is None else int(span)
     ctx_mask = jnp.arange(span)[None, None, :] < pos[:, None, None]          # [B,1,S]
     return ops.block_forward(dparams, dcfg, embeds, block_pos, ctx.k[:, :, :, :span], ctx.v[:, :, :, :span],

@@ -22,10 +22,10 @@ names, never written under ``mtp.``). ``module_specs`` is the ``mtp.*`` part of 
 (what conversion reads and writes).
 
 Training runs through ``draft.model.training_forward`` / ``training_hidden`` with ``OPS`` (the shared
-labels, eval mask, anchor packing; this module's heads via ``DraftRuntime.block_heads``). Decoding:
-``commit`` / ``propose`` keep each stage's last W rows in a ring (what the engines keep); the
-engine's generic drafter path (``draft.decode`` over ``OPS``, a position-indexed context cache with
-K = V stored as both k and v) gives the same proposals (tests/test_deepseek_v4_dspark.py).
+labels, eval mask, anchor packing; this module's heads via ``DraftRuntime.block_heads``). Decoding
+runs the generic drafter path (``draft.decode`` over ``OPS``) with ``OPS.ring``: each stage keeps only
+its last W context rows, position p in slot p mod W, K = V stored once (what the engines keep);
+``ring_forward`` attends to them (tests/test_deepseek_v4_dspark.py: equal to the training block).
 
 Shapes: B rows, N blocks per row, G = block_size, S context rows, W window rows, H hidden,
 nh heads of D = head_dim, N_hc = hc_mult streams, Ls stages, V vocab, r Markov rank.
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -385,9 +385,20 @@ def _on(where: runtime.Context) -> runtime.DraftRuntime:
     return dataclasses.replace(OPS, block_forward=functools.partial(block_forward, where=where), bind=None)
 
 
+def ring_forward(p: dict, cfg: DeepseekV4DSparkConfig, embeds: jax.Array, positions: jax.Array,
+                 k: jax.Array, v: None, visible: jax.Array) -> jax.Array:
+    """``runtime.ContextRing.forward``: each row's one block (embeds [B, 1, G, H] at positions
+    [B, 1, G]) against its ring of context rows k [Ls, B, 1, W, D] (one K = V head, slot p mod W,
+    rotated at p) where ``visible [B, 1, W]`` -> h [B, 1, G, H] (pre-norm)."""
+    del v
+    return stages_forward(p, cfg, embeds, positions, k, visible)   # the K = V head axis is the block axis (N = 1)
+
+
 OPS = runtime.DraftRuntime(project_context=project_context, context_kv=context_kv, embed_block=embed_block,
                            block_forward=block_forward, compute_logits=base_logits, block_heads=block_heads,
-                           replicable=frozenset({"kv_heads"}), bind=_on)
+                           replicable=frozenset({"kv_heads"}),
+                           ring=runtime.ContextRing(rows=lambda cfg: cfg.window, forward=ring_forward, shared_kv=True),
+                           bind=_on)
 
 
 def training_forward(params: dict, cfg: DeepseekV4DSparkConfig, input_ids: jax.Array, features: jax.Array,
@@ -400,59 +411,6 @@ def training_forward(params: dict, cfg: DeepseekV4DSparkConfig, input_ids: jax.A
     target_last_hidden [B, S, H] (after the target's norm) or None."""
     return draft_model.training_forward(params, cfg, input_ids, features, loss_mask, anchors, keep,
                                         target_last_hidden, compute_dtype, ops=OPS)
-
-
-# ----------------------------------------------------------------------------- decode (context ring)
-
-
-class Ring(NamedTuple):
-    """Each stage's last W context rows: kv [Ls, B, W, D] (position p in slot p mod W, rotated at p);
-    ``length [B]``: the committed positions (rows hold positions < length)."""
-
-    kv: jax.Array
-    length: jax.Array
-
-
-def init_ring(cfg: DeepseekV4DSparkConfig, batch: int, dtype=jnp.float32) -> Ring:
-    """An empty ring (nothing committed) for ``batch`` rows."""
-    return Ring(jnp.zeros((cfg.num_hidden_layers, batch, cfg.window, cfg.head_dim), dtype),
-                jnp.zeros((batch,), jnp.int32))
-
-
-def commit(p: dict, cfg: DeepseekV4DSparkConfig, ring: Ring, features: jax.Array, n_new: jax.Array) -> Ring:
-    """Fold in the first ``n_new [B]`` of features [B, T, n*H] (positions length .. length + T - 1):
-    kv_norm(wkv(main_x)) rotated at each position, written at slot position mod W."""
-    b, t = features.shape[:2]
-    positions = ring.length[:, None] + jnp.arange(t, dtype=jnp.int32)
-    rows = context_rows(p, cfg, project_context(p, cfg, features), positions)      # [Ls, B, T, D]
-    keep = jnp.arange(t)[None, :] < n_new[:, None]
-    w = cfg.window
-    slots = jnp.where(keep & (positions >= ring.length[:, None] + n_new[:, None] - w), positions % w, w)
-    kv = ring.kv.at[:, jnp.arange(b)[:, None], slots].set(rows.astype(ring.kv.dtype), mode="drop")
-    return Ring(kv, ring.length + n_new.astype(jnp.int32))
-
-
-def propose_hidden(p: dict, cfg: DeepseekV4DSparkConfig, ring: Ring, anchor: jax.Array) -> jax.Array:
-    """h [B, G, H] of the block [anchor, noise..] at positions length .. length + G - 1 (anchor [B] is
-    the token at position ``length``: the last one sampled), against the ring's rows."""
-    b, g = anchor.shape[0], cfg.block_size
-    ids = jnp.concatenate([anchor[:, None], jnp.full((b, g - 1), cfg.noise_token_id, jnp.int32)], axis=1)
-    positions = (ring.length[:, None] + jnp.arange(g, dtype=jnp.int32))[:, None]   # [B, 1, G]
-    visible = (jnp.arange(cfg.window)[None, :] < ring.length[:, None])[:, None]     # [B, 1, W]
-    h = stages_forward(p, cfg, embed_block(p, cfg, ids)[:, None], positions, ring.kv[:, :, None], visible)
-    return h[:, 0]
-
-
-def propose(p: dict, cfg: DeepseekV4DSparkConfig, ring: Ring, anchor: jax.Array, key: jax.Array,
-            temperature, greedy: bool):
-    """One drafted block per row: (drafts [B, G], logits [B, G, V] after the Markov bias, confidence
-    logits [B, G]); tokens sampled left to right in one ``lax.scan`` (``draft.decode.sample_block``)."""
-    from dspark_jax.draft import decode  # decode imports the family registry, which imports this module
-
-    h = propose_hidden(p, cfg, ring, anchor)
-    drafts, logits = decode.sample_block(p, cfg, h, anchor, key, temperature, greedy)
-    prev = jnp.concatenate([anchor[:, None], drafts[:, :-1]], axis=1)
-    return drafts, logits, confidence_logits(p, cfg, h, prev)
 
 
 FAMILY = params_lib.Family(

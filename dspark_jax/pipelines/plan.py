@@ -268,14 +268,16 @@ def sharding_summary(tree) -> dict[str, str]:
 
 def plan_decode_round(draft_cfg: DraftConfig | None, target_cfg: TargetConfig, mesh: Mesh, *, batch: int,
                       max_len: int, dtype=jnp.bfloat16, max_new_tokens: int = 1024,
-                      spans: tuple[int, ...] | None = None, per_layer: bool = False) -> tuple[ProgramPlan, dict]:
+                      spans: tuple[int, ...] | None = None, per_layer: bool | None = None) -> tuple[ProgramPlan, dict]:
     """Compile one speculative decode round (draft, Markov sampling, verify, commit) on ``mesh``
     for abstract state: the very jitted round (``spec.step``) of ``decode.build_decode(mesh)`` that
     ``generate --mesh`` runs, with params and state placed by their declared logical axes.
     ``draft_cfg=None``: the autoregressive step (``ar.step``) instead. ``spans``: the compiled
     cache spans (default: the shipped ones; ``(max_len,)``: attention over the whole cache).
     ``per_layer``: the target's layer weights as separate per-layer buffers
-    (``params.unstack_layers``; the target forward then loops over layers unrolled)."""
+    (``params.unstack_layers``; the target forward then loops over layers unrolled), or stacked
+    (False); default: as ``generate`` places them on the mesh's platform (per-layer on GPUs,
+    ``DecodeProgram.platform_layers``)."""
     import types
 
     from dspark_jax.decode import programs, shapes
@@ -286,7 +288,9 @@ def plan_decode_round(draft_cfg: DraftConfig | None, target_cfg: TargetConfig, m
     sharded.check_mesh(mesh, target_cfg, draft_cfg, batch)
     prog = programs.build_decode(mesh, sharded.decode_rules(target_cfg))
     t_abs, _ = families.abstract_params(target_cfg, mesh, dtype, prog.rules)
-    if per_layer:
+    if per_layer is None:
+        t_abs = prog.platform_layers(t_abs, target_cfg)
+    elif per_layer:
         t_abs = params_lib.unstack_layers(t_abs)
     rep = shard_lib.replicated(mesh)
     temp_stop = (jax.ShapeDtypeStruct((), jnp.float32, sharding=rep),

@@ -159,14 +159,16 @@ def logits(params: dict, config: TargetConfig, hidden: jax.Array) -> jax.Array:
     return compute_logits(params, hidden)
 
 
-def _layer(config: TargetConfig, x, p, positions, mask, k_cache=None, v_cache=None, cache_mask=None):
+def _layer(config: TargetConfig, x, p, positions, mask, k_cache=None, v_cache=None, cache_mask=None,
+           unrolled: bool = False):
     """One decoder layer over x [B, T, H].
 
     Without a cache: attention over the T new tokens (``mask`` [B, T, T]). With
     one: this layer's read-only ``k_cache, v_cache [B, Hkv, max_len, D]``, of which the first
     S = ``cache_mask.shape[-1]`` slots are read (``nn.attention``; visible per ``cache_mask``
-    [B, T, S]), plus the new tokens (``mask``). Returns (x, k, v) with the new tokens' k, v
-    [B, Hkv, T, D] (head-major like the cache; written by the caller).
+    [B, T, S]), plus the new tokens (``mask``); ``unrolled``: one layer of an unrolled loop
+    (``nn.attention``). Returns (x, k, v) with the new tokens' k, v [B, Hkv, T, D] (head-major
+    like the cache; written by the caller).
     """
     h = nn.rms_norm(x, p["input_layernorm"], config.rms_norm_eps)
     q, k, v = nn.qkv_heads(h, p, config.num_attention_heads, config.num_key_value_heads,
@@ -176,7 +178,7 @@ def _layer(config: TargetConfig, x, p, positions, mask, k_cache=None, v_cache=No
     if k_cache is None:
         attn = nn.attention(q, k, v, mask)
     else:
-        attn = nn.attention(q, k, v, mask,
+        attn = nn.attention(q, k, v, mask, unrolled=unrolled,
                             prefix=(k_cache.astype(q.dtype), v_cache.astype(q.dtype), cache_mask))
     b, t = x.shape[:2]
     x = x + attn.reshape(b, t, -1) @ p["o_proj"]
@@ -227,6 +229,8 @@ def forward_pure(params: dict, config: TargetConfig, tokens: jax.Array, cache: K
 
     layers = jax.tree.map(lambda a: a.astype(dtype) if a.dtype != dtype else a, params["layers"])
 
+    unrolled = isinstance(layers, (list, tuple))
+
     def body(carry, xs):
         x, taps = carry
         if cache is None:
@@ -234,16 +238,16 @@ def forward_pure(params: dict, config: TargetConfig, tokens: jax.Array, cache: K
             x, k, v = _layer(config, x, p, positions, causal)
         else:
             p, idx, k_cache, v_cache = xs
-            x, k, v = _layer(config, x, p, positions, causal, k_cache, v_cache, cache_mask)
+            x, k, v = _layer(config, x, p, positions, causal, k_cache, v_cache, cache_mask, unrolled)
         if tap_ids:
             slot = jnp.maximum(idx, 0)
             taps = jnp.where(idx >= 0, jax.lax.dynamic_update_index_in_dim(taps, x, slot, 0), taps)
         return (x, taps), (None if cache is None else (k, v))
 
-    if isinstance(layers, (list, tuple)):  # one params tree per layer: an unrolled loop (see below)
+    if unrolled:  # one params tree per layer: an unrolled loop
         carry, outs = (x, taps0), []
         for i, p in enumerate(layers):
-            kv = () if cache is None else (cache.k[i], cache.v[i])
+            kv = () if cache is None else nn.layer_slices((cache.k, cache.v), i)
             carry, out = body(carry, (p, jnp.int32(tap_index[i]), *kv))
             outs.append(out)
         (x, taps_out), delta = carry, (None if cache is None else tuple(jnp.stack(a) for a in zip(*outs)))
@@ -270,7 +274,7 @@ def forward(params: dict, config: TargetConfig, tokens: jax.Array, cache: KVCach
 
 RUNTIME = runtime.TargetRuntime(
     init_cache=init_cache, forward=forward_pure, logits=logits,
-    feature_dim=lambda config, taps: runtime.concat_features(config.hidden_size, taps))
+    feature_dim=lambda config, taps: runtime.concat_features(config.hidden_size, taps), per_layer=True)
 
 FAMILY = params_lib.Family(
     name="qwen3", kind="target", architectures=("Qwen3ForCausalLM",), model_types=("qwen3",),

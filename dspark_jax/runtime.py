@@ -62,6 +62,9 @@ the signature of ``draft.model.block_heads`` without ``ops``) replaces the share
 family whose heads read other than the backbone's normed output (DeepSeek-V4's module);
 ``ring`` (optional, ``ContextRing``) makes the decode-time context cache a ring of the window's
 rows for a drafter whose blocks read only a sliding window of the context (DeepSeek-V4's module).
+``bind`` (optional, ``Context -> DraftRuntime``): the record for a ``Context`` (its mesh), for a
+family whose backbone shards inside itself (DeepSeek-V4's module: its MoE stages ``shard_map``
+the expert dispatch over ``ctx.mesh``); ``on(ctx)`` gives it (the record itself without ``bind``).
 """
 
 from __future__ import annotations
@@ -168,6 +171,11 @@ class DraftRuntime:
     block_heads: Callable[..., tuple] | None = None  # a family's own [.., V] heads (``draft.model.block_heads``)
     ring: ContextRing | None = None  # a windowed drafter's decode context cache (None: position-indexed)
     per_layer: bool = False  # ``context_kv`` / ``block_forward`` also take per-layer ``params["layers"]``
+    bind: Callable[[Context], "DraftRuntime"] | None = None  # the record on a Context (its mesh)
+
+    def on(self, ctx: Context) -> "DraftRuntime":
+        """This record for ``ctx`` (``bind(ctx)``; itself when the family has no ``bind``)."""
+        return self.bind(ctx) if self.bind is not None else self
 
 
 def concat_features(hidden_size: int, taps) -> int:

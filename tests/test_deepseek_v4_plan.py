@@ -124,3 +124,66 @@ def test_expert_weights_split_over_the_expert_axis_in_the_plan():
         sizes[spec] = plan.tree_bytes_per_device(t)
     experts = 4 * 256 * 3 * 4096 * 2048 * 2
     assert sizes["data=8"] - sizes["expert=8"] == experts * 7 // 8
+
+
+SLIDING = "sliding_attention"
+
+
+def _shard_maps(jaxpr) -> list:
+    """Every ``shard_map`` equation in ``jaxpr`` and its sub-jaxprs (scan / remat / cond bodies)."""
+    from jax.extend import core as jcore
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "shard_map":
+            out.append(eqn)
+        for sub in jcore.jaxprs_in_params(eqn.params):
+            out += _shard_maps(sub)
+    return out
+
+
+def test_plan_v4_dspark_online_train_step_on_an_expert_mesh(tmp_path, monkeypatch):
+    """`plan --config` of a V4 DSpark train config (the V4-Flash preset swapped for a one-layer V4,
+    the module one stage on it) on `data=2,expert=2`: the online train step (the frozen target's
+    forward inside it) compiles and reports per-device bytes; the module's routed experts (and
+    their Adam moments) are split over the expert axis, the rest whole; inside the step the
+    module's MoE is expert-parallel: shard_maps over `expert` in the forward and the backward."""
+    import functools
+
+    import jax
+
+    from dspark_jax.train import program as program_lib
+    from dspark_jax.train.config import load_config
+    cfg = _small(n_routed_experts=8, num_experts_per_tok=2, num_hidden_layers=1, layer_types=(SLIDING,),
+                 mlp_layer_types=("moe",))
+    monkeypatch.setitem(presets.TARGETS, presets.V4_FLASH, cfg)
+    # one compile at XLA's low optimisation level (the same program; this test checks its shape)
+    monkeypatch.setattr(plan, "build_program", functools.partial(program_lib.build_program, fast_compile=True))
+    config = tmp_path / "tiny_v4_dspark.py"
+    config.write_text(
+        f"CONFIG = dict(target={presets.V4_FLASH!r}, data='x.jsonl', features='online', max_length=64,\n"
+        "    draft=dict(target_layer_ids=(0,), block_size=3, markov_rank=8, mask_token_id=63, num_anchors=32),\n"
+        "    batch_size=2, memory=dict(remat='dots', loss_chunk=8, shard_activations=True), mesh='data=2,expert=2')\n")
+    out = tmp_path / "plan.json"
+    assert cli.main(["plan", "--config", str(config), "--modes", "online", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["mesh"] == {"data": 2, "fsdp": 1, "expert": 2, "tensor": 1} and report["micro_batch"] == 2
+    step = report["programs"]["online"]
+    tcfg = load_config(config)
+    dcfg = tcfg.draft_config(cfg)
+    specs = plan.families.declare(dcfg)
+    trainable = {p: s for p, s in specs.items() if not s.frozen}
+    whole = sum(4 * math.prod(s.shape) for s in trainable.values())
+    experts = sum(4 * math.prod(s.shape) for p, s in trainable.items() if "expert" in (s.axes or ()))
+    assert experts > 0 and step["params_bytes"] == whole - experts // 2  # fp32 masters: experts halved
+    assert step["optimizer_bytes"] >= 2 * step["params_bytes"]           # Adam moments like their params
+    assert step["target_bytes"] > 0 and step["temp_bytes"] > 0 and step["peak_bytes"] >= step["argument_bytes"]
+    assert step["collectives"]["all-reduce"]["count"] >= 1
+
+    # the module's experts go through the expert-parallel dispatch (1 stage, tokens 2 x 32 x 3 x 8
+    # experts > moe.DENSE_MAX: sorted) in the forward and its transpose in the backward
+    mesh = sharding.make_mesh("data=2,expert=2", jax.devices()[:4])
+    prog = program_lib.build_program(dcfg, cfg, tcfg.replace(batch_size=2), mesh, total_steps=10)
+    maps = _shard_maps(jax.make_jaxpr(prog.step)(*prog.abstract_args).jaxpr)
+    expert_maps = [e for e in maps if "expert" in e.params["mesh"].axis_names
+                   and any("expert" in str(s) for s in e.params["in_specs"])]
+    assert len(expert_maps) >= 2, [str(e.params["in_specs"]) for e in maps]

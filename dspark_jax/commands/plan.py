@@ -27,6 +27,7 @@ def register(sub) -> None:
             "  dspark-jax plan --config configs/dspark_gemma4_12b.py --mesh data=1,fsdp=8 --modes online\n"
             "  dspark-jax plan --target google/gemma-4-12B-it --kind dspark --mesh fsdp=8 --modes online\n"
             "  dspark-jax plan --target deepseek-ai/DeepSeek-V4-Flash --mesh expert=8 --modes forward\n"
+            "  dspark-jax plan --config configs/dspark_deepseek_v4_flash.py --mesh fsdp=8,expert=8 --modes online\n"
             "  dspark-jax plan --config configs/dspark_qwen3_4b.py --hardware tpu-v5e:2x4   # pip install -e \".[tpu]\"\n"
             "  dspark-jax plan --config configs/dspark_qwen3_8b.py --hardware h200:8        # pip install -e \".[cuda]\""))
     src = p.add_mutually_exclusive_group(required=True)

@@ -34,6 +34,7 @@ nh heads of D = head_dim, N_hc = hc_mult streams, Ls stages, V vocab, r Markov r
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Mapping
 
 import jax
@@ -300,12 +301,20 @@ def _attention(cfg: DeepseekV4DSparkConfig, lp: dict, x: jax.Array, cos, sin, ct
 
 
 def stages_forward(p: dict, cfg: DeepseekV4DSparkConfig, embeds: jax.Array, positions: jax.Array,
-                   ctx: jax.Array, ctx_visible: jax.Array, remat: bool | str = False) -> jax.Array:
+                   ctx: jax.Array, ctx_visible: jax.Array, remat: bool | str = False,
+                   where: runtime.Context | None = None) -> jax.Array:
     """The stages over blocks: embeds [B, N, G, H] at positions [B, N, G]; ctx [Ls, B, N, W, D] (each
     block's window of context rows) visible where ``ctx_visible [B, N, W]`` -> h [B, N, G, H], the
     ``hc_head`` collapse (before ``norm``). Each stage is a V4 layer (``v4m.hc_weights`` / ``collapse``
     / ``expand`` around attention and the score-routed MoE, ``v4m.route`` / ``v4m.moe``); ``remat`` as
-    ``backbone.block_forward``'s (per stage)."""
+    ``backbone.block_forward``'s (per stage). ``where``: the ``runtime.Context`` the MoE dispatch
+    runs on (its mesh's ``expert`` axis: expert-parallel ``shard_map``, as the target's); None:
+    one device (or whatever XLA's partitioner makes of it).
+
+    MoE training: the router is the target's kind (top-k of sqrt(softplus) scores plus the gate
+    bias); the gradient reaches the gate weights through the chosen experts' renormalised scores,
+    not through the selection; the bias is frozen (V4 balances load by adjusting it outside
+    backprop, no auxiliary loss) and no load-balance term is added to the DSpark loss."""
     b, n, g, h = embeds.shape
     tcfg, eps = cfg.stage_config, cfg.rms_norm_eps
     cos, sin = v4m.rope_table(tcfg, positions.reshape(b, n * g), compressed=False)
@@ -320,7 +329,7 @@ def stages_forward(p: dict, cfg: DeepseekV4DSparkConfig, embeds: jax.Array, posi
         pre, post, comb = v4m.hc_weights(tcfg, streams, lp["hc_ffn_fn"], lp["hc_ffn_base"], lp["hc_ffn_scale"])
         x = v4m.rms_norm(v4m.collapse(pre, streams), lp["ffn_norm"], eps)
         combine = v4m.route(tcfg, lp, x, None, None, bias)
-        return v4m.expand(post, comb, v4m.moe(tcfg, lp, x, combine), streams), None
+        return v4m.expand(post, comb, v4m.moe(tcfg, lp, x, combine, where), streams), None
 
     if remat not in (False, None, "none"):
         stage = jax.checkpoint(stage, policy=backbone.remat_policy(remat))
@@ -342,13 +351,13 @@ def window_of(ctx_rows: jax.Array, ctx_mask: jax.Array, anchors: jax.Array, wind
 
 def block_forward(p: dict, cfg: DeepseekV4DSparkConfig, embeds: jax.Array, positions: jax.Array,
                   ctx_k: jax.Array, ctx_v: jax.Array, ctx_mask: jax.Array, block_valid: jax.Array,
-                  remat: bool | str = False) -> jax.Array:
+                  remat: bool | str = False, where: runtime.Context | None = None) -> jax.Array:
     """``runtime.DraftRuntime.block_forward``: context rows indexed by position (ctx_k = ctx_v
     [Ls, B, 1, S, D]; ``ctx_mask [B, N, S]`` rows < anchor), each block windowed to its last W rows;
-    returns h [B, N, G, H] (pre-norm)."""
+    returns h [B, N, G, H] (pre-norm). ``where``: as ``stages_forward``'s (``OPS.on(ctx)`` sets it)."""
     del ctx_v
     rows, visible = window_of(ctx_k[:, :, 0], ctx_mask & block_valid[:, :, None], positions[:, :, 0], cfg.window)
-    return stages_forward(p, cfg, embeds, positions, rows, visible, remat)
+    return stages_forward(p, cfg, embeds, positions, rows, visible, remat, where)
 
 
 def base_logits(p: dict, cfg: DeepseekV4DSparkConfig, h: jax.Array) -> jax.Array:
@@ -371,6 +380,11 @@ def block_heads(p: dict, cfg: DeepseekV4DSparkConfig, h: jax.Array, prev: jax.Ar
     return logits, conf, aligned
 
 
+def _on(where: runtime.Context) -> runtime.DraftRuntime:
+    """``OPS`` whose stages run their MoE on ``where`` (its mesh: expert-parallel)."""
+    return dataclasses.replace(OPS, block_forward=functools.partial(block_forward, where=where), bind=None)
+
+
 def ring_forward(p: dict, cfg: DeepseekV4DSparkConfig, embeds: jax.Array, positions: jax.Array,
                  k: jax.Array, v: None, visible: jax.Array) -> jax.Array:
     """``runtime.ContextRing.forward``: each row's one block (embeds [B, 1, G, H] at positions
@@ -383,7 +397,8 @@ def ring_forward(p: dict, cfg: DeepseekV4DSparkConfig, embeds: jax.Array, positi
 OPS = runtime.DraftRuntime(project_context=project_context, context_kv=context_kv, embed_block=embed_block,
                            block_forward=block_forward, compute_logits=base_logits, block_heads=block_heads,
                            replicable=frozenset({"kv_heads"}),
-                           ring=runtime.ContextRing(rows=lambda cfg: cfg.window, forward=ring_forward, shared_kv=True))
+                           ring=runtime.ContextRing(rows=lambda cfg: cfg.window, forward=ring_forward, shared_kv=True),
+                           bind=_on)
 
 
 def training_forward(params: dict, cfg: DeepseekV4DSparkConfig, input_ids: jax.Array, features: jax.Array,

@@ -160,7 +160,11 @@ def make_loss_sums(draft_cfg: DraftConfig, loss_cfg: LossConfig, compute_dtype, 
     ``training_hidden`` (remat, pinned activations) + ``chunked_loss_sums``. The drafter
     family's backbone (``families.draft_ops``) runs inside both."""
     plain = remat in (False, None, "none") and loss_chunk == 0 and pin is None
-    ops = families.draft_ops(draft_cfg)
+    # on a mesh the drafter's backbone may shard inside itself (V4's MoE stages: expert-parallel)
+    ops = families.draft_ops(draft_cfg).on(runtime.Context.make(mesh, shard_lib.DEFAULT_RULES, compute_dtype))
+    # the frozen [H, V] output head (``lm_head``; V4's module: the target's ``head``), by its declared axes
+    heads = [path[0] for path, spec in families.declare(draft_cfg).items()
+             if len(path) == 1 and spec.frozen and spec.axes == ("embed", "vocab")]
 
     def sums(tp, frozen, mb, feats, last, anc, kp):
         if plain:
@@ -172,8 +176,9 @@ def make_loss_sums(draft_cfg: DraftConfig, loss_cfg: LossConfig, compute_dtype, 
         th = draft_model.training_hidden(p, draft_cfg, mb["input_ids"], feats, mb["loss_mask"], anc, kp, last,
                                          compute_dtype=compute_dtype, remat=remat, constrain=pin, ops=ops)
         if mesh is not None and loss_chunk:  # gather the LM head once, not once per chunk
-            spec = shard_lib.logical_to_spec((None, "vocab"), shape=p["lm_head"].shape, mesh=mesh)
-            p["lm_head"] = jax.lax.with_sharding_constraint(p["lm_head"], NamedSharding(mesh, spec))
+            for k in heads:
+                spec = shard_lib.logical_to_spec((None, "vocab"), shape=p[k].shape, mesh=mesh)
+                p[k] = jax.lax.with_sharding_constraint(p[k], NamedSharding(mesh, spec))
         return loss_lib.chunked_loss_sums(p, draft_cfg, th, loss_cfg, loss_chunk, constrain=pin, ops=ops)
     return sums
 

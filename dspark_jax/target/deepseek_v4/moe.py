@@ -46,6 +46,7 @@ the work is what was routed there. fsdp-sharded expert weights are all-gathered 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -137,6 +138,10 @@ def grouped_swiglu_blocks(cfg, xs: jax.Array, sizes: jax.Array, w1, w3, w2, bloc
     used = block_end[-1]
     padded = jnp.pad(xs, ((0, block), (0, 0)))      # a block's slice never runs past the end
 
+    # for the backward pass keep each block's matmul outputs: without the checkpoint every block's
+    # w1[e], w3[e], w2[e] slice is saved ([blocks, H, I] x 3, the layer's experts several times
+    # over); with it w2's slices and the block intermediates are not (w1's and w3's still are)
+    @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
     def one(_, b):
         e = jnp.minimum(jnp.searchsorted(block_end, b, side="right"), g - 1)
         start = row_start[e] + (b - block_start[e]) * block

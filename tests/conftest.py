@@ -3,9 +3,21 @@ work units pytest-xdist hands to its workers (pyproject: -n logical --dist loadf
 
 import gc
 import os
+from importlib.metadata import version
 from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# XLA:CPU compiles take most of the suite's time. LLVM at -O0 (without its expensive passes) and
+# XLA:CPU's classic elemental emitters instead of its MLIR fusion emitters compile the tiny
+# fixtures' programs 2-3x faster: only how XLA:CPU turns a program into machine code changes,
+# not what the tests check (values within their tolerances, exact tokens, compile counts).
+# Subprocesses inherit the flags (launch/local.py's children, the benchmarks' smoke runs). An
+# unknown XLA flag aborts the process, so the emitter flag goes to the jaxlib it was checked on.
+FAST_COMPILE_FLAGS = ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
+if version("jaxlib").startswith("0.10."):
+    FAST_COMPILE_FLAGS.append("--xla_cpu_use_fusion_emitters=false")
+if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] = " ".join([os.environ["XLA_FLAGS"]] + FAST_COMPILE_FLAGS)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
@@ -17,6 +29,8 @@ FIXTURES = Path(__file__).parent / "fixtures"
 # pytest-xdist hands out one test module at a time (its module fixtures and compiled programs are
 # built once, on one worker); modules that share a costly session fixture form one work unit
 SHARED_UNITS = {"test_demo.py": "quick_demo_run", "test_workflow.py": "quick_demo_run"}
+# modules whose tests share nothing costly: each test is a unit of its own (a subprocess each)
+SPLIT_UNITS = {"test_benchmarks.py"}
 TINY = FIXTURES / "dspark_qwen3_tiny"
 
 
@@ -79,9 +93,11 @@ def quick_demo_run(tmp_path_factory):
 
 
 def _work_unit(nodeid: str) -> str:
-    """The work unit of a test under pytest-xdist: its module's file name, or the unit of
-    SHARED_UNITS that module belongs to."""
+    """The work unit of a test under pytest-xdist: its module's file name, the unit of
+    SHARED_UNITS that module belongs to, or the test itself in a SPLIT_UNITS module."""
     module = nodeid.split("::", 1)[0].rpartition("/")[2]
+    if module in SPLIT_UNITS:
+        return nodeid
     return SHARED_UNITS.get(module, module)
 
 

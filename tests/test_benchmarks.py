@@ -24,7 +24,8 @@ def test_benchmarks_found():
 def test_benchmark_smoke(script, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)  # one CPU device, as a user runs them
+    # one CPU device, as a user runs them (the session's quicker-compile flags kept: conftest)
+    env["XLA_FLAGS"] = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f)
     proc = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -26,7 +26,6 @@ def test_two_processes_decode_the_reference_tokens(tmp_path):
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt_ids": p}) + "\n"
                                                     for p in ref["prompts"]))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    env.pop("XLA_FLAGS", None)
     cmd = [sys.executable, str(REPO / "launch/local.py"), "-n", "2", "-m", "2", "--log-dir",
            str(tmp_path / "logs"), "--", sys.executable, str(REPO / "tests/decode_multiprocess_worker.py"),
            str(tmp_path)]

@@ -60,7 +60,6 @@ def test_two_processes_over_gloo_match_single_device(single, data_file, tmp_path
     d = cfg.to_dict()
     cfg_file.write_text(f"CONFIG = {d!r}\n")
     env = dict(os.environ, **{FAST_COMPILE_ENV: "1"})
-    env.pop("XLA_FLAGS", None)
     cmd = [sys.executable, str(REPO / "launch/local.py"), "-n", "2", "-m", "2", "--log-dir", str(tmp_path / "logs"),
            "--", sys.executable, "-m", "dspark_jax.cli", "train", "--config", str(cfg_file),
            "--matmul-precision", "highest"]

@@ -39,7 +39,8 @@ def data_file(tmp_path_factory):
 def _run_cli(cfg: TrainConfig, tmp: Path, kill_at_step: int = 0):
     cfg_file = tmp / "cfg.py"
     cfg_file.write_text(f"CONFIG = {cfg.to_dict()!r}\n")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]  # conftest's
+    env = dict(os.environ, XLA_FLAGS=" ".join(flags + ["--xla_force_host_platform_device_count=1"]), JAX_PLATFORMS="cpu",
                JAX_COMPILATION_CACHE_DIR=str(tmp / "jax_cache"),  # the resumed run reuses the compile
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", **{FAST_COMPILE_ENV: "1"})
     env[KILL_AT_STEP_ENV] = str(kill_at_step)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from dspark_jax import params as params_lib
@@ -51,7 +52,9 @@ def test_fresh_train_loop_drafter_shares_the_target_arrays():
 @pytest.mark.slow  # one compile of the online V4 target forward + the module's gradient (~3 min here)
 def test_train_pipeline_then_export_into_the_target(tmp_path):
     """`train` (online features, draft_init = the fixture's own module, 4 steps) lowers the loss and
-    exports the module; `export --engine vllm --target` writes it into the target checkpoint."""
+    exports the module; the same run on `dspark-jax cache` features (the tap: the stream-mean of
+    each layer's output) gives the same losses; `export --engine vllm --target` writes the module
+    into the target checkpoint."""
     from dspark_jax import cli
     from dspark_jax.convert import engines, safetensors_io
     from dspark_jax.data.sample import sample_sequences, write_jsonl
@@ -64,6 +67,14 @@ def test_train_pipeline_then_export_into_the_target(tmp_path):
     import json
     losses = [json.loads(line)["ce_loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert losses[-1] < losses[0], losses
+    layer_ids = checkpoint.load_draft(PAIR)[0].target_layer_ids
+    assert cli.main(["cache", "--target", str(PAIR), "--data", str(tmp_path / "seqs.jsonl"), "--out",
+                     str(tmp_path / "feats"), "--layer-ids", ",".join(map(str, layer_ids)),
+                     "--max-length", "32", "--batch-size", "4", "--quiet"]) == 0
+    cached = loop.train(tiny_config(tmp_path / "cached", target=str(PAIR), features="cache",
+                                    cache_dir=str(tmp_path / "feats"), draft_init=str(PAIR), draft={}, steps=4,
+                                    batch_size=4), fast_compile=True)
+    np.testing.assert_allclose([r["ce_loss"] for r in cached["history"]], losses, rtol=0, atol=1e-5)
     dst = tmp_path / "served"
     assert cli.main(["export", str(tmp_path / "run" / "export"), str(dst), "--engine", "vllm",
                      "--target", str(PAIR)]) in (0, None)

@@ -120,7 +120,10 @@ def test_train_step_options_keep_the_step(fixture):
     assert float(ref_m["loss"]) > 0 and bool(ref_m["finite"])
     for key in ("loss", "ce_loss", "l1_loss", "confidence_loss", "expected_accept_length", "grad_norm"):
         np.testing.assert_allclose(float(got_m[key]), float(ref_m[key]), rtol=1e-5)
-    assert_trees_close(got_state.params, ref_state.params, rtol=1e-5, atol=1e-6)
+    # one Adam step moves a weight by ~lr * g / (|g| + eps) whatever |g|: where g is ~eps, the two
+    # programs' rounding shows in the update (seen: 1.2e-6 = 0.2% of lr, under the suite's -O0 XLA:CPU
+    # flags), so the weights agree to 1% of the step, not to float rounding
+    assert_trees_close(got_state.params, ref_state.params, rtol=1e-5, atol=0.01 * tcfg.optimizer.learning_rate)
 
 
 def test_memory_option_validation(fixture):

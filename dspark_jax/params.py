@@ -326,6 +326,11 @@ def planned(specs: Specs, mesh, dtype, rules=None) -> tuple[dict, dict]:
     return abstract_params(specs, dtype, sh), sh
 
 
+def per_layer(tree: Mapping) -> bool:
+    """Whether ``tree["layers"]`` is a tuple of per-layer trees (``unstack_layers``), not stacked."""
+    return isinstance(tree["layers"], (list, tuple))
+
+
 def unstack_layers(tree: Mapping) -> dict:
     """``tree`` with its stacked ``"layers"`` subtree ([L, ...] leaves) split into a tuple of L
     per-layer trees (arrays: ``a[i]``; ``jax.ShapeDtypeStruct``: the shape and sharding less
@@ -454,6 +459,6 @@ def for_platform(tree: Mapping, platform: str) -> dict:
     each layer's slice of a stacked kernel (its dynamic-slice fusion, which would pass the slice
     in place, fails to compile in jax 0.10.2): every decode step would move the weights twice.
     TPUs fuse the slice into the dot, and a ``lax.scan`` over the stack compiles faster."""
-    if platform not in PER_LAYER_PLATFORMS or "layers" not in tree or isinstance(tree["layers"], (list, tuple)):
+    if platform not in PER_LAYER_PLATFORMS or "layers" not in tree or per_layer(tree):
         return dict(tree)
     return unstack_layers(tree)

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax import nn
+from dspark_jax import params as params_lib
 from dspark_jax.config import DraftConfig
 
 
@@ -41,15 +42,10 @@ def context_kv(params: dict, config: DraftConfig, ctx: jax.Array, positions: jax
         k, v = nn.kv_heads(ctx, p, config.num_key_value_heads, config.head_dim, config.rms_norm_eps)
         return nn.head_major(nn.apply_rope(k, cos, sin)), nn.head_major(v)
 
-    if _per_layer(params):
+    if params_lib.per_layer(params):
         ks, vs = zip(*map(one_layer, params["layers"]))
         return jnp.stack(ks), jnp.stack(vs)
     return jax.lax.map(one_layer, params["layers"])
-
-
-def _per_layer(params: dict) -> bool:
-    """Whether ``params["layers"]`` is a tuple of per-layer trees (else stacked)."""
-    return isinstance(params["layers"], (list, tuple))
 
 
 def block_visibility(ctx_mask: jax.Array, block_valid: jax.Array, g: int) -> jax.Array:
@@ -107,7 +103,6 @@ def block_forward(
     cos, sin = nn.rope_cos_sin(block_positions.reshape(b, n * g), config.head_dim, config.rope_theta)
     eps = config.rms_norm_eps
     visible = block_visibility(ctx_mask, block_valid, g)
-    unrolled = _per_layer(params)
 
     def layer(x, xs):
         p, k_ctx, v_ctx = xs
@@ -124,7 +119,7 @@ def block_forward(
 
     if remat not in (False, None, "none"):
         layer = jax.checkpoint(layer, policy=remat_policy(remat))
-    if unrolled:
+    if params_lib.per_layer(params):
         x = block_embeds
         for i, p in enumerate(params["layers"]):
             x, _ = layer(x, (p, *nn.layer_slices((ctx_k, ctx_v), i)))

@@ -227,8 +227,6 @@ def forward_pure(params: dict, config: TargetConfig, tokens: jax.Array, cache: K
 
     layers = jax.tree.map(lambda a: a.astype(dtype) if a.dtype != dtype else a, params["layers"])
 
-    unrolled = isinstance(layers, (list, tuple))
-
     def body(carry, xs):
         x, taps = carry
         if cache is None:
@@ -242,7 +240,7 @@ def forward_pure(params: dict, config: TargetConfig, tokens: jax.Array, cache: K
             taps = jnp.where(idx >= 0, jax.lax.dynamic_update_index_in_dim(taps, x, slot, 0), taps)
         return (x, taps), (None if cache is None else (k, v))
 
-    if unrolled:  # one params tree per layer: an unrolled loop
+    if params_lib.per_layer(params):  # one params tree per layer: an unrolled loop
         carry, outs = (x, taps0), []
         for i, p in enumerate(layers):
             kv = () if cache is None else nn.layer_slices((cache.k, cache.v), i)

@@ -14,6 +14,7 @@ import os
 import jax
 import numpy as np
 
+from dspark_jax import families, runtime
 from dspark_jax.errors import InputError
 
 GIB = float(1 << 30)
@@ -42,8 +43,6 @@ def capacity(mesh=None) -> tuple[int, str]:
 def decode_bytes(tcfg, tparams, dcfg, dparams, batch: int, max_len: int) -> dict:
     """{part: bytes} of a decode of ``batch`` rows with cache capacity ``max_len`` (the target's
     cache from its family's ``init_cache``, abstractly: nothing is allocated)."""
-    from dspark_jax import families, runtime
-
     dtype = runtime.compute_dtype(tparams)
     g = dcfg.block_size if dcfg is not None else 0
     rt = families.target_runtime(tcfg)
@@ -60,8 +59,6 @@ def context_bytes_per_row(dcfg, max_len: int, dtype) -> int:
     """Bytes of one row's drafter context cache (``draft.decode.ContextCache``): k and v of every
     draft layer at ``max_len`` positions, or for a ring family (``runtime.ContextRing``) its
     window's rows (k alone when K = V)."""
-    from dspark_jax import families
-
     ring = families.draft_ops(dcfg).ring
     rows = max_len if ring is None else min(ring.rows(dcfg), max_len)
     arrays = 1 if ring is not None and ring.shared_kv else 2

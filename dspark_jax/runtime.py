@@ -12,7 +12,9 @@ Shapes: B rows, T new tokens, S cache capacity, H hidden size, n = len(taps), V 
 - ``init_cache(cfg, batch, capacity, dtype, max_extend) -> cache``: an empty cache (``lengths``
   zeros) holding up to ``capacity`` positions per row; ``max_extend`` is the longest extend
   after the prefill (G + 1 verified tokens for speculative decoding, 1 autoregressive; None: no
-  bound): a family may size windows / rings from it. ``dtype``: the cache's storage dtype.
+  bound): a family may size windows / rings from it. ``dtype``: the cache's storage dtype. A
+  family with ``per_layer`` also takes ``per_layer=True``: the cache for per-layer params
+  (``params.for_platform`` on GPUs), its layers as separate buffers.
 - ``forward(params, cfg, tokens [B, T], cache | None, *, ctx, taps, span) -> (hidden, features,
   delta)``: ``hidden [B, T, H]`` after the final norm; ``features [B, T, feature_dim]`` the
   concatenated outputs of layers ``taps`` (-1 = the embedding output; None when ``taps`` is
@@ -217,10 +219,14 @@ def put_row(big, one, axes_tree, slot):
 
 
 def write_steps(buf: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
-    """A head-major cache leaf ``buf [L, B, Hkv, S, D]`` with ``new [L, B, Hkv, T, D]`` written at
-    slots ``slots [B, T]`` (slot >= S: dropped): one scatter, in place when ``buf`` is donated."""
+    """A head-major cache leaf ``buf [(L,) B, Hkv, S, D]`` (stacked layers or one layer's buffer)
+    with ``new [(L,) B, Hkv, T, D]`` written at slots ``slots [B, T]`` (slot >= S: dropped): one
+    scatter, in place when ``buf`` is donated."""
+    lead = buf.ndim - 4
     rows = jnp.arange(slots.shape[0])[:, None]
-    return buf.at[:, rows, :, slots].set(new.transpose(1, 3, 0, 2, 4).astype(buf.dtype), mode="drop")
+    index = (slice(None),) * lead + (rows, slice(None), slots)
+    order = (lead, lead + 2, *range(lead), lead + 1, lead + 3)    # [B, T, (L,) Hkv, D], the scatter's
+    return buf.at[index].set(new.transpose(order).astype(buf.dtype), mode="drop")
 
 
 def step_mask(n_new: jax.Array, steps: int) -> jax.Array:

@@ -31,17 +31,26 @@ def test_greedy_parity(tiny_reference, batch_size):
 
 def test_greedy_parity_per_layer_weights(tiny_reference):
     """The target's layers as per-layer buffers (how decode places them on GPUs,
-    params.for_platform: unrolled layer loop, per-layer cache reads) give the reference tokens."""
+    params.for_platform: unrolled layer loop over per-layer weights and per-layer cache buffers)
+    give the reference tokens, in static batches and in continuous batching (a request's prefill
+    written into a slot of every layer's buffer)."""
     from dspark_jax import params as params_lib
+    from dspark_jax.decode import engine, programs
     tc, tp, dc, dp, ref = tiny_reference
     per_layer = params_lib.for_platform(tp, "gpu")
     assert isinstance(per_layer["layers"], tuple) and len(per_layer["layers"]) == tc.num_hidden_layers
     assert params_lib.for_platform(tp, "tpu")["layers"] is tp["layers"]  # TPUs and CPUs keep the stack
-    res = speculative_generate(tc, per_layer, dc, dp, ref["prompts"], max_new_tokens=ref["max_new_tokens"],
-                               temperature=0.0, batch_size=len(ref["prompts"]))
-    for i, r in enumerate(res):
-        assert r.output_ids == ref["output_ids"][i], f"prompt {i}: tokens differ"
-        assert r.acceptance_lengths == ref["acceptance_lengths"][i], f"prompt {i}: acceptance lengths differ"
+    static = programs.DecodeStatic(target=tc, draft=dc, policy=None, greedy=True, max_new_tokens=4)
+    cache = programs.abstract_decode_state(per_layer, dp, static, batch=2, max_len=32, prompt_len=4).cache
+    assert cache.per_layer and len(cache.k) == tc.num_hidden_layers and cache.k[0].shape[2] == 32
+    n = len(ref["prompts"])
+    for res in (speculative_generate(tc, per_layer, dc, dp, ref["prompts"], batch_size=n,
+                                     max_new_tokens=ref["max_new_tokens"], temperature=0.0),
+                engine.serve(tc, per_layer, dc, dp, ref["prompts"], max_new_tokens=ref["max_new_tokens"],
+                             slots=3)):
+        for i, r in enumerate(res):
+            assert r.output_ids == ref["output_ids"][i], f"prompt {i}: tokens differ"
+            assert r.acceptance_lengths == ref["acceptance_lengths"][i], f"prompt {i}: acceptance lengths differ"
 
 
 def test_greedy_parity_per_layer_draft_weights(tiny_reference):

@@ -82,15 +82,24 @@ def test_per_layer_weights_match_hf():
     np.testing.assert_allclose(np.asarray(qwen3.compute_logits(params, hidden)), out.logits.numpy(), atol=1e-4, rtol=0)
     np.testing.assert_allclose(np.asarray(taps[..., cfg.hidden_size:]), out.hidden_states[2].numpy(), atol=1e-4, rtol=0)
     caches = []
-    for p in (params, per_layer):
-        cache = qwen3.init_cache(cfg, 2, 16)
+    # stacked params + stacked cache; per-layer params over the stacked cache; per-layer both
+    # (decode's form on GPUs: one cache buffer per layer, written by one scatter per layer)
+    for p, apart in ((params, False), (per_layer, False), (per_layer, True)):
+        cache = qwen3.init_cache(cfg, 2, 16, per_layer=apart)
+        assert cache.per_layer == apart and cache.capacity == 16
         _, _, cache = qwen3.forward(p, cfg, jnp.asarray(ids[:, :5]), cache)
         hid, _, cache = qwen3.forward(p, cfg, jnp.asarray(ids[:, 5:]), cache, num_new=jnp.array([4, 2]))
         np.testing.assert_allclose(np.asarray(qwen3.compute_logits(params, hid)), out.logits.numpy()[:, 5:],
                                    atol=1e-4, rtol=0)
         caches.append(cache)
-    np.testing.assert_allclose(np.asarray(caches[1].k), np.asarray(caches[0].k), atol=1e-6, rtol=0)
-    assert np.asarray(caches[1].lengths).tolist() == [9, 7]
+    for cache in caches[1:]:
+        for name in ("k", "v"):
+            np.testing.assert_allclose(np.stack(getattr(cache, name)), np.asarray(getattr(caches[0], name)),
+                                       atol=1e-6, rtol=0)
+        assert np.asarray(cache.lengths).tolist() == [9, 7]
+    assert caches[2].axes().k == (qwen3.LAYER_KV_AXES,) * cfg.num_hidden_layers
+    with pytest.raises(ValueError, match="per-layer params"):
+        qwen3.forward(params, cfg, jnp.asarray(ids[:, :2]), qwen3.init_cache(cfg, 2, 16, per_layer=True))
 
 
 def test_per_row_positions_and_rollback():

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax import families, runtime, sampling
+from dspark_jax import params as params_lib
 from dspark_jax.decode.shapes import by_span, compiled_spans, round_widths, span_index, width_index
 from dspark_jax.decode.state import ARState, DecodeState, DecodeStatic, insert
 from dspark_jax.decode.verify import rejection_sample
@@ -49,7 +50,8 @@ def _prefill(tparams, dparams, prompts, lens, valid, key, temperature, stop_ids,
     """Target prefill of padded prompts [B, P] (lengths ``lens``), first token, draft context.
 
     The target cache (``init_cache`` of capacity ``max_len``, sized for extends of G+1 tokens, 1
-    without a drafter) commits each row's ``lens`` prompt tokens. Returns (cache, seq [B, L],
+    without a drafter; per-layer buffers for per-layer params) commits each row's ``lens`` prompt
+    tokens. Returns (cache, seq [B, L],
     active [B], draft context cache (None without a drafter), key).
     """
     b, p = prompts.shape
@@ -58,7 +60,8 @@ def _prefill(tparams, dparams, prompts, lens, valid, key, temperature, stop_ids,
     ctx = ctx.for_params(tparams)
     taps = tuple(static.draft.target_layer_ids) if static.draft is not None else ()
     extend = static.draft.block_size + 1 if static.draft is not None else 1
-    cache = rt.init_cache(tcfg, b, max_len, ctx.dtype, extend)
+    apart = {"per_layer": True} if rt.per_layer and params_lib.per_layer(tparams) else {}
+    cache = rt.init_cache(tcfg, b, max_len, ctx.dtype, extend, **apart)
     hidden, features, delta = rt.forward(tparams, tcfg, prompts, cache, ctx=ctx, taps=taps,
                                          span=0)  # the cache is empty
     cache = cache.commit(delta, lens)

@@ -5,8 +5,9 @@ Params::
     {"embed_tokens": [V, H], "norm": [H], "lm_head": [H, V] (absent when tied),
      "layers": {stacked decoder-layer params, leading axis L}}
 
-The KV cache holds ``k, v [L, B, Hkv, capacity, D]`` (head-major: ``nn.cache_scores``) and
-per-row ``lengths [B]``; an extend of
+The KV cache holds ``k, v [L, B, Hkv, capacity, D]`` (head-major: ``nn.cache_scores``), or on GPUs
+one ``[B, Hkv, capacity, D]`` buffer per layer (``init_cache(per_layer=True)``), and per-row
+``lengths [B]``; an extend of
 T tokens at positions ``lengths[b] .. lengths[b]+T-1`` sees every committed slot and the new
 tokens causally. ``forward_pure`` is the runtime protocol's forward (``dspark_jax.runtime``:
 returns the new k/v, never writes); ``KVCache.commit`` writes the accepted ones (out-of-range
@@ -29,44 +30,66 @@ from dspark_jax.params import ParamSpec
 
 
 KV_AXES = ("layers", runtime.BATCH, "kv_heads", runtime.STEP, "head_dim")
+LAYER_KV_AXES = KV_AXES[1:]  # one layer's buffer of a per-layer cache
 
 
 @flax.struct.dataclass
 class KVCache:
-    """Static-shape KV cache (``runtime.Cache``). k, v: [L, B, Hkv, capacity, D]; lengths: [B]
-    int32; the delta of T tokens is ``(k_new, v_new)`` [L, B, Hkv, T, D]."""
+    """Static-shape KV cache (``runtime.Cache``). k, v: [L, B, Hkv, capacity, D], or a tuple of L
+    per-layer [B, Hkv, capacity, D] buffers (``per_layer``); lengths: [B] int32. The delta of T
+    tokens is ``(k_new, v_new)`` in the same form: [L, B, Hkv, T, D], or L-tuples of [B, Hkv, T, D].
 
-    k: jax.Array
-    v: jax.Array
+    Per-layer buffers are for GPUs, where the forward's layer loop is unrolled over per-layer
+    weights (``params.for_platform``): XLA:GPU hands a cuBLAS gemm (the values dot of a multi-query
+    block) a copy of a layer's slice of a stacked cache, and an unrolled loop's one-row update of
+    the stacked cache copied the whole cache twice per AR step at B = 1; a layer's own buffer is
+    read and updated in place."""
+
+    k: jax.Array | tuple
+    v: jax.Array | tuple
     lengths: jax.Array
 
     @property
+    def per_layer(self) -> bool:
+        return isinstance(self.k, tuple)
+
+    @property
     def capacity(self) -> int:
-        return self.k.shape[3]
+        return (self.k[0] if self.per_layer else self.k).shape[-2]
 
     def axes(self) -> "KVCache":
-        return KVCache(KV_AXES, KV_AXES, (runtime.BATCH,))
+        kv = tuple(LAYER_KV_AXES for _ in self.k) if self.per_layer else KV_AXES
+        return KVCache(kv, kv, (runtime.BATCH,))
 
     def delta_axes(self) -> tuple:
-        return (KV_AXES, KV_AXES)
+        axes = self.axes()
+        return (axes.k, axes.v)
 
     def commit(self, delta: tuple, n_new: jax.Array) -> "KVCache":
         """Write the first ``n_new[b]`` of the delta's tokens at slots ``lengths[b] + t`` (one
-        masked scatter per tensor, in place when donated) and advance ``lengths``."""
+        masked scatter per tensor, or per layer's buffer; in place when donated) and advance
+        ``lengths``."""
         k_new, v_new = delta
-        t = k_new.shape[3]
+        t = (k_new[0] if self.per_layer else k_new).shape[-2]
         positions = self.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         slots = jnp.where(runtime.step_mask(n_new, t), positions, self.capacity)
-        return KVCache(runtime.write_steps(self.k, k_new, slots), runtime.write_steps(self.v, v_new, slots),
-                       self.lengths + n_new.astype(jnp.int32))
+        write = lambda buf, new: runtime.write_steps(buf, new, slots)  # noqa: E731
+        k, v = (jax.tree.map(write, self.k, k_new), jax.tree.map(write, self.v, v_new))
+        return KVCache(k, v, self.lengths + n_new.astype(jnp.int32))
 
 
 def init_cache(config: TargetConfig, batch: int, capacity: int, dtype=jnp.float32,
-               max_extend: int | None = None) -> KVCache:
-    """Empty cache of ``capacity`` positions per row (``max_extend``: unused, every slot is kept)."""
+               max_extend: int | None = None, *, per_layer: bool = False) -> KVCache:
+    """Empty cache of ``capacity`` positions per row (``max_extend``: unused, every slot is kept);
+    ``per_layer``: one buffer per layer (for per-layer params, ``params.for_platform``)."""
     del max_extend
-    shape = (config.num_hidden_layers, batch, config.num_key_value_heads, capacity, config.head_dim)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+    shape = (batch, config.num_key_value_heads, capacity, config.head_dim)
+    n = config.num_hidden_layers
+    if per_layer:
+        k, v = (tuple(jnp.zeros(shape, dtype) for _ in range(n)) for _ in range(2))
+    else:
+        k, v = jnp.zeros((n, *shape), dtype), jnp.zeros((n, *shape), dtype)
+    return KVCache(k, v, jnp.zeros((batch,), jnp.int32))
 
 
 # Our key in a stacked decoder layer -> (torch suffix inside layer i, kernel?). Kernels are
@@ -240,13 +263,23 @@ def forward_pure(params: dict, config: TargetConfig, tokens: jax.Array, cache: K
             taps = jnp.where(idx >= 0, jax.lax.dynamic_update_index_in_dim(taps, x, slot, 0), taps)
         return (x, taps), (None if cache is None else (k, v))
 
+    if cache is not None and cache.per_layer and not params_lib.per_layer(params):
+        raise ValueError("a per-layer KV cache needs per-layer params (params.unstack_layers)")
     if params_lib.per_layer(params):  # one params tree per layer: an unrolled loop
         carry, outs = (x, taps0), []
         for i, p in enumerate(layers):
-            kv = () if cache is None else nn.layer_slices((cache.k, cache.v), i)
+            if cache is None:
+                kv = ()
+            elif cache.per_layer:
+                kv = (cache.k[i], cache.v[i])
+            else:
+                kv = nn.layer_slices((cache.k, cache.v), i)
             carry, out = body(carry, (p, jnp.int32(tap_index[i]), *kv))
             outs.append(out)
-        (x, taps_out), delta = carry, (None if cache is None else tuple(jnp.stack(a) for a in zip(*outs)))
+        (x, taps_out) = carry
+        delta = None
+        if cache is not None:  # in the cache's own form
+            delta = tuple(zip(*outs)) if cache.per_layer else tuple(jnp.stack(a) for a in zip(*outs))
     else:
         xs = (layers, jnp.asarray(tap_index, jnp.int32))
         if cache is not None:

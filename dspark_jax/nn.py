@@ -169,23 +169,32 @@ def layer_slices(stacked: tuple[jax.Array, ...], i: int) -> tuple[jax.Array, ...
 
 
 def project_f32(x: jax.Array, kernel: jax.Array) -> jax.Array:
-    """x [..., H] @ kernel [H, V] accumulated and returned in float32 (LM heads).
+    """x [..., H] @ kernel [H, V] accumulated and returned in float32 (LM heads; ``dense``)."""
+    return dense(x, kernel, jnp.float32)
 
-    A single row (an AR step at B = 1) is padded to two on CUDA: for a one-row product with an
-    f32 result XLA:GPU emits a gemv that first converts the whole kernel to f32 (a 2.3 GiB copy
-    of Qwen3-8B's LM head, written and read every step); two rows go to a bf16 cuBLAS gemm."""
+
+def dense(x: jax.Array, kernel: jax.Array, out_dtype=None) -> jax.Array:
+    """x [..., H] @ kernel [H, N] (``out_dtype``: the accumulation and result dtype; None: the
+    operands' product dtype).
+
+    A single row (an AR step at B = 1) is padded to two on CUDA, where XLA:GPU turns a one-row
+    product into something that moves the kernel more than once: with an f32 result a gemv that
+    first converts the whole kernel to f32 (a 2.3 GiB copy of Qwen3-8B's LM head per step); two
+    products of one input (a layer's k and v projections) a multiply fusion that writes both
+    [H, N] products out before reducing them (3x the weights' bytes). Two rows go to cuBLAS."""
     if math.prod(x.shape[:-1]) != 1:
-        return _dot_f32(x, kernel)
-    return jax.lax.platform_dependent(x, kernel, default=_dot_f32, cuda=_dot_f32_two_rows)
+        return _dot(x, kernel, out_dtype)
+    return jax.lax.platform_dependent(x, kernel, default=lambda x, k: _dot(x, k, out_dtype),
+                                      cuda=lambda x, k: _dot_two_rows(x, k, out_dtype))
 
 
-def _dot_f32(x, kernel):
-    return jnp.einsum("...h,hv->...v", x, kernel, preferred_element_type=jnp.float32)
+def _dot(x, kernel, out_dtype):
+    return jnp.einsum("...h,hv->...v", x, kernel, preferred_element_type=out_dtype)
 
 
-def _dot_f32_two_rows(x, kernel):
+def _dot_two_rows(x, kernel, out_dtype):
     rows = x.reshape(1, x.shape[-1])
-    return _dot_f32(jnp.concatenate([rows, jnp.zeros_like(rows)]), kernel)[:1].reshape(*x.shape[:-1], -1)
+    return _dot(jnp.concatenate([rows, jnp.zeros_like(rows)]), kernel, out_dtype)[:1].reshape(*x.shape[:-1], -1)
 
 
 def swiglu_mlp(x: jax.Array, p: dict) -> jax.Array:
@@ -198,15 +207,14 @@ def swiglu_mlp(x: jax.Array, p: dict) -> jax.Array:
 def qkv_heads(x: jax.Array, p: dict, num_heads: int, num_kv_heads: int, head_dim: int, eps: float):
     """Project x [B, S, H] to q [B,S,Hq,D] and k, v [B,S,Hkv,D]; q/k per-head RMSNorm applied."""
     b, s, _ = x.shape
-    q = (x @ p["q_proj"]).reshape(b, s, num_heads, head_dim)
-    k = (x @ p["k_proj"]).reshape(b, s, num_kv_heads, head_dim)
-    v = (x @ p["v_proj"]).reshape(b, s, num_kv_heads, head_dim)
-    return rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps), v
+    q = dense(x, p["q_proj"]).reshape(b, s, num_heads, head_dim)
+    k, v = kv_heads(x, p, num_kv_heads, head_dim, eps)
+    return rms_norm(q, p["q_norm"], eps), k, v
 
 
 def kv_heads(x: jax.Array, p: dict, num_kv_heads: int, head_dim: int, eps: float):
     """k (normed) and v [B, S, Hkv, D] of x [B, S, H]."""
     b, s, _ = x.shape
-    k = (x @ p["k_proj"]).reshape(b, s, num_kv_heads, head_dim)
-    v = (x @ p["v_proj"]).reshape(b, s, num_kv_heads, head_dim)
+    k = dense(x, p["k_proj"]).reshape(b, s, num_kv_heads, head_dim)
+    v = dense(x, p["v_proj"]).reshape(b, s, num_kv_heads, head_dim)
     return rms_norm(k, p["k_norm"], eps), v

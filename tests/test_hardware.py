@@ -119,8 +119,9 @@ def test_gpu_flags_keep_the_users(monkeypatch):
 
 
 def test_gpu_one_row_projection_matches_the_dot():
-    """The one-row LM-head form of GPU decode (nn.project_f32 under CUDA: padded to two rows)
-    computes what the dot does (checked here, on CPU, directly)."""
+    """The one-row products of GPU decode (nn.dense under CUDA: padded to two rows; the LM head
+    in f32, the k / v projections in bf16) compute what the dot does (checked here, on CPU,
+    directly), and so does x @ kernel, which nn.dense replaces in the projections."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -128,10 +129,13 @@ def test_gpu_one_row_projection_matches_the_dot():
     from dspark_jax import nn
     x = jax.random.normal(jax.random.PRNGKey(0), (1, 1, 32), jnp.bfloat16)
     w = jax.random.normal(jax.random.PRNGKey(1), (32, 50), jnp.bfloat16)
-    out = nn._dot_f32_two_rows(x, w)
-    assert out.shape == (1, 1, 50) and out.dtype == jnp.float32
-    np.testing.assert_allclose(out, nn._dot_f32(x, w), rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(nn.project_f32(x, w), nn._dot_f32(x, w), rtol=0, atol=0)
+    for out_dtype in (jnp.float32, None):
+        out = nn._dot_two_rows(x, w, out_dtype)
+        assert out.shape == (1, 1, 50) and out.dtype == (out_dtype or jnp.bfloat16)
+        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(nn._dot(x, w, out_dtype), np.float32),
+                                   rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(nn.project_f32(x, w), nn._dot(x, w, jnp.float32))
+    np.testing.assert_array_equal(nn.dense(x, w), x @ w)
 
 
 def test_round_cost_compile_only_for_tpu(tmp_path):

@@ -327,8 +327,9 @@ def planned(specs: Specs, mesh, dtype, rules=None) -> tuple[dict, dict]:
 
 
 def per_layer(tree: Mapping) -> bool:
-    """Whether ``tree["layers"]`` is a tuple of per-layer trees (``unstack_layers``), not stacked."""
-    return isinstance(tree["layers"], (list, tuple))
+    """Whether ``tree["layers"]`` is a tuple of per-layer trees (``unstack_layers``), not stacked
+    (False without ``layers``)."""
+    return isinstance(tree.get("layers"), (list, tuple))
 
 
 def unstack_layers(tree: Mapping) -> dict:

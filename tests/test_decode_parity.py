@@ -55,11 +55,13 @@ def test_greedy_parity_per_layer_weights(tiny_reference):
 
 def test_greedy_parity_per_layer_draft_weights(tiny_reference):
     """The drafter's layers as per-layer buffers too (decode's placement on GPUs: an unrolled
-    draft layer loop reading context K/V at a run-time layer index) give the reference tokens."""
+    draft layer loop over per-layer weights and a per-layer context cache) give the reference
+    tokens."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     from dspark_jax import params as params_lib
+    from dspark_jax.decode import programs
     from dspark_jax.draft import backbone
     tc, tp, dc, dp, ref = tiny_reference
     dp_layers = params_lib.for_platform(dp, "gpu")
@@ -68,6 +70,9 @@ def test_greedy_parity_per_layer_draft_weights(tiny_reference):
     pos = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
     for a, b in zip(backbone.context_kv(dp, dc, ctx, pos), backbone.context_kv(dp_layers, dc, ctx, pos)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+    static = programs.DecodeStatic(target=tc, draft=dc, policy=None, greedy=True, max_new_tokens=4)
+    ctx_cache = programs.abstract_decode_state(tp, dp_layers, static, batch=2, max_len=32, prompt_len=4).ctx
+    assert ctx_cache.per_layer and len(ctx_cache.k) == dc.num_hidden_layers and ctx_cache.max_len == 32
     res = speculative_generate(tc, params_lib.for_platform(tp, "gpu"), dc, dp_layers, ref["prompts"],
                                max_new_tokens=ref["max_new_tokens"], temperature=0.0,
                                batch_size=len(ref["prompts"]))

@@ -26,6 +26,15 @@ def test_context_cache_prefix_and_scatter():
     np.testing.assert_array_equal(out.k[:, 2, :, 2:4], k[:, 2, :, 2:4])
     leaves = jax.tree_util.tree_leaves(out)  # a pytree: jit/scan carry it
     assert len(leaves) == 2
+    # per-layer buffers (GPU decode with per-layer draft params): the same contents, layer by layer
+    apart = draft_decode.ContextCache.from_prefix(k, -k, max_len=6, per_layer=True)
+    assert apart.per_layer and len(apart.k) == 2 and apart.max_len == 6
+    assert apart.axes().k == (draft_decode.LAYER_CONTEXT_AXES,) * 2
+    out_apart = apart.scatter(new, -new, slots)
+    for name in ("k", "v"):
+        np.testing.assert_array_equal(np.stack(getattr(out_apart, name)), getattr(out, name))
+    read_k, read_v = out_apart.read(5)
+    np.testing.assert_array_equal(np.stack(read_v), out.v[:, :, :, :5])
 
 
 def test_propose_shapes_and_greedy_determinism():

@@ -95,8 +95,9 @@ def block_forward(
     False/"none" keeps everything, True/"dots" keeps only the weight matmuls'
     outputs (attention scores and elementwise ops are recomputed), "full" keeps
     nothing but the layer inputs. Values and gradients do not change.
-    Per-layer ``params["layers"]`` (a tuple): an unrolled loop reading layer i's ctx_k / ctx_v at a
-    run-time index (``nn.layer_slices``: one kernel set for all layers).
+    Per-layer ``params["layers"]`` (a tuple): an unrolled loop reading layer i's ctx_k / ctx_v,
+    either per-layer buffers (L-tuples of [B, Hkv, S, D], a per-layer context cache) or the
+    stacked arrays at a run-time index (``nn.layer_slices``: one kernel set for all layers).
     Returns hidden [B, N, G, H] after the final norm.
     """
     b, n, g, h = block_embeds.shape
@@ -122,7 +123,8 @@ def block_forward(
     if params_lib.per_layer(params):
         x = block_embeds
         for i, p in enumerate(params["layers"]):
-            x, _ = layer(x, (p, *nn.layer_slices((ctx_k, ctx_v), i)))
+            kv = (ctx_k[i], ctx_v[i]) if isinstance(ctx_k, tuple) else nn.layer_slices((ctx_k, ctx_v), i)
+            x, _ = layer(x, (p, *kv))
     else:
         x, _ = jax.lax.scan(layer, block_embeds, (params["layers"], ctx_k, ctx_v))
     return nn.rms_norm(x, params["norm"], eps)

@@ -27,37 +27,59 @@ from dspark_jax.draft import confidence, markov
 
 
 CONTEXT_AXES = ("layers", runtime.BATCH, "kv_heads", runtime.STEP, "head_dim")  # head-major: nn.cache_scores
+LAYER_CONTEXT_AXES = CONTEXT_AXES[1:]  # one layer's buffer of a per-layer cache
 
 
 @flax.struct.dataclass
 class ContextCache:
-    """Draft context keys/values ``k, v [Ld, B, Hkv, L, D]``; row b holds positions < pos[b]
-    (slot = position; with ``ring`` the last L of them, slot = position mod L; ``v`` None: K = V)."""
+    """Draft context keys/values ``k, v [Ld, B, Hkv, L, D]``, or L-tuples of per-layer
+    ``[B, Hkv, L, D]`` buffers (``per_layer``: for per-layer draft params on GPUs, as the target's
+    ``KVCache``); row b holds positions < pos[b] (slot = position; with ``ring`` the last L of
+    them, slot = position mod L; ``v`` None: K = V)."""
 
-    k: jax.Array
-    v: jax.Array | None
+    k: jax.Array | tuple
+    v: jax.Array | tuple | None
     ring: bool = flax.struct.field(pytree_node=False, default=False)
 
     @property
+    def per_layer(self) -> bool:
+        return isinstance(self.k, tuple)
+
+    @property
     def max_len(self) -> int:
-        return self.k.shape[3]
+        return (self.k[0] if self.per_layer else self.k).shape[-2]
 
     def axes(self) -> "ContextCache":
         """Logical axes of k and v (``runtime``'s cache declaration)."""
-        return ContextCache(CONTEXT_AXES, None if self.v is None else CONTEXT_AXES, self.ring)
+        kv = tuple(LAYER_CONTEXT_AXES for _ in self.k) if self.per_layer else CONTEXT_AXES
+        return ContextCache(kv, None if self.v is None else kv, self.ring)
 
     @classmethod
-    def from_prefix(cls, k_new: jax.Array, v_new: jax.Array, max_len: int) -> "ContextCache":
-        """A cache of capacity ``max_len`` holding k_new, v_new [Ld, B, Hkv, P, D] at slots 0..P-1."""
+    def from_prefix(cls, k_new: jax.Array, v_new: jax.Array, max_len: int,
+                    per_layer: bool = False) -> "ContextCache":
+        """A cache of capacity ``max_len`` holding k_new, v_new [Ld, B, Hkv, P, D] at slots 0..P-1
+        (``per_layer``: one buffer per layer)."""
         p = k_new.shape[3]
-        shape = (*k_new.shape[:3], max_len, k_new.shape[4])
-        return cls(jnp.zeros(shape, k_new.dtype).at[:, :, :, :p].set(k_new),
-                   jnp.zeros(shape, v_new.dtype).at[:, :, :, :p].set(v_new))
+        shape = (*k_new.shape[1:3], max_len, k_new.shape[4])
+        fill = lambda new: jnp.zeros(shape, new.dtype).at[:, :, :p].set(new)  # noqa: E731
+        if per_layer:
+            return cls(tuple(map(fill, k_new)), tuple(map(fill, v_new)))
+        full = (k_new.shape[0], *shape)
+        return cls(jnp.zeros(full, k_new.dtype).at[:, :, :, :p].set(k_new),
+                   jnp.zeros(full, v_new.dtype).at[:, :, :, :p].set(v_new))
 
     def scatter(self, k_new: jax.Array, v_new: jax.Array, slots: jax.Array) -> "ContextCache":
         """Write k_new, v_new [Ld, B, Hkv, T, D] at ``slots [B, T]`` (slots >= L are dropped)."""
-        return self.replace(k=runtime.write_steps(self.k, k_new, slots),
-                            v=None if self.v is None else runtime.write_steps(self.v, v_new, slots))
+        def write(buf, new):
+            if self.per_layer:
+                return tuple(runtime.write_steps(b, n, slots) for b, n in zip(buf, new))
+            return runtime.write_steps(buf, new, slots)
+        return self.replace(k=write(self.k, k_new), v=None if self.v is None else write(self.v, v_new))
+
+    def read(self, span: int) -> tuple:
+        """(k, v) of the first ``span`` slots, in the cache's own form."""
+        cut = lambda a: a[..., :span, :]  # noqa: E731
+        return jax.tree.map(cut, self.k), jax.tree.map(cut, self.v)
 
     def slots(self, positions: jax.Array, write: jax.Array) -> jax.Array:
         """Slots [B, T] of positions [B, T] where ``write`` (else L: dropped). A ring keeps each
@@ -76,16 +98,16 @@ def context_kv(dparams: dict, dcfg: DraftConfig, taps: jax.Array, positions: jax
 
 
 def init_context(dparams: dict, dcfg: DraftConfig, taps: jax.Array, max_len: int,
-                 lengths: jax.Array | None = None) -> ContextCache:
+                 lengths: jax.Array | None = None, per_layer: bool = False) -> ContextCache:
     """Context cache after a prefill: taps [B, P, n*H] of positions 0..P-1 (row b's first
     ``lengths[b]`` committed, default all P), capacity ``max_len`` (a ring family's: its window W,
-    at most ``max_len``)."""
+    at most ``max_len``); ``per_layer``: one buffer per layer (position-indexed caches only)."""
     b, p = taps.shape[:2]
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     k, v = context_kv(dparams, dcfg, taps, positions)
     ring = families.draft_ops(dcfg).ring
     if ring is None:
-        return ContextCache.from_prefix(k, v, max_len)
+        return ContextCache.from_prefix(k, v, max_len, per_layer)
     shape = (*k.shape[:3], min(ring.rows(dcfg), max_len), k.shape[4])
     empty = ContextCache(jnp.zeros(shape, k.dtype), None if ring.shared_kv else jnp.zeros(shape, v.dtype), True)
     lengths = jnp.full((b,), p, jnp.int32) if lengths is None else lengths
@@ -119,8 +141,8 @@ def block_hidden(dparams: dict, dcfg: DraftConfig, anchor: jax.Array, pos: jax.A
     b = anchor.shape[0]
     g = dcfg.block_size
     chex.assert_shape(pos, (b,))
-    chex.assert_shape([ctx.k] + ([] if ctx.v is None else [ctx.v]),
-                      (dcfg.num_hidden_layers, b, dcfg.num_key_value_heads, None, dcfg.head_dim))
+    chex.assert_shape(jax.tree.leaves((ctx.k, ctx.v)), (b, dcfg.num_key_value_heads, None, dcfg.head_dim)
+                      if ctx.per_layer else (dcfg.num_hidden_layers, b, dcfg.num_key_value_heads, None, dcfg.head_dim))
     block_ids = jnp.concatenate(
         [anchor[:, None], jnp.full((b, g - 1), dcfg.mask_token_id, jnp.int32)], axis=1)
     ops = families.draft_ops(dcfg)
@@ -131,7 +153,7 @@ def block_hidden(dparams: dict, dcfg: DraftConfig, anchor: jax.Array, pos: jax.A
         return ops.ring.forward(dparams, dcfg, embeds, block_pos, ctx.k, ctx.v, visible)[:, 0]
     span = ctx.max_len if span is None else int(span)
     ctx_mask = jnp.arange(span)[None, None, :] < pos[:, None, None]          # [B,1,S]
-    return ops.block_forward(dparams, dcfg, embeds, block_pos, ctx.k[:, :, :, :span], ctx.v[:, :, :, :span],
+    return ops.block_forward(dparams, dcfg, embeds, block_pos, *ctx.read(span),
                              ctx_mask, jnp.ones((b, 1), bool))[:, 0]         # [B,G,H]
 
 

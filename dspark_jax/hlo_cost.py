@@ -11,7 +11,8 @@ the optimised HLO text instead and weights each computation by how often it runs
   ``conditional`` its costliest branch.
 - flops: matrix products only, 2 x output elements x contracted size: ``dot``, ``convolution`` (how
   XLA:TPU writes dots: contracted size = the kernel's input features x the window taps that land
-  on input), the cuBLAS gemm custom calls of XLA:GPU, and a ``reduce`` of a ``multiply`` (a
+  on input), the cuBLAS gemm custom calls of XLA:GPU, cuDNN's fused attention calls (``fmha_flops``),
+  and a ``reduce`` of a ``multiply`` (a
   matrix-vector product written elementwise: 2 x the product's elements), inside fusions or not.
   Other elementwise flops are left out (a few % of these programs' matmul flops).
 - bytes: each top-level instruction (a fusion counts as one) reads its operands and writes its
@@ -100,8 +101,27 @@ def _dims_of(by_name, name) -> list[int]:
     return _dims(m.group(2)) if m else []
 
 
+def fmha_flops(ins: Instr) -> float:
+    """The matmul flops of a cuDNN fused attention call (``__cudnn$fmha*``): its two products,
+    2 x 2 x B*H*Sq*Skv (the backend config's ``intermediate_tensor_shape``, the scores it keeps on
+    chip) x D (the first result's last dim); half of it under a causal mask; the backward's five
+    products 2.5x the forward's."""
+    shape = re.search(r'"intermediate_tensor_shape":\s*\{[^}]*?"dimensions":\s*\[([^\]]*)\]', ins.attrs)
+    if not shape:
+        return 0.0
+    scores = math.prod(int(d) for d in re.findall(r"[0-9]+", shape.group(1)))
+    flops = 4.0 * scores * _dims(_ARRAY.search(ins.type).group(2))[-1]
+    if re.search(r'"mask_type":\s*"CAUSAL"', ins.attrs):
+        flops /= 2
+    target = re.search(r'custom_call_target="([^"]*)"', ins.attrs)
+    return flops * (2.5 if target and "Backward" in target.group(1) else 1.0)
+
+
 def matmul_flops(ins: Instr, by_name) -> float:
-    """2 x output elements x contracted size of a dot / convolution / cuBLAS gemm (else 0)."""
+    """2 x output elements x contracted size of a dot / convolution / cuBLAS gemm; a cuDNN fused
+    attention's products (``fmha_flops``); else 0."""
+    if ins.op == "custom-call" and "__cudnn$fmha" in ins.attrs:
+        return fmha_flops(ins)
     if ins.op == "dot" or (ins.op == "custom-call" and "__cublas$" in ins.attrs):
         contract = re.search(r'lhs_contracting_dims=\{([0-9,]*)\}|"lhs_contracting_dimensions":\[([0-9",]*)\]',
                              ins.attrs)

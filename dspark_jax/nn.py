@@ -7,6 +7,7 @@ stack carry a leading ``layers`` axis and are consumed by ``lax.scan``.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -72,7 +73,7 @@ def read_span(cache_span: int | None, capacity: int) -> int:
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
               prefix: tuple[jax.Array, jax.Array, jax.Array] | None = None,
-              scale: float | None = None) -> jax.Array:
+              scale: float | None = None, causal: bool = False) -> jax.Array:
     """Masked GQA attention, optionally jointly over a read-only prefix (a KV cache).
 
     q [B, Q, Hq, D]; k, v [B, K, Hkv, D]; mask [B, Q, K] (True = visible).
@@ -81,10 +82,16 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     softmax over [the first S prefix slots ; k] without materialising their concatenation (a
     cache read over its used span, ``read_span``; S = 0: no prefix). Rows with no visible key
     return zeros. ``scale`` multiplies the scores (default D^-0.5; Gemma4 uses 1.0).
+    ``causal``: the caller's promise that ``mask`` is the causal mask of the new tokens (query t
+    sees keys <= t; Q = K): without a prefix, on CUDA, that is cuDNN's fused flash attention
+    (``causal_fused``), which never writes the [Q, K] scores to memory.
     Returns [B, Q, Hq, D].
     """
     b, nq, hq, d = q.shape
     scale = d ** -0.5 if scale is None else scale
+    if causal and (prefix is None or prefix[2].shape[-1] == 0) and fused_causal_ok(q):
+        return jax.lax.platform_dependent(q, k, v, default=lambda q, k, v: attention(q, k, v, mask, None, scale),
+                                          cuda=lambda q, k, v: causal_fused(q, k, v, scale))
     hkv = k.shape[2]
     qg = q.reshape(b, nq, hkv, hq // hkv, d)
     scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32)
@@ -100,6 +107,32 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     probs = masked_softmax(jnp.concatenate([s_pre, scores], axis=-1), m, scale).astype(v.dtype)
     out = cache_values(probs[..., :s], v_pre) + jnp.einsum("bhgqk,bkhd->bqhgd", probs[..., s:], v)
     return out.reshape(b, nq, hq, d)
+
+
+def fused_causal_ok(q: jax.Array) -> bool:
+    """Whether ``causal_fused`` takes queries like q [B, T, Hq, D]: bf16 / f16, D a multiple of 8
+    up to 256 (cuDNN's flash attention), and a jaxlib that has cuDNN (the CUDA plugin; tracing
+    the fused form needs it, even where only the CPU branch is compiled)."""
+    d = q.shape[-1]
+    return q.dtype in (jnp.bfloat16, jnp.float16) and d % 8 == 0 and d <= 256 and _has_cudnn()
+
+
+def causal_fused(q: jax.Array, k: jax.Array, v: jax.Array, scale: float) -> jax.Array:
+    """Causal GQA attention of q [B, T, Hq, D] over k, v [B, T, Hkv, D] by cuDNN's flash attention
+    (CUDA only): softmax(q k^T * scale) v with the [T, T] scores kept on chip. The train step's
+    and the prefill's target attention: the XLA form writes f32 scores [B, Hq, T, T] and reads them
+    back several times, most of a train step's HBM traffic (docs/performance.md)."""
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation="cudnn")
+
+
+@functools.cache
+def _has_cudnn() -> bool:
+    try:
+        from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version
+        check_cudnn_version()
+    except Exception:  # no CUDA plugin / cuDNN in this jaxlib: the XLA form everywhere
+        return False
+    return True
 
 
 # Attention over a cache (the target's KV cache, the drafter's context cache). Caches are stored

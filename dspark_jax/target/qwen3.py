@@ -185,7 +185,8 @@ def logits(params: dict, config: TargetConfig, hidden: jax.Array) -> jax.Array:
 def _layer(config: TargetConfig, x, p, positions, mask, k_cache=None, v_cache=None, cache_mask=None):
     """One decoder layer over x [B, T, H].
 
-    Without a cache: attention over the T new tokens (``mask`` [B, T, T]). With
+    Without a cache: attention over the T new tokens (``mask`` [B, T, T], causal: the fused
+    form on CUDA, ``nn.attention``). With
     one: this layer's read-only ``k_cache, v_cache [B, Hkv, max_len, D]``, of which the first
     S = ``cache_mask.shape[-1]`` slots are read (``nn.attention``; visible per ``cache_mask``
     [B, T, S]), plus the new tokens (``mask``). Returns (x, k, v) with the new tokens' k, v
@@ -197,9 +198,9 @@ def _layer(config: TargetConfig, x, p, positions, mask, k_cache=None, v_cache=No
     cos, sin = nn.rope_cos_sin(positions, config.head_dim, config.rope_theta)
     q, k = nn.apply_rope(q, cos, sin), nn.apply_rope(k, cos, sin)
     if k_cache is None:
-        attn = nn.attention(q, k, v, mask)
+        attn = nn.attention(q, k, v, mask, causal=True)
     else:
-        attn = nn.attention(q, k, v, mask,
+        attn = nn.attention(q, k, v, mask, causal=True,
                             prefix=(k_cache.astype(q.dtype), v_cache.astype(q.dtype), cache_mask))
     b, t = x.shape[:2]
     x = x + attn.reshape(b, t, -1) @ p["o_proj"]

@@ -196,9 +196,17 @@ def swiglu_mlp(x: jax.Array, p: dict) -> jax.Array:
 
 
 def qkv_heads(x: jax.Array, p: dict, num_heads: int, num_kv_heads: int, head_dim: int, eps: float):
-    """Project x [B, S, H] to q [B,S,Hq,D] and k, v [B,S,Hkv,D]; q/k per-head RMSNorm applied."""
+    """Project x [B, S, H] to q [B,S,Hq,D] and k, v [B,S,Hkv,D]; q/k per-head RMSNorm applied.
+
+    On TPU, for more than one row, the q product is kept out of the fusion that follows it: fused
+    with the per-head norm, XLA:TPU copies the layer's q kernel transposed (head-minor) before
+    each product (Qwen3-8B on v5e, tensor=8: its [4096, 512] shard, 3 passes of 4 MiB per layer
+    and step where the product reads it once; ``benchmarks/results/tpu_copies``). Same values."""
     b, s, _ = x.shape
-    q = (x @ p["q_proj"]).reshape(b, s, num_heads, head_dim)
+    q = x @ p["q_proj"]
+    if b * s > 1:
+        q = jax.lax.platform_dependent(q, default=lambda a: a, tpu=jax.lax.optimization_barrier)
+    q = q.reshape(b, s, num_heads, head_dim)
     k = (x @ p["k_proj"]).reshape(b, s, num_kv_heads, head_dim)
     v = (x @ p["v_proj"]).reshape(b, s, num_kv_heads, head_dim)
     return rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps), v

@@ -19,7 +19,10 @@ the optimised HLO text instead and weights each computation by how often it runs
   result, except where it touches only part of a buffer: an operand consumed only through
   ``dynamic-slice`` / ``slice`` / ``gather`` costs those slices, and an in-place
   ``dynamic-update-slice`` / ``scatter`` writes (and skips reading) only its update; buffer-free
-  ops (parameters, tuples, bitcasts, constants) and the ``-done`` halves of async pairs cost 0.
+  ops (parameters, tuples, bitcasts, constants) cost 0. An async pair (XLA:TPU's ``copy-start`` /
+  ``slice-start`` / collective ``-start`` and their ``-done``) costs what its synchronous op would,
+  charged at the ``-done``: the result written plus the operands read (a slice or a copy: the
+  result twice); the ``-start``'s tuple type, which repeats its operands, is not charged.
   This is the HBM traffic of an unfused-between-kernels program, the quantity the roofline wants.
 """
 
@@ -270,7 +273,16 @@ def computation_cost(comp: str, comps, by_name, memo=None) -> tuple[float, float
     flops = nbytes = 0.0
     for ins in comps.get(comp, []):
         op = ins.op
-        if op in _FREE or op.endswith("-done"):
+        if op in _FREE or (op.endswith("-start") and not ins.callee("calls")):
+            continue
+        if op.endswith("-done"):
+            start = by_name.get(ins.operands[0]) if ins.operands else None
+            if start is None or not start.op.endswith("-start") or start.callee("calls"):
+                continue  # the -done of an async computation (charged at its -start) or unknown
+            if start.op in ("copy-start", "slice-start"):
+                nbytes += 2 * ins.nbytes
+            else:
+                nbytes += ins.nbytes + sum(by_name[o].nbytes for o in start.operands if o in by_name)
             continue
         if op == "while":
             n = trip_count(ins, comps, by_name)

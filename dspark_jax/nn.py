@@ -238,16 +238,30 @@ def swiglu_mlp(x: jax.Array, p: dict) -> jax.Array:
 
 
 def qkv_heads(x: jax.Array, p: dict, num_heads: int, num_kv_heads: int, head_dim: int, eps: float):
-    """Project x [B, S, H] to q [B,S,Hq,D] and k, v [B,S,Hkv,D]; q/k per-head RMSNorm applied."""
+    """Project x [B, S, H] to q [B,S,Hq,D] and k, v [B,S,Hkv,D]; q/k per-head RMSNorm applied.
+
+    On TPU, for more than one row, each product is kept out of the fusion that follows it
+    (``_unfused_on_tpu``): fused with the per-head norm / head split, XLA:TPU copies the layer's
+    kernel shard transposed (head-minor) before each product (Qwen3-8B, v5e tensor=8: the q
+    kernel's [4096, 512] shard; v5p tensor=4: also k's and v's [4096, 256]; 3 passes of the
+    shard per layer and step where the product reads it once; ``benchmarks/results/tpu_copies``).
+    Same values."""
     b, s, _ = x.shape
-    q = dense(x, p["q_proj"]).reshape(b, s, num_heads, head_dim)
+    q = _unfused_on_tpu(dense(x, p["q_proj"])).reshape(b, s, num_heads, head_dim)
     k, v = kv_heads(x, p, num_kv_heads, head_dim, eps)
     return rms_norm(q, p["q_norm"], eps), k, v
 
 
+def _unfused_on_tpu(y: jax.Array) -> jax.Array:
+    """y [B, S, N] behind an optimization barrier on TPU when B * S > 1 (``qkv_heads``)."""
+    if y.shape[0] * y.shape[1] == 1:
+        return y
+    return jax.lax.platform_dependent(y, default=lambda a: a, tpu=jax.lax.optimization_barrier)
+
+
 def kv_heads(x: jax.Array, p: dict, num_kv_heads: int, head_dim: int, eps: float):
-    """k (normed) and v [B, S, Hkv, D] of x [B, S, H]."""
+    """k (normed) and v [B, S, Hkv, D] of x [B, S, H] (products unfused on TPU: ``qkv_heads``)."""
     b, s, _ = x.shape
-    k = dense(x, p["k_proj"]).reshape(b, s, num_kv_heads, head_dim)
-    v = dense(x, p["v_proj"]).reshape(b, s, num_kv_heads, head_dim)
+    k = _unfused_on_tpu(dense(x, p["k_proj"])).reshape(b, s, num_kv_heads, head_dim)
+    v = _unfused_on_tpu(dense(x, p["v_proj"])).reshape(b, s, num_kv_heads, head_dim)
     return rms_norm(k, p["k_norm"], eps), v

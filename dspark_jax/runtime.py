@@ -221,12 +221,33 @@ def put_row(big, one, axes_tree, slot):
 def write_steps(buf: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
     """A head-major cache leaf ``buf [(L,) B, Hkv, S, D]`` (stacked layers or one layer's buffer)
     with ``new [(L,) B, Hkv, T, D]`` written at slots ``slots [B, T]`` (slot >= S: dropped): one
-    scatter, in place when ``buf`` is donated."""
+    scatter, in place when ``buf`` is donated.
+
+    On TPU the stacked form's scatter indexes every axis but D (each update is one D-vector):
+    XLA:TPU lays a scatter's buffer out with its update window minor, so the (L, Hkv, D) window
+    of the plain form made it copy the whole cache into an L-minor layout and back around the
+    scatter (4 cache-sized copies per K / V pair; 2.4 GB of a Qwen3-8B step at B = 8 on v5e, 36
+    layers, one KV head per chip: ``benchmarks/results/tpu_copies``). Same writes, same drops.
+    Per-layer buffers (GPUs) take the plain form."""
+    if buf.ndim == 5:
+        return jax.lax.platform_dependent(buf, new, slots, default=_write_windows, tpu=_write_vectors)
+    return _write_windows(buf, new, slots)
+
+
+def _write_windows(buf, new, slots):
     lead = buf.ndim - 4
     rows = jnp.arange(slots.shape[0])[:, None]
     index = (slice(None),) * lead + (rows, slice(None), slots)
     order = (lead, lead + 2, *range(lead), lead + 1, lead + 3)    # [B, T, (L,) Hkv, D], the scatter's
     return buf.at[index].set(new.transpose(order).astype(buf.dtype), mode="drop")
+
+
+def _write_vectors(buf, new, slots):
+    n_layers, b, hkv = new.shape[:3]
+    layer = jnp.arange(n_layers)[:, None, None, None]
+    row = jnp.arange(b)[None, :, None, None]
+    head = jnp.arange(hkv)[None, None, :, None]
+    return buf.at[layer, row, head, slots[None, :, None, :]].set(new.astype(buf.dtype), mode="drop")
 
 
 def step_mask(n_new: jax.Array, steps: int) -> jax.Array:

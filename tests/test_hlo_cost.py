@@ -58,6 +58,22 @@ def test_in_place_update_and_slice_bytes():
         assert 2 * 4096 <= hlo_cost.step_cost(compiled.as_text())["bytes"] < 4 * 4096  # not the 16 MiB cache
 
 
+def test_async_pairs_cost_their_synchronous_op():
+    """XLA:TPU's async slice / copy: charged once, at the -done (read + write of the result), not
+    the -start's tuple type that repeats the whole operand."""
+    text = """HloModule m
+
+ENTRY %main (p: bf16[256,1024]) -> (bf16[256,256], bf16[256,1024]) {
+  %p = bf16[256,1024]{1,0} parameter(0)
+  %slice-start = ((bf16[256,1024]{1,0}), bf16[256,256]{1,0:S(1)}, s32[]{:S(2)}) slice-start(%p), slice={[0:256], [0:256]}
+  %slice-done = bf16[256,256]{1,0:S(1)} slice-done(%slice-start)
+  %copy-start = (bf16[256,1024]{1,0:S(1)}, bf16[256,1024]{1,0}, u32[]{:S(2)}) copy-start(%p)
+  %copy-done = bf16[256,1024]{1,0:S(1)} copy-done(%copy-start)
+  ROOT %t = (bf16[256,256]{1,0}, bf16[256,1024]{1,0}) tuple(%slice-done, %copy-done)
+}
+"""
+    assert hlo_cost.step_cost(text)["bytes"] == 2 * 256 * 256 * 2 + 2 * 256 * 1024 * 2
+
 FMHA = ('%fmha = (bf16[2,32,512,128]{{3,1,2,0}}, u8[0]{{0}}) custom-call(%q, %k, %v), '
         'custom_call_target="__cudnn$fmhaSoftmax{kind}", backend_config={{"cudnn_fmha_backend_config": '
         '{{"fmha_scale": 0.088, "intermediate_tensor_shape": {{"element_type": "BF16", '

@@ -241,11 +241,13 @@ def forward_pure(params: dict, config: TargetConfig, tokens: jax.Array, cache: K
                                       (b, t, slots.shape[0]))
 
     tap_ids = tuple(taps)
-    tap_index = [-1] * config.num_hidden_layers
+    tap_index = [len(tap_ids)] * config.num_hidden_layers  # other layers write a scratch slot
     for n, layer_id in enumerate(tap_ids):
         if layer_id >= 0:
             tap_index[layer_id] = n
-    taps0 = jnp.zeros((max(len(tap_ids), 1), b, t, config.hidden_size), dtype)
+    # [n + 1, B, T, H]: one in-place row write per layer (a select over the whole buffer per layer
+    # moved it all: 0.09 GB of a Qwen3-8B round at B = 8 on TPU v5e)
+    taps0 = jnp.zeros((len(tap_ids) + 1, b, t, config.hidden_size), dtype)
     if -1 in tap_ids:
         taps0 = taps0.at[tap_ids.index(-1)].set(x)
 
@@ -260,8 +262,7 @@ def forward_pure(params: dict, config: TargetConfig, tokens: jax.Array, cache: K
             p, idx, k_cache, v_cache = xs
             x, k, v = _layer(config, x, p, positions, causal, k_cache, v_cache, cache_mask)
         if tap_ids:
-            slot = jnp.maximum(idx, 0)
-            taps = jnp.where(idx >= 0, jax.lax.dynamic_update_index_in_dim(taps, x, slot, 0), taps)
+            taps = jax.lax.dynamic_update_index_in_dim(taps, x, idx, 0)
         return (x, taps), (None if cache is None else (k, v))
 
     if cache is not None and cache.per_layer and not params_lib.per_layer(params):
@@ -289,7 +290,7 @@ def forward_pure(params: dict, config: TargetConfig, tokens: jax.Array, cache: K
     hidden = nn.rms_norm(x, params["norm"].astype(dtype), config.rms_norm_eps)
     features = None
     if tap_ids:
-        features = jnp.moveaxis(taps_out, 0, 2).reshape(b, t, len(tap_ids) * config.hidden_size)
+        features = jnp.moveaxis(taps_out[:len(tap_ids)], 0, 2).reshape(b, t, len(tap_ids) * config.hidden_size)
     return hidden, features, delta
 
 

@@ -73,7 +73,7 @@ def read_span(cache_span: int | None, capacity: int) -> int:
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
               prefix: tuple[jax.Array, jax.Array, jax.Array] | None = None,
-              scale: float | None = None, causal: bool = False) -> jax.Array:
+              scale: float | None = None, causal: bool = False, window: int | None = None) -> jax.Array:
     """Masked GQA attention, optionally jointly over a read-only prefix (a KV cache).
 
     q [B, Q, Hq, D]; k, v [B, K, Hkv, D]; mask [B, Q, K] (True = visible).
@@ -83,15 +83,16 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     cache read over its used span, ``read_span``; S = 0: no prefix). Rows with no visible key
     return zeros. ``scale`` multiplies the scores (default D^-0.5; Gemma4 uses 1.0).
     ``causal``: the caller's promise that ``mask`` is the causal mask of the new tokens (query t
-    sees keys <= t; Q = K): without a prefix, on CUDA, that is cuDNN's fused flash attention
-    (``causal_fused``), which never writes the [Q, K] scores to memory.
+    sees keys <= t; Q = K; with ``window``: only keys > t - window, a sliding window): without a
+    prefix, on CUDA, that is cuDNN's fused flash attention (``causal_fused``), which never writes
+    the [Q, K] scores to memory.
     Returns [B, Q, Hq, D].
     """
     b, nq, hq, d = q.shape
     scale = d ** -0.5 if scale is None else scale
     if causal and (prefix is None or prefix[2].shape[-1] == 0) and fused_causal_ok(q):
         return jax.lax.platform_dependent(q, k, v, default=lambda q, k, v: attention(q, k, v, mask, None, scale),
-                                          cuda=lambda q, k, v: causal_fused(q, k, v, scale))
+                                          cuda=lambda q, k, v: causal_fused(q, k, v, scale, window))
     hkv = k.shape[2]
     qg = q.reshape(b, nq, hkv, hq // hkv, d)
     scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32)
@@ -111,18 +112,22 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
 
 def fused_causal_ok(q: jax.Array) -> bool:
     """Whether ``causal_fused`` takes queries like q [B, T, Hq, D]: bf16 / f16, D a multiple of 8
-    up to 256 (cuDNN's flash attention), and a jaxlib that has cuDNN (the CUDA plugin; tracing
-    the fused form needs it, even where only the CPU branch is compiled)."""
+    up to 128 (cuDNN flash attention in jax 0.10; Gemma4's 256 / 512 head dims keep the XLA
+    form), and a jaxlib that has cuDNN (the CUDA plugin; tracing the fused form needs it, even
+    where only the CPU branch is compiled)."""
     d = q.shape[-1]
-    return q.dtype in (jnp.bfloat16, jnp.float16) and d % 8 == 0 and d <= 256 and _has_cudnn()
+    return q.dtype in (jnp.bfloat16, jnp.float16) and d % 8 == 0 and d <= 128 and _has_cudnn()
 
 
-def causal_fused(q: jax.Array, k: jax.Array, v: jax.Array, scale: float) -> jax.Array:
+def causal_fused(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, window: int | None = None) -> jax.Array:
     """Causal GQA attention of q [B, T, Hq, D] over k, v [B, T, Hkv, D] by cuDNN's flash attention
-    (CUDA only): softmax(q k^T * scale) v with the [T, T] scores kept on chip. The train step's
-    and the prefill's target attention: the XLA form writes f32 scores [B, Hq, T, T] and reads them
-    back several times, most of a train step's HBM traffic (docs/performance.md)."""
-    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation="cudnn")
+    (CUDA only): softmax(q k^T * scale) v with the [T, T] scores kept on chip; ``window``: query t
+    sees keys t - window + 1 .. t. The train step's and the prefill's target attention: the XLA
+    form writes f32 scores [B, Hq, T, T] and reads them back several times, most of a train
+    step's HBM traffic (docs/performance.md)."""
+    local = None if window is None else (window - 1, 0)
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, local_window_size=local,
+                                        implementation="cudnn")
 
 
 @functools.cache

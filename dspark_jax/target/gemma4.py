@@ -566,7 +566,9 @@ def forward_pure(params: dict, cfg: Gemma4TargetConfig, tokens: jax.Array,
             prefix = None
             if cache is not None:  # attention reads the cache_mask's span of it
                 prefix = (xs["k"][g][seen[g]].astype(dtype), xs["v"][g][seen[g]].astype(dtype), cache_mask[g])
-            attn = nn.attention(q, k, v, new_mask[g], prefix, scale=1.0).reshape(b, t, -1) @ p["o_proj"]
+            attn = nn.attention(q, k, v, new_mask[g], prefix, scale=1.0, causal=True,
+                                window=cfg.sliding_window if g == "sliding" else None)
+            attn = attn.reshape(b, t, -1) @ p["o_proj"]
             x = sandwich(x, attn, p, eps)
             slot = xs["tap"][j]
             taps = jnp.where(slot >= 0, jax.lax.dynamic_update_index_in_dim(taps, x, jnp.maximum(slot, 0), 0),

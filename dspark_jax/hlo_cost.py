@@ -12,8 +12,11 @@ the optimised HLO text instead and weights each computation by how often it runs
 - flops: matrix products only, 2 x output elements x contracted size: ``dot``, ``convolution`` (how
   XLA:TPU writes dots: contracted size = the kernel's input features x the window taps that land
   on input), the cuBLAS gemm custom calls of XLA:GPU, cuDNN's fused attention calls (``fmha_flops``),
-  and a ``reduce`` of a ``multiply`` (a
-  matrix-vector product written elementwise: 2 x the product's elements), inside fusions or not.
+  a ``reduce`` of a ``multiply`` (a
+  matrix-vector product written elementwise: 2 x the product's elements), inside fusions or not,
+  and our Pallas Triton kernels (``__gpu$xla.gpu.triton`` custom calls, known by the ``name`` in
+  their backend config): ``flash.KERNEL_NAME``'s two matmuls from its operands' shapes
+  (``flash.flops``); another Triton kernel counts no flops.
   Other elementwise flops are left out (a few % of these programs' matmul flops).
 - bytes: each top-level instruction (a fusion counts as one) reads its operands and writes its
   result, except where it touches only part of a buffer: an operand consumed only through
@@ -31,6 +34,7 @@ from __future__ import annotations
 import math
 import re
 
+from dspark_jax import flash
 from dspark_jax.hardware import DTYPE_BYTES
 
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
@@ -122,7 +126,7 @@ def fmha_flops(ins: Instr) -> float:
 
 def matmul_flops(ins: Instr, by_name) -> float:
     """2 x output elements x contracted size of a dot / convolution / cuBLAS gemm; a cuDNN fused
-    attention's products (``fmha_flops``); else 0."""
+    attention's products (``fmha_flops``); a flash kernel's two matmuls; else 0."""
     if ins.op == "custom-call" and "__cudnn$fmha" in ins.attrs:
         return fmha_flops(ins)
     if ins.op == "dot" or (ins.op == "custom-call" and "__cublas$" in ins.attrs):
@@ -134,6 +138,11 @@ def matmul_flops(ins: Instr, by_name) -> float:
         lhs = _dims_of(by_name, ins.operands[0])
         idx = [int(i) for i in (contract.group(1) or contract.group(2)).replace('"', "").split(",") if i]
         return 2.0 * math.prod(out) * math.prod(lhs[i] for i in idx)
+    if ins.op == "custom-call" and "__gpu$xla.gpu.triton" in ins.attrs:
+        name = re.search(r'\bname = "([^"]*)"', ins.attrs)
+        if name and name.group(1) == flash.KERNEL_NAME and len(ins.operands) == 4:  # q, k, v, visible
+            return flash.flops(_dims_of(by_name, ins.operands[0]), _dims_of(by_name, ins.operands[3]))
+        return 0.0
     if ins.op == "reduce" and ins.operands:  # a product written as multiply + reduce (matrix-vector, GPU scores)
         src = ins.operands[0]
         while src in by_name and by_name[src].op in ("convert", "bitcast", "copy"):

@@ -13,6 +13,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from dspark_jax import flash
+
 NEG_INF = -1e30  # large finite negative, so fully masked rows stay NaN-free
 
 
@@ -100,14 +102,31 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
         probs = masked_softmax(scores, mask[:, None, None, :, :], scale).astype(v.dtype)
         out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v)
         return out.reshape(b, nq, hq, d)
-    k_pre, v_pre, pre_mask = prefix
+    args = (qg, scores, mask, v, *prefix)
+    if flash.applies(nq, d, hq // hkv):  # a few queries: on CUDA the fused kernel (dspark_jax.flash)
+        out = flash.dispatch(functools.partial(_joint_xla, scale=scale),
+                             functools.partial(_joint_flash, scale=scale), *args)
+    else:
+        out = _joint_xla(*args, scale=scale)
+    return out.reshape(b, nq, hq, d)
+
+
+def _joint_xla(qg, scores, mask, v, k_pre, v_pre, pre_mask, scale):
+    """``attention``'s joint softmax over [cache ; block] in XLA ops: [B, Q, Hkv, G, D]."""
     s = pre_mask.shape[-1]
     k_pre, v_pre = k_pre[:, :, :s], v_pre[:, :, :s]
     s_pre = cache_scores(qg, k_pre)
     m = jnp.concatenate([pre_mask, mask], axis=-1)[:, None, None]
     probs = masked_softmax(jnp.concatenate([s_pre, scores], axis=-1), m, scale).astype(v.dtype)
-    out = cache_values(probs[..., :s], v_pre) + jnp.einsum("bhgqk,bkhd->bqhgd", probs[..., s:], v)
-    return out.reshape(b, nq, hq, d)
+    return cache_values(probs[..., :s], v_pre) + jnp.einsum("bhgqk,bkhd->bqhgd", probs[..., s:], v)
+
+
+def _joint_flash(qg, scores, mask, v, k_pre, v_pre, pre_mask, scale):
+    """The same with the cache part in the flash-decoding kernel (CUDA): the cache is read in place."""
+    o, m, l = flash.cache_partials(qg, k_pre, v_pre, pre_mask, scale)
+    out_pre, probs = flash.merge(o, m, l, scores, mask[:, None, None], scale)
+    return (out_pre.astype(v.dtype).transpose(0, 3, 1, 2, 4)
+            + jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v))
 
 
 def fused_causal_ok(q: jax.Array) -> bool:

@@ -15,10 +15,12 @@ weights and context K/V where they lie; XLA:GPU copies a scan's slices before ea
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from dspark_jax import nn
+from dspark_jax import flash, nn
 from dspark_jax import params as params_lib
 from dspark_jax.config import DraftConfig
 
@@ -63,15 +65,39 @@ def _block_attention(q, k_blk, v_blk, k_ctx, v_ctx, visible, scale=None):
     ``scale`` multiplies the scores (default D^-0.5; Gemma4 uses 1.0).
     """
     b, n, g, hq, d = q.shape
-    hkv, s = k_ctx.shape[1:3]
+    hkv = k_ctx.shape[1]
     q = q.reshape(b, n, g, hkv, hq // hkv, d)
-    s_ctx = nn.cache_scores(q.reshape(b, n * g, hkv, hq // hkv, d), k_ctx).reshape(b, hkv, hq // hkv, n, g, s)
     s_blk = jnp.einsum("bngjrd,bnkjd->bjrngk", q, k_blk, preferred_element_type=jnp.float32)
-    probs = nn.masked_softmax(jnp.concatenate([s_ctx, s_blk], axis=-1), visible,
-                              d ** -0.5 if scale is None else scale).astype(v_ctx.dtype)
-    out = (nn.cache_values(probs[..., :s].reshape(b, hkv, hq // hkv, n * g, s), v_ctx).reshape(q.shape)
-           + jnp.einsum("bjrngk,bnkjd->bngjrd", probs[..., s:], v_blk))
+    args = (q, s_blk, v_blk, k_ctx, v_ctx, visible)
+    scale = d ** -0.5 if scale is None else scale
+    if flash.applies(n * g, d, hq // hkv):  # a few queries: on CUDA the fused kernel (dspark_jax.flash)
+        out = flash.dispatch(functools.partial(_joint_xla, scale=scale),
+                             functools.partial(_joint_flash, scale=scale), *args)
+    else:
+        out = _joint_xla(*args, scale=scale)
     return out.reshape(b, n, g, hq * d)
+
+
+def _joint_xla(q, s_blk, v_blk, k_ctx, v_ctx, visible, scale):
+    """``_block_attention``'s joint softmax over [ctx ; block] in XLA ops: [B, N, G, Hkv, Hq/Hkv, D]."""
+    b, n, g, hkv, r, d = q.shape
+    s = k_ctx.shape[2]
+    s_ctx = nn.cache_scores(q.reshape(b, n * g, hkv, r, d), k_ctx).reshape(b, hkv, r, n, g, s)
+    probs = nn.masked_softmax(jnp.concatenate([s_ctx, s_blk], axis=-1), visible, scale).astype(v_ctx.dtype)
+    return (nn.cache_values(probs[..., :s].reshape(b, hkv, r, n * g, s), v_ctx).reshape(q.shape)
+            + jnp.einsum("bjrngk,bnkjd->bngjrd", probs[..., s:], v_blk))
+
+
+def _joint_flash(q, s_blk, v_blk, k_ctx, v_ctx, visible, scale):
+    """The same with the context part in the flash-decoding kernel (CUDA): the cache is read in place."""
+    b, n, g, hkv, r, d = q.shape
+    s = k_ctx.shape[2]
+    vis_ctx = jnp.broadcast_to(visible[:, 0, 0, :, :, :s], (b, n, g, s)).reshape(b, n * g, s)
+    o, m, l = flash.cache_partials(q.reshape(b, n * g, hkv, r, d), k_ctx, v_ctx, vis_ctx, scale)
+    unflat = lambda a: a.reshape(b, hkv, r, n, g, *a.shape[4:])
+    out_ctx, probs = flash.merge(unflat(o), unflat(m), unflat(l), s_blk, visible[..., s:], scale)
+    return (out_ctx.astype(v_ctx.dtype).transpose(0, 3, 4, 1, 2, 5)
+            + jnp.einsum("bjrngk,bnkjd->bngjrd", probs.astype(v_ctx.dtype), v_blk))
 
 
 def block_forward(

@@ -26,13 +26,16 @@ for CUDA; ``interpret=True`` runs the same kernel body on any backend (the tests
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.custom_partitioning import custom_partitioning
 from jax.experimental.pallas import triton as plgpu
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dspark_jax import nn
 
@@ -99,6 +102,66 @@ def _kernel(q_ref, k_ref, v_ref, vis_ref, o_ref, m_ref, l_ref, *, scale, group, 
     l_ref[...] = l
 
 
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    scale: float
+    group: int
+    splits: int
+    chunk: int
+    block_k: int
+    interpret: bool
+
+
+def _call(q, k, v, visible, config: _Config):
+    """The pallas_call: q [B, Hkv, Rp, D], k, v [B, Hkv, L, D], visible [B, Q, S] -> per split
+    (o [B, Hkv, splits, Rp, D], m, l [B, Hkv, splits, Rp])."""
+    b, hkv, rp, d = q.shape
+    nq, span = visible.shape[1:]
+    length = k.shape[2]
+    kernel = functools.partial(_kernel, scale=config.scale, group=config.group, num_queries=nq,
+                               span=span, block_k=config.block_k, chunk=config.chunk)
+    kernel.__name__ = KERNEL_NAME
+    splits = config.splits
+    return pl.pallas_call(
+        kernel,
+        grid=(b, hkv, splits),
+        in_specs=[pl.BlockSpec((None, None, rp, d), lambda i, h, j: (i, h, 0, 0)),
+                  pl.BlockSpec((None, None, length, d), lambda i, h, j: (i, h, 0, 0)),
+                  pl.BlockSpec((None, None, length, d), lambda i, h, j: (i, h, 0, 0)),
+                  pl.BlockSpec((None, nq, span), lambda i, h, j: (i, 0, 0))],
+        out_specs=[pl.BlockSpec((None, None, None, rp, d), lambda i, h, j: (i, h, j, 0, 0)),
+                   pl.BlockSpec((None, None, None, rp), lambda i, h, j: (i, h, j, 0)),
+                   pl.BlockSpec((None, None, None, rp), lambda i, h, j: (i, h, j, 0))],
+        out_shape=[jax.ShapeDtypeStruct((b, hkv, splits, rp, d), jnp.float32),
+                   jax.ShapeDtypeStruct((b, hkv, splits, rp), jnp.float32),
+                   jax.ShapeDtypeStruct((b, hkv, splits, rp), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=config.interpret,
+        name=KERNEL_NAME,
+    )(q, k, v, visible)
+
+
+# On a mesh the kernel runs per shard of B and Hkv (each program reads its own (b, h)); without
+# this rule XLA's partitioner would all-gather its operands (a custom call it cannot see into).
+_partitioned = custom_partitioning(_call, static_argnums=(4,))
+
+
+def _shard(config, mesh, arg_shapes, result_shape):
+    spec = tuple(arg_shapes[0].sharding.spec) + (None, None)
+    batch, heads = spec[0], spec[1]
+    args = tuple(NamedSharding(mesh, P(batch, heads)) for _ in range(3)) + (NamedSharding(mesh, P(batch)),)
+    outs = (NamedSharding(mesh, P(batch, heads)),) * 3
+    return mesh, functools.partial(_call, config=config), outs, args
+
+
+_partitioned.def_partition(
+    partition=_shard,
+    infer_sharding_from_operands=lambda config, mesh, arg_shapes, result_shape: _shard(
+        config, mesh, arg_shapes, result_shape)[2],
+    sharding_rule="b h r d, b h l d, b h l d, b q s -> b h j r d, b h j r, b h j r",
+    need_replication_factors=("r", "d", "l", "q", "s", "j"))
+
+
 def cache_partials(qg: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, scale: float,
                    interpret: bool = False, programs: int | None = None):
     """Softmax partials of queries qg [B, Q, Hkv, G, D] over one layer's cache k, v [B, Hkv, L, D],
@@ -118,27 +181,7 @@ def cache_partials(qg: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array
         splits = max(-(-span // chunk), 1)
     q = qg.transpose(0, 2, 1, 3, 4).reshape(b, hkv, rows, d)                      # row r = q * G + g
     q = jnp.pad(q, ((0, 0), (0, 0), (0, rp - rows), (0, 0)))
-    kernel = functools.partial(_kernel, scale=float(scale), group=g, num_queries=nq, span=span,
-                               block_k=block_k, chunk=chunk)
-    kernel.__name__ = KERNEL_NAME
-    length = k.shape[2]
-    o, m, l = pl.pallas_call(
-        kernel,
-        grid=(b, hkv, splits),
-        in_specs=[pl.BlockSpec((None, None, rp, d), lambda i, h, j: (i, h, 0, 0)),
-                  pl.BlockSpec((None, None, length, d), lambda i, h, j: (i, h, 0, 0)),
-                  pl.BlockSpec((None, None, length, d), lambda i, h, j: (i, h, 0, 0)),
-                  pl.BlockSpec((None, nq, span), lambda i, h, j: (i, 0, 0))],
-        out_specs=[pl.BlockSpec((None, None, None, rp, d), lambda i, h, j: (i, h, j, 0, 0)),
-                   pl.BlockSpec((None, None, None, rp), lambda i, h, j: (i, h, j, 0)),
-                   pl.BlockSpec((None, None, None, rp), lambda i, h, j: (i, h, j, 0))],
-        out_shape=[jax.ShapeDtypeStruct((b, hkv, splits, rp, d), jnp.float32),
-                   jax.ShapeDtypeStruct((b, hkv, splits, rp), jnp.float32),
-                   jax.ShapeDtypeStruct((b, hkv, splits, rp), jnp.float32)],
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
-        interpret=interpret,
-        name=KERNEL_NAME,
-    )(q, k, v, visible)
+    o, m, l = _partitioned(q, k, v, visible, _Config(float(scale), g, splits, chunk, block_k, interpret))
     top = jnp.max(m, axis=2)                                                        # combine the splits
     w = jnp.exp(m - top[:, :, None])
     o = jnp.sum(o * w[..., None], axis=2)

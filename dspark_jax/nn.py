@@ -87,7 +87,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     ``causal``: the caller's promise that ``mask`` is the causal mask of the new tokens (query t
     sees keys <= t; Q = K; with ``window``: only keys > t - window, a sliding window): without a
     prefix, on CUDA, that is cuDNN's fused flash attention (``causal_fused``), which never writes
-    the [Q, K] scores to memory.
+    the [Q, K] scores to memory. With a prefix, on CUDA, a few queries (``flash.applies``: a
+    decode step's) read it in the fused flash-decoding kernel (``dspark_jax.flash``).
     Returns [B, Q, Hq, D].
     """
     b, nq, hq, d = q.shape
@@ -167,7 +168,9 @@ def _has_cudnn() -> bool:
 # cuBLAS gemm its own copy of the layer's slice; for the few queries of a decode step
 # (<= SMALL_QUERY per row) the scores on CUDA are therefore a multiply fused into a reduction
 # over D (f32, like the dot's accumulation), which reads K in place. Other backends, and long
-# query blocks (prefill, training), use the dot.
+# query blocks (prefill, training), use the dot. (On CUDA, ``attention`` and the drafter's block
+# attention hand a decode step's few queries to ``dspark_jax.flash`` instead, which reads K and V
+# in place and keeps the scores on chip; these XLA ops remain for shapes it does not take.)
 SMALL_QUERY = 16
 
 

@@ -138,6 +138,23 @@ def test_compiles_for_h200_and_hlo_cost_counts_it():
     assert hlo_cost.matmul_flops(call, by_name) == 4 * b * hkv * rows * length * d
 
 
+@pytest.mark.skipif(not hardware.has_extra("cuda"), reason='CUDA plugin not installed (pip install -e ".[cuda]")')
+def test_partitioned_over_a_batch_sharded_mesh():
+    """On two H200s with the batch sharded, each device runs the kernel on its own rows: no
+    all-gather of the cache (XLA would replicate an unpartitioned custom call's operands)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    mesh = Mesh(np.array(hardware.compile_devices(hardware.parse("h200:2"))), ("data",))
+    rows = NamedSharding(mesh, PartitionSpec("data"))
+    b, nq, hkv, g, d, length = 4, 8, 2, 4, 128, 512
+    spec = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=rows)
+    args = (spec((b, nq, hkv * g, d)), spec((b, nq, hkv, d)), spec((b, nq, hkv, d)), spec((b, nq, nq), jnp.bool_),
+            spec((b, hkv, length, d)), spec((b, hkv, length, d)), spec((b, nq, length), jnp.bool_))
+    fn = jax.jit(lambda q, k, v, m, kp, vp, pm: nn.attention(q, k, v, m, prefix=(kp, vp, pm)))
+    text = fn.lower(*args).compile().as_text()
+    calls = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
+    assert len(calls) == 1 and "bf16[2,2,512,128]" in calls[0] and "all-gather" not in text
+
+
 # A Triton custom call as XLA:GPU prints it (the compiled IR blob cut short).
 TRITON_HLO = """HloModule jit_f, entry_computation_layout={(bf16[2,2,32,128]{3,2,1,0}, bf16[2,2,512,128]{3,2,1,0}, bf16[2,2,512,128]{3,2,1,0}, pred[2,8,512]{2,1,0})->(f32[2,2,4,32,128]{4,3,2,1,0}, f32[2,2,4,32]{3,2,1,0}, f32[2,2,4,32]{3,2,1,0})}
 

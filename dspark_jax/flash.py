@@ -17,7 +17,10 @@ chunk of the span S in ``block_k``-key tiles -- scores ``q @ k^T`` in the input 
 accumulation, times ``scale`` in f32, masked; an online softmax; ``p @ v`` with p cast to the
 input dtype, accumulated in f32 -- and writes its (o [Rp, D], m [Rp], l [Rp]). Splitting S
 (flash-decoding) gives B = 1 enough programs to fill the GPU; the splits are combined in XLA
-(``cache_partials``). Nothing S-sized is written; K / V slots past S are never read.
+(``cache_partials``). Nothing S-sized is written; K / V slots past S are never read. K and V are
+read where they lie when they are whole buffers (a per-layer cache); a slice of a stacked cache
+is an operand XLA:GPU first copies (as for a cuBLAS gemm). On a mesh the kernel runs per shard of
+B and Hkv (``custom_partitioning``).
 
 The kernel runs only inside ``jax.lax.platform_dependent(..., cuda=...)`` branches
 (``nn.attention``'s prefix path, the drafter backbone's context attention), so it is lowered only
@@ -50,8 +53,8 @@ MAX_HEAD_DIM = 256       # beyond: the [Rp, D] f32 accumulator no longer fits in
 def applies(num_queries: int, head_dim: int, group: int) -> bool:
     """Whether the kernel takes an attention of ``num_queries`` queries per row (<= ``nn.SMALL_QUERY``)
     of ``group`` query heads per KV head over a cache of ``head_dim``-wide heads."""
-    return (num_queries <= nn.SMALL_QUERY and head_dim <= MAX_HEAD_DIM and head_dim % 16 == 0
-            and _rows(num_queries * group) <= 64)
+    return (num_queries <= nn.SMALL_QUERY and 16 <= head_dim <= MAX_HEAD_DIM
+            and head_dim & (head_dim - 1) == 0 and _rows(num_queries * group) <= 64)  # Triton tiles: powers of 2
 
 
 def _rows(r: int) -> int:
@@ -174,6 +177,9 @@ def cache_partials(qg: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array
     mode (any backend)."""
     b, nq, hkv, g, d = qg.shape
     span, rows = visible.shape[-1], nq * g
+    if span == 0:                                                                   # nothing to read
+        return (jnp.zeros((b, hkv, g, nq, d), jnp.float32), jnp.full((b, hkv, g, nq), nn.NEG_INF, jnp.float32),
+                jnp.zeros((b, hkv, g, nq), jnp.float32))
     rp = _rows(rows)
     block_k, chunk, splits = plan(b, hkv, span, d)
     if programs is not None:

@@ -73,6 +73,8 @@ def test_partials_and_empty_rows(interpreted):
     out, probs = flash.merge(o, m, l, scores, block_vis, 0.3)
     assert not np.any(out[1, :, :, 2]) and not np.any(probs[1, :, :, 2])
     assert np.all(np.isfinite(out)) and np.all(np.isfinite(probs))
+    empty = flash.cache_partials(qg, k_pre, v_pre, vis[..., :0], 0.3)             # S = 0: no kernel call
+    assert float(empty[1].max()) == np.float32(nn.NEG_INF) and not np.any(empty[0]) and not np.any(empty[2])
 
 
 def test_drafter_block_attention(interpreted):
@@ -103,6 +105,7 @@ def test_applies():
     assert flash.applies(1, 128, 4) and flash.applies(8, 128, 4) and flash.applies(16, 128, 4)
     assert not flash.applies(nn.SMALL_QUERY + 1, 128, 1)       # prefill / training: the dot
     assert not flash.applies(8, 512, 4) and not flash.applies(16, 128, 8)   # D or rows too large
+    assert not flash.applies(8, 96, 4)                                       # a tile of 64 x 96: not a power of 2
 
 
 def test_plan_covers_the_span():

@@ -56,12 +56,12 @@ def test_greedy_parity_per_layer_weights(tiny_reference):
 def test_greedy_parity_per_layer_draft_weights(tiny_reference):
     """The drafter's layers as per-layer buffers too (decode's placement on GPUs: an unrolled
     draft layer loop over per-layer weights and a per-layer context cache) give the reference
-    tokens."""
+    tokens, in a static batch and in continuous batching."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     from dspark_jax import params as params_lib
-    from dspark_jax.decode import programs
+    from dspark_jax.decode import engine, programs
     from dspark_jax.draft import backbone
     tc, tp, dc, dp, ref = tiny_reference
     dp_layers = params_lib.for_platform(dp, "gpu")
@@ -73,9 +73,12 @@ def test_greedy_parity_per_layer_draft_weights(tiny_reference):
     static = programs.DecodeStatic(target=tc, draft=dc, policy=None, greedy=True, max_new_tokens=4)
     ctx_cache = programs.abstract_decode_state(tp, dp_layers, static, batch=2, max_len=32, prompt_len=4).ctx
     assert ctx_cache.per_layer and len(ctx_cache.k) == dc.num_hidden_layers and ctx_cache.max_len == 32
-    res = speculative_generate(tc, params_lib.for_platform(tp, "gpu"), dc, dp_layers, ref["prompts"],
-                               max_new_tokens=ref["max_new_tokens"], temperature=0.0,
-                               batch_size=len(ref["prompts"]))
-    for i, r in enumerate(res):
-        assert r.output_ids == ref["output_ids"][i], f"prompt {i}: tokens differ"
-        assert r.acceptance_lengths == ref["acceptance_lengths"][i], f"prompt {i}: acceptance lengths differ"
+    tp_layers = params_lib.for_platform(tp, "gpu")
+    for res in (speculative_generate(tc, tp_layers, dc, dp_layers, ref["prompts"],
+                                     max_new_tokens=ref["max_new_tokens"], temperature=0.0,
+                                     batch_size=len(ref["prompts"])),
+                engine.serve(tc, tp_layers, dc, dp_layers, ref["prompts"], max_new_tokens=ref["max_new_tokens"],
+                             slots=3)):   # a request's context written into a slot of every layer's buffer
+        for i, r in enumerate(res):
+            assert r.output_ids == ref["output_ids"][i], f"prompt {i}: tokens differ"
+            assert r.acceptance_lengths == ref["acceptance_lengths"][i], f"prompt {i}: acceptance lengths differ"

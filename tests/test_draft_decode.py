@@ -33,8 +33,9 @@ def test_context_cache_prefix_and_scatter():
     out_apart = apart.scatter(new, -new, slots)
     for name in ("k", "v"):
         np.testing.assert_array_equal(np.stack(getattr(out_apart, name)), getattr(out, name))
-    read_k, read_v = out_apart.read(5)
-    np.testing.assert_array_equal(np.stack(read_v), out.v[:, :, :, :5])
+    read_k, read_v = out_apart.read(5)   # whole: block_forward reads the first 5 slots in place
+    assert read_k is out_apart.k and read_v is out_apart.v
+    np.testing.assert_array_equal(np.stack(out.read(5)[1]), out.v[:, :, :, :5])
 
 
 def test_propose_shapes_and_greedy_determinism():

@@ -91,6 +91,11 @@ class DecodeStatic:
     spans: tuple[int, ...] | None = None   # compiled cache spans (``compiled_spans``)
 
 
+def _is_axes(x) -> bool:
+    """One leaf's logical axes (a tuple of names / None), not a tuple of them (a per-layer cache's)."""
+    return isinstance(x, tuple) and all(e is None or isinstance(e, str) for e in x)
+
+
 def insert(big, one, slot):
     """Write the one-row state ``one`` into row ``slot`` of ``big``: every leaf with a batch axis
     (``sharded.state_axes``: the state's and the caches' declarations) along it; key / round /
@@ -101,7 +106,7 @@ def insert(big, one, slot):
         b, o, a = getattr(big, f.name), getattr(one, f.name), getattr(axes, f.name)
         if f.name == "key" and b.ndim == 2:
             fields[f.name] = runtime.put_row(b, o[None], sharded.ROW + (None,), slot)
-        elif any(runtime.BATCH in x for x in jax.tree.leaves(a, is_leaf=lambda x: isinstance(x, tuple))):
+        elif any(runtime.BATCH in x for x in jax.tree.leaves(a, is_leaf=_is_axes)):
             fields[f.name] = runtime.put_row(b, o, a, slot)
         else:
             fields[f.name] = b

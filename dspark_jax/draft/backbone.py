@@ -60,7 +60,8 @@ def block_visibility(ctx_mask: jax.Array, block_valid: jax.Array, g: int) -> jax
 
 
 def _block_attention(q, k_blk, v_blk, k_ctx, v_ctx, visible, scale=None):
-    """q, k_blk, v_blk [B,N,G,H*,D]; k_ctx, v_ctx [B,Hkv,S,D]; visible from ``block_visibility``.
+    """q, k_blk, v_blk [B,N,G,H*,D]; k_ctx, v_ctx [B,Hkv,L,D] of which the first S slots are read
+    (L >= S, S from ``visible``: ``block_visibility`` over S context rows).
 
     ``scale`` multiplies the scores (default D^-0.5; Gemma4 uses 1.0).
     """
@@ -81,7 +82,8 @@ def _block_attention(q, k_blk, v_blk, k_ctx, v_ctx, visible, scale=None):
 def _joint_xla(q, s_blk, v_blk, k_ctx, v_ctx, visible, scale):
     """``_block_attention``'s joint softmax over [ctx ; block] in XLA ops: [B, N, G, Hkv, Hq/Hkv, D]."""
     b, n, g, hkv, r, d = q.shape
-    s = k_ctx.shape[2]
+    s = visible.shape[-1] - g
+    k_ctx, v_ctx = k_ctx[:, :, :s], v_ctx[:, :, :s]
     s_ctx = nn.cache_scores(q.reshape(b, n * g, hkv, r, d), k_ctx).reshape(b, hkv, r, n, g, s)
     probs = nn.masked_softmax(jnp.concatenate([s_ctx, s_blk], axis=-1), visible, scale).astype(v_ctx.dtype)
     return (nn.cache_values(probs[..., :s].reshape(b, hkv, r, n * g, s), v_ctx).reshape(q.shape)
@@ -91,7 +93,7 @@ def _joint_xla(q, s_blk, v_blk, k_ctx, v_ctx, visible, scale):
 def _joint_flash(q, s_blk, v_blk, k_ctx, v_ctx, visible, scale):
     """The same with the context part in the flash-decoding kernel (CUDA): the cache is read in place."""
     b, n, g, hkv, r, d = q.shape
-    s = k_ctx.shape[2]
+    s = visible.shape[-1] - g
     vis_ctx = jnp.broadcast_to(visible[:, 0, 0, :, :, :s], (b, n, g, s)).reshape(b, n * g, s)
     o, m, l = flash.cache_partials(q.reshape(b, n * g, hkv, r, d), k_ctx, v_ctx, vis_ctx, scale)
     unflat = lambda a: a.reshape(b, hkv, r, n, g, *a.shape[4:])
@@ -122,7 +124,8 @@ def block_forward(
     outputs (attention scores and elementwise ops are recomputed), "full" keeps
     nothing but the layer inputs. Values and gradients do not change.
     Per-layer ``params["layers"]`` (a tuple): an unrolled loop reading layer i's ctx_k / ctx_v,
-    either per-layer buffers (L-tuples of [B, Hkv, S, D], a per-layer context cache) or the
+    either per-layer buffers (L-tuples of [B, Hkv, L, D], L >= S: a per-layer context cache passed
+    whole, its first S slots read) or the
     stacked arrays at a run-time index (``nn.layer_slices``: one kernel set for all layers).
     Returns hidden [B, N, G, H] after the final norm.
     """

@@ -77,7 +77,11 @@ class ContextCache:
         return self.replace(k=write(self.k, k_new), v=None if self.v is None else write(self.v, v_new))
 
     def read(self, span: int) -> tuple:
-        """(k, v) of the first ``span`` slots, in the cache's own form."""
+        """(k, v) as ``block_forward`` reads the first ``span`` slots: the stacked arrays cut to
+        them; per-layer buffers whole (``block_forward`` reads their first ``span`` slots where
+        they lie: a slice would be a copy for the CUDA attention kernel's operands)."""
+        if self.per_layer:
+            return self.k, self.v
         cut = lambda a: a[..., :span, :]  # noqa: E731
         return jax.tree.map(cut, self.k), jax.tree.map(cut, self.v)
 

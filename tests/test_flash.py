@@ -115,6 +115,15 @@ def test_plan_covers_the_span():
         assert b * hkv * splits >= min(flash.TARGET_PROGRAMS // 2, b * hkv * -(-span // block_k))
 
 
+def _compiled_attention(b: int, sharding, nq=8, hkv=2, g=4, d=128, length=512) -> str:
+    """The compiled HLO text of ``nn.attention`` with a cache prefix, bf16 operands on ``sharding``."""
+    spec = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
+    args = (spec((b, nq, hkv * g, d)), spec((b, nq, hkv, d)), spec((b, nq, hkv, d)), spec((b, nq, nq), jnp.bool_),
+            spec((b, hkv, length, d)), spec((b, hkv, length, d)), spec((b, nq, length), jnp.bool_))
+    fn = jax.jit(lambda q, k, v, m, kp, vp, pm: nn.attention(q, k, v, m, prefix=(kp, vp, pm)))
+    return fn.lower(*args).compile().as_text()
+
+
 @pytest.mark.skipif(not hardware.has_extra("cuda"), reason='CUDA plugin not installed (pip install -e ".[cuda]")')
 def test_compiles_for_h200_and_hlo_cost_counts_it():
     """The kernel compiles for a compile-only H200 into one Triton custom call; ``hlo_cost`` counts
@@ -122,11 +131,7 @@ def test_compiles_for_h200_and_hlo_cost_counts_it():
     from jax.sharding import SingleDeviceSharding
     sh = SingleDeviceSharding(hardware.compile_devices(hardware.parse("h200:1"))[0])
     b, nq, hkv, g, d, length = 2, 8, 2, 4, 128, 512
-    spec = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
-    args = (spec((b, nq, hkv * g, d)), spec((b, nq, hkv, d)), spec((b, nq, hkv, d)), spec((b, nq, nq), jnp.bool_),
-            spec((b, hkv, length, d)), spec((b, hkv, length, d)), spec((b, nq, length), jnp.bool_))
-    fn = jax.jit(lambda q, k, v, m, kp, vp, pm: nn.attention(q, k, v, m, prefix=(kp, vp, pm)))
-    text = fn.lower(*args).compile().as_text()
+    text = _compiled_attention(b, sh)
     calls = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
     assert len(calls) == 1 and f'name = "{flash.KERNEL_NAME}"' in calls[0]
     _, _, splits = flash.plan(b, hkv, length, d)
@@ -148,12 +153,7 @@ def test_partitioned_over_a_batch_sharded_mesh():
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
     mesh = Mesh(np.array(hardware.compile_devices(hardware.parse("h200:2"))), ("data",))
     rows = NamedSharding(mesh, PartitionSpec("data"))
-    b, nq, hkv, g, d, length = 4, 8, 2, 4, 128, 512
-    spec = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=rows)
-    args = (spec((b, nq, hkv * g, d)), spec((b, nq, hkv, d)), spec((b, nq, hkv, d)), spec((b, nq, nq), jnp.bool_),
-            spec((b, hkv, length, d)), spec((b, hkv, length, d)), spec((b, nq, length), jnp.bool_))
-    fn = jax.jit(lambda q, k, v, m, kp, vp, pm: nn.attention(q, k, v, m, prefix=(kp, vp, pm)))
-    text = fn.lower(*args).compile().as_text()
+    text = _compiled_attention(4, rows)
     calls = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
     assert len(calls) == 1 and "bf16[2,2,512,128]" in calls[0] and "all-gather" not in text
 

@@ -326,19 +326,17 @@ def planned(specs: Specs, mesh, dtype, rules=None) -> tuple[dict, dict]:
     return abstract_params(specs, dtype, sh), sh
 
 
-def per_layer(tree: Mapping) -> bool:
-    """Whether ``tree["layers"]`` is a tuple of per-layer trees (``unstack_layers``), not stacked
-    (False without ``layers``)."""
-    return isinstance(tree.get("layers"), (list, tuple))
+def per_layer(tree: Mapping, stacks: tuple[str, ...] = ("layers",)) -> bool:
+    """Whether the layer stacks ``tree[k]`` (k in ``stacks``; absent ones ignored) are tuples of
+    per-layer trees (``unstack_layers``), not stacked ([L, ...] leaves)."""
+    return any(isinstance(tree.get(k), (list, tuple)) for k in stacks)
 
 
-def unstack_layers(tree: Mapping) -> dict:
-    """``tree`` with its stacked ``"layers"`` subtree ([L, ...] leaves) split into a tuple of L
-    per-layer trees (arrays: ``a[i]``; ``jax.ShapeDtypeStruct``: the shape and sharding less
-    the leading layer axis), for a forward that loops over separate per-layer buffers."""
-    layers = tree["layers"]
-    n = jax.tree.leaves(layers)[0].shape[0]
-
+def unstack_layers(tree: Mapping, stacks: tuple[str, ...] = ("layers",)) -> dict:
+    """``tree`` with each stacked subtree ``tree[k]`` (k in ``stacks`` and present; [L, ...] leaves)
+    split into a tuple of L per-layer trees (arrays: ``a[i]``; ``jax.ShapeDtypeStruct``: the shape
+    and sharding less the leading layer axis), for a forward that loops over separate per-layer
+    buffers."""
     def one(a, i):
         if not isinstance(a, jax.ShapeDtypeStruct):
             return a[i]
@@ -347,7 +345,11 @@ def unstack_layers(tree: Mapping) -> dict:
             sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[1:]))
         return jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=sharding)
 
-    return {**tree, "layers": tuple(jax.tree.map(lambda a: one(a, i), layers) for i in range(n))}
+    def split(layers):
+        n = jax.tree.leaves(layers)[0].shape[0]
+        return tuple(jax.tree.map(lambda a: one(a, i), layers) for i in range(n))
+
+    return {**tree, **{k: split(tree[k]) for k in stacks if k in tree}}
 
 
 # --------------------------------------------------------------------------- frozen / trainable
@@ -454,12 +456,12 @@ def to_torch(specs: Specs, params: Mapping) -> dict[str, np.ndarray]:
 PER_LAYER_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
-def for_platform(tree: Mapping, platform: str) -> dict:
+def for_platform(tree: Mapping, platform: str, stacks: tuple[str, ...] = ("layers",)) -> dict:
     """``tree`` as the programs of ``platform`` read it best: on GPUs the stacked ``"layers"`` as
     per-layer buffers (``unstack_layers``), elsewhere unchanged. XLA:GPU hands cuBLAS a copy of
     each layer's slice of a stacked kernel (its dynamic-slice fusion, which would pass the slice
     in place, fails to compile in jax 0.10.2): every decode step would move the weights twice.
     TPUs fuse the slice into the dot, and a ``lax.scan`` over the stack compiles faster."""
-    if platform not in PER_LAYER_PLATFORMS or "layers" not in tree or per_layer(tree):
+    if platform not in PER_LAYER_PLATFORMS or not any(k in tree for k in stacks) or per_layer(tree, stacks):
         return dict(tree)
-    return unstack_layers(tree)
+    return unstack_layers(tree, stacks)

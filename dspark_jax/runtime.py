@@ -143,7 +143,8 @@ class TargetRuntime:
     feature_dim: Callable[[Any, tuple], int]
     rules: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     replicable: frozenset = frozenset()
-    per_layer: bool = False  # ``forward`` also takes ``params["layers"]`` as per-layer trees (``params.for_platform``)
+    per_layer: bool = False  # ``forward`` also takes its layer stacks as per-layer trees (``params.for_platform``)
+    stacks: tuple[str, ...] = ("layers",)  # the params' stacked-layer subtrees ([L, ...] leaves)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +174,7 @@ class DraftRuntime:
     block_heads: Callable[..., tuple] | None = None  # a family's own [.., V] heads (``draft.model.block_heads``)
     ring: ContextRing | None = None  # a windowed drafter's decode context cache (None: position-indexed)
     per_layer: bool = False  # ``context_kv`` / ``block_forward`` also take per-layer ``params["layers"]``
+    stacks: tuple[str, ...] = ("layers",)  # the params' stacked-layer subtrees ([L, ...] leaves)
     bind: Callable[[Context], "DraftRuntime"] | None = None  # the record on a Context (its mesh)
 
     def on(self, ctx: Context) -> "DraftRuntime":

@@ -47,6 +47,24 @@ def test_greedy_matches_reference(pair, batch_size, batching):
     assert summarize(res, dc.block_size)["tau"] == pytest.approx(np.mean(acc))
 
 
+@pytest.mark.parametrize("batching", ["static", "continuous"])
+def test_greedy_matches_reference_per_layer_weights(pair, batching):
+    """The target's sliding / full stacks as per-layer buffers (decode's placement on GPUs,
+    params.for_platform: an unrolled layer loop over per-layer weights and per-layer cache
+    buffers, ring and full) give the reference tokens and acceptance lengths, in static batches
+    and when requests are written into slots."""
+    from dspark_jax import params as params_lib
+    tc, tp, dc, dp, ref = pair
+    per_layer = params_lib.for_platform(tp, "gpu", target_gemma4.STACKS)
+    assert all(isinstance(per_layer[g], tuple) for g in target_gemma4.STACKS if g in tp)
+    assert params_lib.for_platform(tp, "tpu", target_gemma4.STACKS)["full"] is tp["full"]
+    res = speculative_generate(tc, per_layer, dc, dp, ref["prompts"], max_new_tokens=ref["max_new_tokens"],
+                               temperature=0.0, batch_size=4, batching=batching)
+    for i, r in enumerate(res):
+        assert r.output_ids == ref["output_ids"][i], f"prompt {i}: tokens differ"
+        assert r.acceptance_lengths == ref["acceptance_lengths"][i], f"prompt {i}: acceptance lengths differ"
+
+
 def test_qwen3_drafter_on_gemma4_target_is_rejected(pair):
     tc, tp, _, _, ref = pair
     qd = DraftConfig(vocab_size=tc.vocab_size, hidden_size=tc.hidden_size, intermediate_size=16,

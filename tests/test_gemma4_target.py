@@ -37,19 +37,27 @@ def test_fixture_features_hidden_and_logits(fixture_target):
         assert err <= 1e-4 * max(1.0, np.abs(ref).max()), (name, err)
 
 
-def test_fixture_cached_extends_match_full_pass(fixture_target):
-    """Prefill + multi-token extends past the window give the full pass's logits."""
+@pytest.mark.parametrize("layout", ["stacked", "per-layer params", "per-layer params and cache"])
+def test_fixture_cached_extends_match_full_pass(fixture_target, layout):
+    """Prefill + multi-token extends past the window give the full pass's logits; the same with
+    per-layer params (params.unstack_layers of both stacks: an unrolled layer loop, GPU decode's
+    form) over the stacked cache or over per-layer cache buffers (ring and full)."""
+    from dspark_jax import params as params_lib
     cfg, params = fixture_target
     ids = jnp.asarray(np.load(FIXTURE / "train_forward.npz")["tgt_input_ids"])
     full, _, _ = gemma4.forward(params, cfg, ids)
-    cache = gemma4.init_cache(cfg, ids.shape[0], 80)
+    p = params if layout == "stacked" else params_lib.unstack_layers(params, gemma4.STACKS)
+    cache = gemma4.init_cache(cfg, ids.shape[0], 80, per_layer=layout.endswith("cache"))
+    assert cache.per_layer == layout.endswith("cache")
     step = jax.jit(lambda p, i, c: gemma4.forward(p, cfg, i, c))
     start = 0
     for size in (20, 7, 1, 12, 24):
-        hidden, _, cache = step(params, ids[:, start:start + size], cache)
+        hidden, _, cache = step(p, ids[:, start:start + size], cache)
         np.testing.assert_allclose(np.asarray(hidden), np.asarray(full[:, start:start + size]), atol=1e-4)
         start += size
     assert start == ids.shape[1] and (np.asarray(cache.lengths) == start).all()
+    if layout != "stacked":
+        np.testing.assert_allclose(np.asarray(gemma4.forward(p, cfg, ids)[0]), np.asarray(full), atol=1e-4)
 
 
 def test_ring_cache_matches_full_length_cache(fixture_target):

@@ -60,7 +60,7 @@ def _prefill(tparams, dparams, prompts, lens, valid, key, temperature, stop_ids,
     ctx = ctx.for_params(tparams)
     taps = tuple(static.draft.target_layer_ids) if static.draft is not None else ()
     extend = static.draft.block_size + 1 if static.draft is not None else 1
-    apart = {"per_layer": True} if rt.per_layer and params_lib.per_layer(tparams) else {}
+    apart = {"per_layer": True} if rt.per_layer and params_lib.per_layer(tparams, rt.stacks) else {}
     cache = rt.init_cache(tcfg, b, max_len, ctx.dtype, extend, **apart)
     hidden, features, delta = rt.forward(tparams, tcfg, prompts, cache, ctx=ctx, taps=taps,
                                          span=0)  # the cache is empty

@@ -308,7 +308,7 @@ def plan_decode_round(draft_cfg: DraftConfig | None, target_cfg: TargetConfig, m
     if per_layer is None:
         t_abs = prog.platform_layers(t_abs, target_cfg)
     elif per_layer:
-        t_abs = params_lib.unstack_layers(t_abs)
+        t_abs = params_lib.unstack_layers(t_abs, families.target_runtime(target_cfg).stacks)
     rep = shard_lib.replicated(mesh)
     temp_stop = (jax.ShapeDtypeStruct((), jnp.float32, sharding=rep),
                  jax.ShapeDtypeStruct((shapes.MAX_STOP_IDS,), jnp.int32, sharding=rep))

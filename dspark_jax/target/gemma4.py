@@ -410,43 +410,63 @@ def sandwich(x: jax.Array, attn_out: jax.Array, p: dict, eps: float) -> jax.Arra
 
 
 KV_AXES = ("layers", runtime.BATCH, "kv_heads", runtime.STEP, "head_dim")  # head-major: nn.cache_scores
+LAYER_KV_AXES = KV_AXES[1:]  # one layer's buffer of a per-layer cache
+STACKS = tuple(g for g, _ in GROUPS)  # the params' stacked-layer subtrees, one per head shape
+
+
+def _slots(a) -> int:
+    """Positions a group's cache holds: a stacked [L, B, Hkv, S, D] array or a tuple of per-layer
+    [B, Hkv, S, D] buffers."""
+    return (a[0] if isinstance(a, tuple) else a).shape[-2]
 
 
 @flax.struct.dataclass
 class Gemma4Cache:
     """Static cache. k/v: {"sliding": [Ls, B, Hkv, R, D] (ring), "full": [Lf, B, Hkv_g, capacity,
-    D_g]}; lengths [B]; ``capacity`` (static): positions per row. The delta of T tokens is
-    ``(k_new, v_new)``, dicts {group: [L_g, B, Hkv_g, T, D_g]}."""
+    D_g]}, or per group a tuple of per-layer [B, Hkv, slots, D] buffers (``per_layer``: GPUs, for
+    per-layer params, as ``qwen3.KVCache``); lengths [B]; ``capacity`` (static): positions per
+    row. The delta of T tokens is ``(k_new, v_new)``, dicts {group: [L_g, B, Hkv_g, T, D_g]} (or
+    L_g-tuples of [B, Hkv_g, T, D_g])."""
 
     k: dict
     v: dict
     lengths: jax.Array
     capacity: int = flax.struct.field(pytree_node=False, default=0)
 
+    @property
+    def per_layer(self) -> bool:
+        return any(isinstance(a, tuple) for a in self.k.values())
+
+    def _group_axes(self) -> dict:
+        return {g: tuple(LAYER_KV_AXES for _ in a) if isinstance(a, tuple) else KV_AXES
+                for g, a in self.k.items()}
+
     def axes(self) -> "Gemma4Cache":
-        return self.replace(k={g: KV_AXES for g in self.k}, v={g: KV_AXES for g in self.v},
-                            lengths=(runtime.BATCH,))
+        return self.replace(k=self._group_axes(), v=self._group_axes(), lengths=(runtime.BATCH,))
 
     def delta_axes(self) -> tuple:
-        return ({g: KV_AXES for g in self.k}, {g: KV_AXES for g in self.v})
+        return (self._group_axes(), self._group_axes())
 
     def commit(self, delta: tuple, n_new: jax.Array) -> "Gemma4Cache":
         """Write each row's first ``n_new`` delta tokens: full layers at slot p, the sliding ring
         at p mod R (only a row's last R committed positions); positions >= capacity are dropped.
-        One masked scatter per tensor, in place when donated; ``lengths`` advance by n_new."""
+        One masked scatter per tensor (or per layer's buffer), in place when donated; ``lengths``
+        advance by n_new."""
         k_new, v_new = delta
-        t = next(iter(k_new.values())).shape[3]
+        t = _slots(next(iter(k_new.values())))
         n_new = n_new.astype(jnp.int32)
         positions = self.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         live = runtime.step_mask(n_new, t) & (positions < self.capacity)
         slots = {"full": jnp.where(live, positions, self.capacity)}
         if "sliding" in self.k:
-            ring = self.k["sliding"].shape[3]
+            ring = _slots(self.k["sliding"])
             end = (self.lengths + n_new)[:, None]
             slots["sliding"] = jnp.where(live & (positions >= end - ring), positions % ring, ring)
-        return self.replace(k={g: runtime.write_steps(a, k_new[g], slots[g]) for g, a in self.k.items()},
-                            v={g: runtime.write_steps(a, v_new[g], slots[g]) for g, a in self.v.items()},
-                            lengths=self.lengths + n_new)
+
+        def write(bufs, news):
+            return {g: jax.tree.map(lambda a, n, g=g: runtime.write_steps(a, n, slots[g]), a, news[g])
+                    for g, a in bufs.items()}
+        return self.replace(k=write(self.k, k_new), v=write(self.v, v_new), lengths=self.lengths + n_new)
 
 
 def ring_slots(cfg: Gemma4TargetConfig, max_extend: int) -> int:
@@ -455,9 +475,10 @@ def ring_slots(cfg: Gemma4TargetConfig, max_extend: int) -> int:
 
 
 def init_cache(cfg: Gemma4TargetConfig, batch: int, capacity: int, dtype=jnp.float32,
-               max_extend: int | None = None) -> Gemma4Cache:
+               max_extend: int | None = None, *, per_layer: bool = False) -> Gemma4Cache:
     """Empty cache for ``capacity`` positions; the sliding ring has ``ring_slots(cfg,
-    max_extend)`` slots (at most ``capacity``; all ``capacity`` without ``max_extend``)."""
+    max_extend)`` slots (at most ``capacity``; all ``capacity`` without ``max_extend``).
+    ``per_layer``: one buffer per layer (for per-layer params, ``params.for_platform``)."""
     ring = capacity if max_extend is None else min(ring_slots(cfg, max_extend), capacity)
     slots = {"sliding": ring, "full": capacity}
     k, v = {}, {}
@@ -465,8 +486,12 @@ def init_cache(cfg: Gemma4TargetConfig, batch: int, capacity: int, dtype=jnp.flo
         n = len(cfg.layer_ids(layer_type))
         if n:
             kv, d, _ = cfg.group_shape(group)
-            k[group] = jnp.zeros((n, batch, kv, slots[group], d), dtype)
-            v[group] = jnp.zeros((n, batch, kv, slots[group], d), dtype)
+            shape = (batch, kv, slots[group], d)
+            if per_layer:
+                k[group] = tuple(jnp.zeros(shape, dtype) for _ in range(n))
+                v[group] = tuple(jnp.zeros(shape, dtype) for _ in range(n))
+            else:
+                k[group], v[group] = jnp.zeros((n, *shape), dtype), jnp.zeros((n, *shape), dtype)
     return Gemma4Cache(k, v, jnp.zeros((batch,), jnp.int32), capacity)
 
 
@@ -520,11 +545,11 @@ def forward_pure(params: dict, cfg: Gemma4TargetConfig, tokens: jax.Array,
     if cache is not None:
         lengths = cache.lengths[:, None, None]
         if "full" in cache.k:
-            span = nn.read_span(span, cache.k["full"].shape[3])
+            span = nn.read_span(span, _slots(cache.k["full"]))
             slots = jnp.arange(span, dtype=jnp.int32)[None, None, :]
             cache_mask["full"] = jnp.broadcast_to(slots < lengths, (b, t, span))
         if "sliding" in cache.k:  # ring: slot s holds the last position < lengths that is s mod R
-            ring = cache.k["sliding"].shape[3]
+            ring = _slots(cache.k["sliding"])
             slots = jnp.arange(ring, dtype=jnp.int32)[None, None, :]
             held = slots + ring * jnp.floor_divide(lengths - 1 - slots, ring)
             cache_mask["sliding"] = (held >= 0) & (held > positions[:, :, None] - cfg.sliding_window)
@@ -539,57 +564,81 @@ def forward_pure(params: dict, cfg: Gemma4TargetConfig, tokens: jax.Array,
         if layer_id >= 0:
             tap_slot[layer_id] = n
 
-    # Scan over repeats of the layer-type pattern; each step runs one period unrolled.
-    period = _period(cfg.layer_types)
-    reps = cfg.num_hidden_layers // period
-    pattern = ["sliding" if lt == SLIDING else "full" for lt in cfg.layer_types[:period]]
-    per_rep = {g: pattern.count(g) for g, _ in GROUPS}
-    regroup = lambda a, g: a.reshape(reps, per_rep[g], *a.shape[1:])
-    layers = {g: jax.tree.map(lambda a: regroup(a.astype(dtype), g), params[g])
-              for g, _ in GROUPS if per_rep[g]}
-    xs = {"p": layers, "tap": jnp.asarray(tap_slot.reshape(reps, period))}
-    if cache is not None:
-        xs["k"] = {g: regroup(a, g) for g, a in cache.k.items()}
-        xs["v"] = {g: regroup(a, g) for g, a in cache.v.items()}
+    def layer(x, taps, p, g, slot, k_cache=None, v_cache=None):
+        """One decoder layer of group g over x [B, T, H]: (x, taps, k, v), the new k, v head-major
+        [B, Hkv, T, D] (the cache's order); ``k_cache, v_cache``: this layer's cache."""
+        kv, d, _ = cfg.group_shape(g)
+        q, k, v = project_qkv(rms_norm(x, p["input_layernorm"], eps), p, hq, kv, d, eps)
+        cos, sin = rope[g]
+        q, k = nn.apply_rope(q, cos, sin), nn.apply_rope(k, cos, sin)
+        prefix = None
+        if k_cache is not None:  # attention reads the cache_mask's span of it
+            prefix = (k_cache.astype(dtype), v_cache.astype(dtype), cache_mask[g])
+        attn = nn.attention(q, k, v, new_mask[g], prefix, scale=1.0, causal=True,
+                            window=cfg.sliding_window if g == "sliding" else None)
+        x = sandwich(x, attn.reshape(b, t, -1) @ p["o_proj"], p, eps)
+        taps = jnp.where(slot >= 0, jax.lax.dynamic_update_index_in_dim(taps, x, jnp.maximum(slot, 0), 0), taps)
+        return x, taps, nn.head_major(k), nn.head_major(v)
 
-    def body(carry, xs):
-        x, taps = carry
-        new_k = {g: [] for g in layers}
-        new_v = {g: [] for g in layers}
-        seen = {g: 0 for g in layers}
-        for j, g in enumerate(pattern):
-            p = jax.tree.map(lambda a: a[seen[g]], xs["p"][g])
-            kv, d, _ = cfg.group_shape(g)
-            q, k, v = project_qkv(rms_norm(x, p["input_layernorm"], eps), p, hq, kv, d, eps)
-            cos, sin = rope[g]
-            q, k = nn.apply_rope(q, cos, sin), nn.apply_rope(k, cos, sin)
-            prefix = None
-            if cache is not None:  # attention reads the cache_mask's span of it
-                prefix = (xs["k"][g][seen[g]].astype(dtype), xs["v"][g][seen[g]].astype(dtype), cache_mask[g])
-            attn = nn.attention(q, k, v, new_mask[g], prefix, scale=1.0, causal=True,
-                                window=cfg.sliding_window if g == "sliding" else None)
-            attn = attn.reshape(b, t, -1) @ p["o_proj"]
-            x = sandwich(x, attn, p, eps)
-            slot = xs["tap"][j]
-            taps = jnp.where(slot >= 0, jax.lax.dynamic_update_index_in_dim(taps, x, jnp.maximum(slot, 0), 0),
-                             taps)
-            new_k[g].append(nn.head_major(k))  # [B, Hkv, T, D], the cache's order
-            new_v[g].append(nn.head_major(v))
-            seen[g] += 1
-        out = None
+    cast = lambda a: a.astype(dtype) if a.dtype != dtype else a  # noqa: E731
+    if cache is not None and cache.per_layer and not params_lib.per_layer(params, STACKS):
+        raise ValueError("a per-layer Gemma4 cache needs per-layer params (params.unstack_layers)")
+    if params_lib.per_layer(params, STACKS):
+        # One params tree per layer (params.for_platform on GPUs): an unrolled loop over the layers.
+        seen = {g: 0 for g in STACKS}
+        new_k, new_v = {g: [] for g in STACKS if g in params}, {g: [] for g in STACKS if g in params}
+        for i, layer_type in enumerate(cfg.layer_types):
+            g = "sliding" if layer_type == SLIDING else "full"
+            j, seen[g] = seen[g], seen[g] + 1
+            kv = ()
+            if cache is not None:
+                kv = ((cache.k[g][j], cache.v[g][j]) if cache.per_layer
+                      else nn.layer_slices((cache.k[g], cache.v[g]), j))
+            x, taps, k, v = layer(x, taps, jax.tree.map(cast, params[g][j]), g, jnp.int32(tap_slot[i]), *kv)
+            new_k[g].append(k)
+            new_v[g].append(v)
+        join = (lambda a: tuple(a)) if cache is not None and cache.per_layer else jnp.stack
+        delta = None if cache is None else ({g: join(a) for g, a in new_k.items()},
+                                            {g: join(a) for g, a in new_v.items()})
+    else:
+        # Scan over repeats of the layer-type pattern; each step runs one period unrolled.
+        period = _period(cfg.layer_types)
+        reps = cfg.num_hidden_layers // period
+        pattern = ["sliding" if lt == SLIDING else "full" for lt in cfg.layer_types[:period]]
+        per_rep = {g: pattern.count(g) for g, _ in GROUPS}
+        regroup = lambda a, g: a.reshape(reps, per_rep[g], *a.shape[1:])  # noqa: E731
+        layers = {g: jax.tree.map(lambda a: regroup(cast(a), g), params[g])
+                  for g, _ in GROUPS if per_rep[g]}
+        xs = {"p": layers, "tap": jnp.asarray(tap_slot.reshape(reps, period))}
         if cache is not None:
-            out = ({g: jnp.stack(a) for g, a in new_k.items()}, {g: jnp.stack(a) for g, a in new_v.items()})
-        return (x, taps), out
+            xs["k"] = {g: regroup(a, g) for g, a in cache.k.items()}
+            xs["v"] = {g: regroup(a, g) for g, a in cache.v.items()}
 
-    (x, taps), new_kv = jax.lax.scan(body, (x, taps), xs)
+        def body(carry, xs):
+            x, taps = carry
+            new_k = {g: [] for g in layers}
+            new_v = {g: [] for g in layers}
+            seen = {g: 0 for g in layers}
+            for j, g in enumerate(pattern):
+                p = jax.tree.map(lambda a: a[seen[g]], xs["p"][g])
+                kv = () if cache is None else (xs["k"][g][seen[g]], xs["v"][g][seen[g]])
+                x, taps, k, v = layer(x, taps, p, g, xs["tap"][j], *kv)
+                new_k[g].append(k)
+                new_v[g].append(v)
+                seen[g] += 1
+            out = None
+            if cache is not None:
+                out = ({g: jnp.stack(a) for g, a in new_k.items()}, {g: jnp.stack(a) for g, a in new_v.items()})
+            return (x, taps), out
+
+        (x, taps), new_kv = jax.lax.scan(body, (x, taps), xs)
+        flat = lambda kv: {g: a.reshape(-1, *a.shape[2:]) for g, a in kv.items()}  # noqa: E731  [L_g, B, T, ..]
+        delta = None if cache is None else (flat(new_kv[0]), flat(new_kv[1]))
     hidden = rms_norm(x, params["norm"].astype(dtype), eps)
     features = None
     if tap_ids:
         features = jnp.moveaxis(taps, 0, 2).reshape(b, t, len(tap_ids) * cfg.hidden_size)
-    if cache is None:
-        return hidden, features, None
-    flat = lambda kv: {g: a.reshape(-1, *a.shape[2:]) for g, a in kv.items()}  # [L_g, B, T, ..]
-    return hidden, features, (flat(new_kv[0]), flat(new_kv[1]))
+    return hidden, features, delta
 
 
 def forward(params: dict, cfg: Gemma4TargetConfig, tokens: jax.Array,
@@ -623,7 +672,8 @@ FAMILY = params_lib.Family(
     runtime=runtime.TargetRuntime(
         init_cache=init_cache, forward=forward_pure, logits=compute_logits,
         feature_dim=lambda cfg, taps: runtime.concat_features(cfg.hidden_size, taps),
-        replicable=frozenset({"kv_heads"})))  # 1 KV head in full layers: stays replicated
+        replicable=frozenset({"kv_heads"}),  # 1 KV head in full layers: stays replicated
+        per_layer=True, stacks=STACKS))      # per-layer buffers on GPUs (params.for_platform)
 
 
 def read_state(directory, decl: Mapping[tuple, ParamSpec], ignore: tuple[str, ...] = ()) -> dict:

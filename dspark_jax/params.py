@@ -457,8 +457,9 @@ PER_LAYER_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
 def for_platform(tree: Mapping, platform: str, stacks: tuple[str, ...] = ("layers",)) -> dict:
-    """``tree`` as the programs of ``platform`` read it best: on GPUs the stacked ``"layers"`` as
-    per-layer buffers (``unstack_layers``), elsewhere unchanged. XLA:GPU hands cuBLAS a copy of
+    """``tree`` as the programs of ``platform`` read it best: on GPUs its layer ``stacks`` (the
+    family's ``runtime.stacks``: ``"layers"``, Gemma4's ``"sliding"`` / ``"full"``) as per-layer
+    buffers (``unstack_layers``), elsewhere unchanged. XLA:GPU hands cuBLAS a copy of
     each layer's slice of a stacked kernel (its dynamic-slice fusion, which would pass the slice
     in place, fails to compile in jax 0.10.2): every decode step would move the weights twice.
     TPUs fuse the slice into the dot, and a ``lax.scan`` over the stack compiles faster."""

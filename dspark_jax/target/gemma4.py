@@ -526,8 +526,13 @@ def forward_pure(params: dict, cfg: Gemma4TargetConfig, tokens: jax.Array,
     ``lengths[b] + t`` that sees the committed slots (and, on sliding layers, only those inside
     the window). Returns ``(hidden [B, T, H] after the final norm, features [B, T, n*H] or None,
     delta)``: features are decoder-layer outputs after ``layer_scalar`` (-1 = the scaled
-    embedding); delta the new ``(k, v)`` dicts {group: [L_g, B, Hkv_g, T, D_g]} (None without a
-    cache), for ``Gemma4Cache.commit``.
+    embedding); delta the new ``(k, v)`` dicts {group: [L_g, B, Hkv_g, T, D_g]} (L_g-tuples for a
+    per-layer cache; None without a cache), for ``Gemma4Cache.commit``.
+
+    ``params["sliding"]`` / ``params["full"]`` are stacked (a ``lax.scan`` over repeats of the
+    layer-type pattern) or tuples of per-layer trees (``params.for_platform`` on GPUs: an unrolled
+    loop over the layers in order, reading each layer's weights and cache where they lie). Same
+    outputs.
     """
     b, t = tokens.shape
     tap_ids = tuple(taps)

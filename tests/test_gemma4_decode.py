@@ -49,16 +49,18 @@ def test_greedy_matches_reference(pair, batch_size, batching):
 
 @pytest.mark.parametrize("batching", ["static", "continuous"])
 def test_greedy_matches_reference_per_layer_weights(pair, batching):
-    """The target's sliding / full stacks as per-layer buffers (decode's placement on GPUs,
-    params.for_platform: an unrolled layer loop over per-layer weights and per-layer cache
-    buffers, ring and full) give the reference tokens and acceptance lengths, in static batches
-    and when requests are written into slots."""
+    """The target's sliding / full stacks and the drafter's layers as per-layer buffers (decode's
+    placement on GPUs, params.for_platform: unrolled layer loops over per-layer weights and
+    per-layer cache buffers, ring, full and the drafter's context) give the reference tokens and
+    acceptance lengths, in static batches and when requests are written into slots."""
     from dspark_jax import params as params_lib
     tc, tp, dc, dp, ref = pair
     per_layer = params_lib.for_platform(tp, "gpu", target_gemma4.STACKS)
     assert all(isinstance(per_layer[g], tuple) for g in target_gemma4.STACKS if g in tp)
     assert params_lib.for_platform(tp, "tpu", target_gemma4.STACKS)["full"] is tp["full"]
-    res = speculative_generate(tc, per_layer, dc, dp, ref["prompts"], max_new_tokens=ref["max_new_tokens"],
+    dp_layers = params_lib.for_platform(dp, "gpu")  # the Gemma4 drafter's layers too
+    assert isinstance(dp_layers["layers"], tuple)
+    res = speculative_generate(tc, per_layer, dc, dp_layers, ref["prompts"], max_new_tokens=ref["max_new_tokens"],
                                temperature=0.0, batch_size=4, batching=batching)
     for i, r in enumerate(res):
         assert r.output_ids == ref["output_ids"][i], f"prompt {i}: tokens differ"

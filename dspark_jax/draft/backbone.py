@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax import flash, nn
-from dspark_jax import params as params_lib
 from dspark_jax.config import DraftConfig
 
 
@@ -44,10 +43,30 @@ def context_kv(params: dict, config: DraftConfig, ctx: jax.Array, positions: jax
         k, v = nn.kv_heads(ctx, p, config.num_key_value_heads, config.head_dim, config.rms_norm_eps)
         return nn.head_major(nn.apply_rope(k, cos, sin)), nn.head_major(v)
 
-    if params_lib.per_layer(params):
-        ks, vs = zip(*map(one_layer, params["layers"]))
+    return map_layers(one_layer, params["layers"])
+
+
+def map_layers(one_layer, layers):
+    """``one_layer(p) -> (k, v)`` over a drafter's layers, stacked into [Ld, ...]: ``lax.map`` over
+    stacked ``layers``, a Python loop over a tuple of per-layer trees (``params.for_platform``)."""
+    if isinstance(layers, (list, tuple)):
+        ks, vs = zip(*map(one_layer, layers))
         return jnp.stack(ks), jnp.stack(vs)
-    return jax.lax.map(one_layer, params["layers"])
+    return jax.lax.map(one_layer, layers)
+
+
+def over_layers(layer, x, layers, ctx_k, ctx_v):
+    """``layer(x, (p, k_ctx, v_ctx)) -> (x, None)`` applied layer after layer: a ``lax.scan`` over
+    stacked ``layers`` and context K/V [Ld, B, Hkv, S, D], or for a tuple of per-layer trees an
+    unrolled loop reading layer i's context K/V where it lies: per-layer buffers (L-tuples, a
+    per-layer context cache) or the stacked arrays at a run-time index (``nn.layer_slices``: one
+    kernel set for all layers)."""
+    if not isinstance(layers, (list, tuple)):
+        return jax.lax.scan(layer, x, (layers, ctx_k, ctx_v))[0]
+    for i, p in enumerate(layers):
+        kv = (ctx_k[i], ctx_v[i]) if isinstance(ctx_k, tuple) else nn.layer_slices((ctx_k, ctx_v), i)
+        x, _ = layer(x, (p, *kv))
+    return x
 
 
 def block_visibility(ctx_mask: jax.Array, block_valid: jax.Array, g: int) -> jax.Array:
@@ -149,13 +168,7 @@ def block_forward(
 
     if remat not in (False, None, "none"):
         layer = jax.checkpoint(layer, policy=remat_policy(remat))
-    if params_lib.per_layer(params):
-        x = block_embeds
-        for i, p in enumerate(params["layers"]):
-            kv = (ctx_k[i], ctx_v[i]) if isinstance(ctx_k, tuple) else nn.layer_slices((ctx_k, ctx_v), i)
-            x, _ = layer(x, (p, *kv))
-    else:
-        x, _ = jax.lax.scan(layer, block_embeds, (params["layers"], ctx_k, ctx_v))
+    x = over_layers(layer, block_embeds, params["layers"], ctx_k, ctx_v)
     return nn.rms_norm(x, params["norm"], eps)
 
 

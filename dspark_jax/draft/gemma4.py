@@ -253,7 +253,7 @@ def context_kv(params: dict, cfg: Gemma4DraftConfig, ctx: jax.Array, positions: 
         return (nn.head_major(nn.apply_rope(tg.rms_norm(k_raw, p["k_norm"], eps), cos, sin)),
                 nn.head_major(tg.rms_norm(v_raw, None, eps)))
 
-    return jax.lax.map(one_layer, params["layers"])
+    return backbone.map_layers(one_layer, params["layers"])
 
 
 def embed_block(params: dict, cfg: Gemma4DraftConfig, ids: jax.Array) -> jax.Array:
@@ -282,7 +282,7 @@ def block_forward(params: dict, cfg: Gemma4DraftConfig, block_embeds: jax.Array,
 
     if remat not in (False, None, "none"):
         layer = jax.checkpoint(layer, policy=backbone.remat_policy(remat))
-    x, _ = jax.lax.scan(layer, block_embeds, (params["layers"], ctx_k, ctx_v))
+    x = backbone.over_layers(layer, block_embeds, params["layers"], ctx_k, ctx_v)
     return tg.rms_norm(x, params["norm"], eps)
 
 
@@ -296,7 +296,8 @@ def compute_logits(params: dict, cfg: Gemma4DraftConfig, hidden: jax.Array) -> j
 OPS = runtime.DraftRuntime(project_context=project_context, context_kv=context_kv,
                            block_forward=block_forward, embed_block=embed_block,
                            compute_logits=compute_logits,
-                           replicable=frozenset({"kv_heads"}))  # 1 KV head: stays replicated
+                           replicable=frozenset({"kv_heads"}),  # 1 KV head: stays replicated
+                           per_layer=True)  # per-layer layers on GPUs (params.for_platform; backbone.over_layers)
 
 FAMILY = params_lib.Family(
     name="gemma4_dspark", kind="draft", architectures=(ARCHITECTURE,), model_types=tg.MODEL_TYPES,

@@ -606,18 +606,18 @@ def forward_pure(params: dict, cfg: Gemma4TargetConfig, tokens: jax.Array,
         delta = None if cache is None else ({g: join(a) for g, a in new_k.items()},
                                             {g: join(a) for g, a in new_v.items()})
     else:
-        # Scan over repeats of the layer-type pattern; each step runs one period unrolled.
+        # Scan over repeats of the layer-type pattern; each step runs one period unrolled. Layer
+        # i of a group is read from the whole stack at its run-time index (rep * per_rep + j):
+        # a slice the compiler fuses into the layer's dots. (Scanning over the stacks regrouped
+        # [reps, per_rep, ...] and indexing the period's block statically made XLA:TPU copy
+        # each period's weights and cache first: 2.5-3x the compulsory bytes of a Gemma4-12B
+        # decode step, benchmarks/results/hw_tables.)
         period = _period(cfg.layer_types)
         reps = cfg.num_hidden_layers // period
         pattern = ["sliding" if lt == SLIDING else "full" for lt in cfg.layer_types[:period]]
         per_rep = {g: pattern.count(g) for g, _ in GROUPS}
-        regroup = lambda a, g: a.reshape(reps, per_rep[g], *a.shape[1:])  # noqa: E731
-        layers = {g: jax.tree.map(lambda a: regroup(cast(a), g), params[g])
-                  for g, _ in GROUPS if per_rep[g]}
-        xs = {"p": layers, "tap": jnp.asarray(tap_slot.reshape(reps, period))}
-        if cache is not None:
-            xs["k"] = {g: regroup(a, g) for g, a in cache.k.items()}
-            xs["v"] = {g: regroup(a, g) for g, a in cache.v.items()}
+        layers = {g: jax.tree.map(cast, params[g]) for g, _ in GROUPS if per_rep[g]}
+        xs = {"rep": jnp.arange(reps, dtype=jnp.int32), "tap": jnp.asarray(tap_slot.reshape(reps, period))}
 
         def body(carry, xs):
             x, taps = carry
@@ -625,8 +625,10 @@ def forward_pure(params: dict, cfg: Gemma4TargetConfig, tokens: jax.Array,
             new_v = {g: [] for g in layers}
             seen = {g: 0 for g in layers}
             for j, g in enumerate(pattern):
-                p = jax.tree.map(lambda a: a[seen[g]], xs["p"][g])
-                kv = () if cache is None else (xs["k"][g][seen[g]], xs["v"][g][seen[g]])
+                at = lambda a, g=g: jax.lax.dynamic_index_in_dim(  # noqa: E731
+                    a, xs["rep"] * per_rep[g] + seen[g], 0, keepdims=False)
+                p = jax.tree.map(at, layers[g])
+                kv = () if cache is None else (at(cache.k[g]), at(cache.v[g]))
                 x, taps, k, v = layer(x, taps, p, g, xs["tap"][j], *kv)
                 new_k[g].append(k)
                 new_v[g].append(v)

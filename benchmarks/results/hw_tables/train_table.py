@@ -15,7 +15,7 @@ HERE = Path(__file__).parent / "train"
 
 def main() -> None:
     print("| config | hardware | mesh | seq x micro-batch | step TFLOP | step GB | projected ms (bound) "
-          "| tokens/s per chip | MFU | compiled / model flops | temporaries GiB | peak GiB (fits) | compile s |")
+          "| tokens/s per chip | MFU | compiled / model flops | temporaries GiB | peak GiB (fits) | compile s (wall, loaded host) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for path in sorted(HERE.glob("*.json")):
         d = json.loads(path.read_text())

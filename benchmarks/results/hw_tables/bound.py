@@ -81,6 +81,8 @@ def main(paths: list[str]) -> int:
               for r in (json.loads(out_path.read_text())["rows"] if out_path.exists() else [])}
     meshes = {}
     for p in paths:
+        if Path(p).parent.name.startswith("experiment_"):  # uncommitted-code experiments: README text only
+            continue
         for row in json.loads(Path(p).read_text())["rows"]:
             hw = hardware.parse(row["hardware"])
             if not hardware.has_extra(hw.chip.platform):

@@ -21,6 +21,8 @@ def main() -> None:
           "| round_bound | compulsory GB AR / round | temporaries GiB AR / round | peak GiB round (fits) | compile CPU s AR / round |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for path in sorted(HERE.glob("*/round_cost_compiled.json")):
+        if path.parent.name.startswith("experiment_"):  # uncommitted-code experiments: README text only
+            continue
         for r in json.loads(path.read_text())["rows"]:
             a, d = r["ar_step"], r["round"]
             b = bounds.get((r["size"], r["batch"], r["hardware"]))

@@ -20,8 +20,8 @@ KV cache (``Gemma4Cache``, a ``runtime.Cache``): static, per layer type, K and V
 slots, Hkv_type, D_type]`` plus per-row ``lengths [B]``. Full layers hold ``capacity`` slots
 (position p in slot p, as Qwen3). Sliding layers hold a ring of R slots (position p in slot
 p mod R; key j visible to query i iff i - window < j <= i): R = capacity when ``init_cache`` gets
-no ``max_extend``, else ``ring_slots(cfg, max_extend)`` = window - 1 + max_extend. ``commit``
-writes only accepted tokens (a prefill longer than R keeps each row's last R), so the ring
+no ``max_extend``, else ``ring_slots(cfg, max_extend)`` = window - 1 + max_extend rounded up to
+a multiple of 8. ``commit`` writes only accepted tokens (a prefill longer than R keeps each row's last R), so the ring
 always holds the last R committed positions, all an extend needs.
 """
 
@@ -469,9 +469,15 @@ class Gemma4Cache:
         return self.replace(k=write(self.k, k_new), v=write(self.v, v_new), lengths=self.lengths + n_new)
 
 
+RING_MULTIPLE = 8  # XLA:TPU's sublane tile: a 1031-slot ring made it copy the whole sliding cache twice per round
+
+
 def ring_slots(cfg: Gemma4TargetConfig, max_extend: int) -> int:
-    """Sliding-layer ring size for extends of up to ``max_extend`` tokens: window - 1 + max_extend."""
-    return cfg.sliding_window - 1 + max_extend
+    """Sliding-layer ring size for extends of up to ``max_extend`` tokens: window - 1 + max_extend
+    (what an extend needs: the window before its first token and its own tokens), rounded up to
+    a multiple of ``RING_MULTIPLE`` (the extra slots hold older positions, masked out)."""
+    need = cfg.sliding_window - 1 + max_extend
+    return -(-need // RING_MULTIPLE) * RING_MULTIPLE
 
 
 def init_cache(cfg: Gemma4TargetConfig, batch: int, capacity: int, dtype=jnp.float32,

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import math
 
 import jax
@@ -52,9 +53,18 @@ MAX_HEAD_DIM = 256       # beyond: the [Rp, D] f32 accumulator no longer fits in
 
 def applies(num_queries: int, head_dim: int, group: int) -> bool:
     """Whether the kernel takes an attention of ``num_queries`` queries per row (<= ``nn.SMALL_QUERY``)
-    of ``group`` query heads per KV head over a cache of ``head_dim``-wide heads."""
+    of ``group`` query heads per KV head over a cache of ``head_dim``-wide heads, in a jaxlib that
+    can target CUDA at all (without the CUDA plugin the kernel branch is never lowered, and tracing
+    it into every CPU decode program only slowed their compiles)."""
     return (num_queries <= nn.SMALL_QUERY and 16 <= head_dim <= MAX_HEAD_DIM
-            and head_dim & (head_dim - 1) == 0 and _rows(num_queries * group) <= 64)  # Triton tiles: powers of 2
+            and head_dim & (head_dim - 1) == 0 and _rows(num_queries * group) <= 64  # Triton tiles: powers of 2
+            and cuda_installed())
+
+
+@functools.cache
+def cuda_installed() -> bool:
+    """Whether this JAX has its CUDA plugin (the ``cuda`` extra: a GPU or compile-only GPU targets)."""
+    return importlib.util.find_spec("jax_cuda12_plugin") is not None
 
 
 def _rows(r: int) -> int:

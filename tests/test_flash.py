@@ -101,7 +101,10 @@ def test_dispatch_gradient_is_the_xla_paths():
         assert np.allclose(jax.grad(lambda x: flash.dispatch(xla, kernel, x, y))(x), np.cos(x))
 
 
-def test_applies():
+def test_applies(monkeypatch):
+    monkeypatch.setattr(flash, "cuda_installed", lambda: False)  # a CPU-only JAX: never the kernel
+    assert not flash.applies(8, 128, 4)
+    monkeypatch.setattr(flash, "cuda_installed", lambda: True)
     assert flash.applies(1, 128, 4) and flash.applies(8, 128, 4) and flash.applies(16, 128, 4)
     assert not flash.applies(nn.SMALL_QUERY + 1, 128, 1)       # prefill / training: the dot
     assert not flash.applies(8, 512, 4) and not flash.applies(16, 128, 8)   # D or rows too large

@@ -30,33 +30,11 @@ def test_greedy_parity(tiny_reference, batch_size):
 
 
 def test_greedy_parity_per_layer_weights(tiny_reference):
-    """The target's layers as per-layer buffers (how decode places them on GPUs,
-    params.for_platform: unrolled layer loop over per-layer weights and per-layer cache buffers)
-    give the reference tokens, in static batches and in continuous batching (a request's prefill
-    written into a slot of every layer's buffer)."""
-    from dspark_jax import params as params_lib
-    from dspark_jax.decode import engine, programs
-    tc, tp, dc, dp, ref = tiny_reference
-    per_layer = params_lib.for_platform(tp, "gpu")
-    assert isinstance(per_layer["layers"], tuple) and len(per_layer["layers"]) == tc.num_hidden_layers
-    assert params_lib.for_platform(tp, "tpu")["layers"] is tp["layers"]  # TPUs and CPUs keep the stack
-    static = programs.DecodeStatic(target=tc, draft=dc, policy=None, greedy=True, max_new_tokens=4)
-    cache = programs.abstract_decode_state(per_layer, dp, static, batch=2, max_len=32, prompt_len=4).cache
-    assert cache.per_layer and len(cache.k) == tc.num_hidden_layers and cache.k[0].shape[2] == 32
-    n = len(ref["prompts"])
-    for res in (speculative_generate(tc, per_layer, dc, dp, ref["prompts"], batch_size=n,
-                                     max_new_tokens=ref["max_new_tokens"], temperature=0.0),
-                engine.serve(tc, per_layer, dc, dp, ref["prompts"], max_new_tokens=ref["max_new_tokens"],
-                             slots=3)):
-        for i, r in enumerate(res):
-            assert r.output_ids == ref["output_ids"][i], f"prompt {i}: tokens differ"
-            assert r.acceptance_lengths == ref["acceptance_lengths"][i], f"prompt {i}: acceptance lengths differ"
-
-
-def test_greedy_parity_per_layer_draft_weights(tiny_reference):
-    """The drafter's layers as per-layer buffers too (decode's placement on GPUs: an unrolled
-    draft layer loop over per-layer weights and a per-layer context cache) give the reference
-    tokens, in a static batch and in continuous batching."""
+    """Target and drafter layers as per-layer buffers (decode's placement on GPUs,
+    params.for_platform: unrolled layer loops over per-layer weights, per-layer KV cache buffers
+    and a per-layer context cache; TPUs and CPUs keep the stacks) give the reference tokens, in a
+    static batch and in continuous batching (a request's prefill and context written into a slot
+    of every layer's buffer)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -64,21 +42,23 @@ def test_greedy_parity_per_layer_draft_weights(tiny_reference):
     from dspark_jax.decode import engine, programs
     from dspark_jax.draft import backbone
     tc, tp, dc, dp, ref = tiny_reference
-    dp_layers = params_lib.for_platform(dp, "gpu")
+    tp_layers, dp_layers = params_lib.for_platform(tp, "gpu"), params_lib.for_platform(dp, "gpu")
+    assert isinstance(tp_layers["layers"], tuple) and len(tp_layers["layers"]) == tc.num_hidden_layers
     assert isinstance(dp_layers["layers"], tuple) and len(dp_layers["layers"]) == dc.num_hidden_layers
+    assert params_lib.for_platform(tp, "tpu")["layers"] is tp["layers"]
     ctx = jax.random.normal(jax.random.PRNGKey(0), (2, 5, dc.hidden_size), jnp.float32)
     pos = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
     for a, b in zip(backbone.context_kv(dp, dc, ctx, pos), backbone.context_kv(dp_layers, dc, ctx, pos)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
     static = programs.DecodeStatic(target=tc, draft=dc, policy=None, greedy=True, max_new_tokens=4)
-    ctx_cache = programs.abstract_decode_state(tp, dp_layers, static, batch=2, max_len=32, prompt_len=4).ctx
-    assert ctx_cache.per_layer and len(ctx_cache.k) == dc.num_hidden_layers and ctx_cache.max_len == 32
-    tp_layers = params_lib.for_platform(tp, "gpu")
+    state = programs.abstract_decode_state(tp_layers, dp_layers, static, batch=2, max_len=32, prompt_len=4)
+    assert state.cache.per_layer and len(state.cache.k) == tc.num_hidden_layers and state.cache.k[0].shape[2] == 32
+    assert state.ctx.per_layer and len(state.ctx.k) == dc.num_hidden_layers and state.ctx.max_len == 32
     for res in (speculative_generate(tc, tp_layers, dc, dp_layers, ref["prompts"],
                                      max_new_tokens=ref["max_new_tokens"], temperature=0.0,
                                      batch_size=len(ref["prompts"])),
                 engine.serve(tc, tp_layers, dc, dp_layers, ref["prompts"], max_new_tokens=ref["max_new_tokens"],
-                             slots=3)):   # a request's context written into a slot of every layer's buffer
+                             slots=3)):
         for i, r in enumerate(res):
             assert r.output_ids == ref["output_ids"][i], f"prompt {i}: tokens differ"
             assert r.acceptance_lengths == ref["acceptance_lengths"][i], f"prompt {i}: acceptance lengths differ"

@@ -37,11 +37,11 @@ def test_fixture_features_hidden_and_logits(fixture_target):
         assert err <= 1e-4 * max(1.0, np.abs(ref).max()), (name, err)
 
 
-@pytest.mark.parametrize("layout", ["stacked", "per-layer params", "per-layer params and cache"])
+@pytest.mark.parametrize("layout", ["stacked", "per-layer params and cache"])
 def test_fixture_cached_extends_match_full_pass(fixture_target, layout):
     """Prefill + multi-token extends past the window give the full pass's logits; the same with
-    per-layer params (params.unstack_layers of both stacks: an unrolled layer loop, GPU decode's
-    form) over the stacked cache or over per-layer cache buffers (ring and full)."""
+    per-layer params (params.unstack_layers of both stacks: an unrolled layer loop) over per-layer
+    cache buffers (ring and full): GPU decode's form."""
     from dspark_jax import params as params_lib
     cfg, params = fixture_target
     ids = jnp.asarray(np.load(FIXTURE / "train_forward.npz")["tgt_input_ids"])

@@ -75,7 +75,8 @@ def _prefill(tparams, dparams, prompts, lens, valid, key, temperature, stop_ids,
     draft_ctx = None
     if static.draft is not None:
         draft_ctx = draft_decode.init_context(dparams, static.draft, features, max_len, lens,
-                                              per_layer=params_lib.per_layer(dparams))
+                                              per_layer=params_lib.per_layer(
+                                                  dparams, families.draft_ops(static.draft).stacks))
     return cache, seq, active, draft_ctx, key
 
 

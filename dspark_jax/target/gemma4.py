@@ -608,7 +608,7 @@ def forward_pure(params: dict, cfg: Gemma4TargetConfig, tokens: jax.Array,
             x, taps, k, v = layer(x, taps, jax.tree.map(cast, params[g][j]), g, jnp.int32(tap_slot[i]), *kv)
             new_k[g].append(k)
             new_v[g].append(v)
-        join = (lambda a: tuple(a)) if cache is not None and cache.per_layer else jnp.stack
+        join = tuple if cache is not None and cache.per_layer else jnp.stack
         delta = None if cache is None else ({g: join(a) for g, a in new_k.items()},
                                             {g: join(a) for g, a in new_v.items()})
     else:

@@ -54,8 +54,10 @@ MAX_TILE = 2048  # slots per grid step: K + V tiles double-buffered, 2 x 2 x 204
 def applies(platform: str, num_queries: int, head_dim: int, cache_dtype, compute_dtype) -> bool:
     """Whether a forward on ``platform`` (``runtime.Context.platform``) hands its stacked cache to
     the kernel: a TPU program, a decode step's few queries (<= ``nn.SMALL_QUERY``), heads a
-    multiple of 128 lanes wide (Mosaic refuses the scores product of narrower bf16 heads: "Bad
-    lhs type") and a cache already in the compute dtype (a cast would copy the whole stack)."""
+    multiple of 128 lanes wide and a cache already in the compute dtype (a cast would copy the
+    whole stack). Narrower heads: XLA:TPU lays the cache out with its slots minor, and the kernel's
+    row-major operand then costs a relayout copy of the whole stack per round (the tiny fixture's
+    16-wide heads: 2 x [6, 1, 1, 256, 16] copies)."""
     return (platform == "tpu" and num_queries <= nn.SMALL_QUERY and head_dim % 128 == 0
             and jnp.dtype(cache_dtype) == jnp.dtype(compute_dtype))
 

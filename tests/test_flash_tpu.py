@@ -54,10 +54,11 @@ def test_tpu_round_reads_the_stacked_cache_in_place(monkeypatch):
     from tests.conftest import TINY
 
     tcfg, dcfg = load_target(TINY / "target")[0], load_draft(TINY / "draft")[0]
-    tcfg = dataclasses.replace(tcfg, head_dim=128)  # the kernel's lane-wide heads (abstract params)
+    tcfg = dataclasses.replace(tcfg, head_dim=128)  # lane-wide heads (``applies``); abstract params
     assert flash_tpu.applies("tpu", 5, 128, jnp.bfloat16, jnp.bfloat16)
     assert not flash_tpu.applies("cpu", 5, 128, jnp.bfloat16, jnp.bfloat16)
     assert not flash_tpu.applies("tpu", 5, 16, jnp.bfloat16, jnp.bfloat16)
+    assert not flash_tpu.applies("tpu", 5, 128, jnp.float32, jnp.bfloat16)
     texts = []
     step_cost = hlo_cost.step_cost
     monkeypatch.setattr(plan_lib.hlo_cost, "step_cost", lambda text: texts.append(text) or step_cost(text))

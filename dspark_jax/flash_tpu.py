@@ -40,7 +40,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
 from dspark_jax import nn, sharding
@@ -141,6 +140,10 @@ def _kernel(layer_ref, q_ref, k_ref, v_ref, vis_ref, o_ref, m_ref, l_ref, acc, m
 def _call(layer, q, k, v, vis, plan: Plan):
     """The pallas_call: layer int32 [1], q [B, Hkv, R, D], k, v [L, B, Hkv, C, D] (the whole stacks),
     vis int8 [B, Qm, nT * T] -> (o [B, Hkv, R, D], m, l [B, Hkv, R, 1]), f32."""
+    # imported here: Pallas TPU costs every process that imports ``nn`` ~0.25 s, and only TPU
+    # programs (and the interpret-mode tests) build the kernel
+    from jax.experimental.pallas import tpu as pltpu
+
     b, hkv, rows, d = q.shape
     t = plan.tile
     kv_spec = pl.BlockSpec((None, None, None, t, d), lambda i, h, j, layer: (layer[0], i, h, j, 0))
@@ -175,6 +178,7 @@ def _in_hbm(stack, plan: Plan):
     sees a loop-invariant operand read whole by every layer's call, moves a small enough cache
     (one row of Qwen3-8B at 4096 slots: 2 x 38 MB per v5e chip) into on-chip memory before the
     layer loop and copies it back after the commit -- more HBM traffic than the kernel's reads."""
+    from jax.experimental.pallas import tpu as pltpu
     return stack if plan.interpret else pltpu.with_memory_space_constraint(stack, pltpu.HBM)
 
 

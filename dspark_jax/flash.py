@@ -206,16 +206,17 @@ def cache_partials(qg: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array
     return unflat(o), unflat(top), unflat(l)
 
 
-def dispatch(xla_path, kernel_path, *args):
-    """``xla_path(*args)`` on every backend but CUDA, where ``kernel_path(*args)`` (the same values,
-    its cache part from ``cache_partials``; differentiated as ``xla_path``: the kernel has no
-    backward). Only the matching branch is lowered: CPU / TPU programs never see the kernel."""
+def dispatch(xla_path, kernel_path, *args, platform: str = "cuda"):
+    """``xla_path(*args)`` on every backend but ``platform`` (CUDA; TPU for ``flash_tpu``), where
+    ``kernel_path(*args)`` (the same values, its cache part from a kernel's ``cache_partials``;
+    differentiated as ``xla_path``: the kernels have no backward). Only the matching branch is
+    lowered: other platforms' programs never see the kernel."""
     @jax.custom_vjp
     def kernel(*a):
         return kernel_path(*a)
 
     kernel.defvjp(lambda *a: (kernel_path(*a), a), lambda a, g: jax.vjp(xla_path, *a)[1](g))
-    return jax.lax.platform_dependent(*args, default=xla_path, cuda=kernel)
+    return jax.lax.platform_dependent(*args, default=xla_path, **{platform: kernel})
 
 
 def merge(o: jax.Array, m: jax.Array, l: jax.Array, scores: jax.Array, visible: jax.Array,

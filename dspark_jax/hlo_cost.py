@@ -16,7 +16,10 @@ the optimised HLO text instead and weights each computation by how often it runs
   matrix-vector product written elementwise: 2 x the product's elements), inside fusions or not,
   and our Pallas Triton kernels (``__gpu$xla.gpu.triton`` custom calls, known by the ``name`` in
   their backend config): ``flash.KERNEL_NAME``'s two matmuls from its operands' shapes
-  (``flash.flops``); another Triton kernel counts no flops.
+  (``flash.flops``); another Triton kernel counts no flops. A Pallas TPU kernel (a
+  ``tpu_custom_call``) counts the flops and the bytes of the ``pl.CostEstimate`` it was built with
+  (``flash_tpu``: what its DMAs move -- one layer's K / V span of the whole stack it takes as an
+  operand, q, the mask, its results); one without an estimate, its operands and result.
   Other elementwise flops are left out (a few % of these programs' matmul flops).
 - bytes: each top-level instruction (a fusion counts as one) reads its operands and writes its
   result, except where it touches only part of a buffer: an operand consumed only through
@@ -124,9 +127,22 @@ def fmha_flops(ins: Instr) -> float:
     return flops * (2.5 if target and "Backward" in target.group(1) else 1.0)
 
 
+def tpu_kernel_cost(ins: Instr) -> tuple[float, float] | None:
+    """(flops, bytes) of a Pallas TPU kernel from the cost estimate in its backend config
+    (``pl.CostEstimate``); None for another instruction or a kernel without one."""
+    if ins.op != "custom-call" or 'custom_call_target="tpu_custom_call"' not in ins.attrs:
+        return None
+    est = re.search(r'"cost_estimate":\{"flops":"([0-9]+)","transcendentals":"[0-9]+","bytes_accessed":"([0-9]+)"',
+                    ins.attrs)
+    return (float(est.group(1)), float(est.group(2))) if est else None
+
+
 def matmul_flops(ins: Instr, by_name) -> float:
     """2 x output elements x contracted size of a dot / convolution / cuBLAS gemm; a cuDNN fused
-    attention's products (``fmha_flops``); a flash kernel's two matmuls; else 0."""
+    attention's products (``fmha_flops``); a flash kernel's two matmuls (CUDA) or its cost
+    estimate (``tpu_kernel_cost``); else 0."""
+    if (kernel := tpu_kernel_cost(ins)) is not None:
+        return kernel[0]
     if ins.op == "custom-call" and "__cudnn$fmha" in ins.attrs:
         return fmha_flops(ins)
     if ins.op == "dot" or (ins.op == "custom-call" and "__cublas$" in ins.attrs):
@@ -273,6 +289,39 @@ def _fused_flops(comp: str, comps, by_name, memo) -> float:
     return memo[comp]
 
 
+def instr_bytes(ins: Instr, comps, by_name) -> float | None:
+    """HBM bytes ``step_cost`` charges one instruction that is not a loop, call or conditional
+    (the module docstring's rules): a fusion's, an async pair's at its ``-done``, a Pallas TPU
+    kernel's estimate, a slice's, an in-place update's, else result + operands. None for what is
+    not charged (buffer-free ops, a ``-start``, the ``-done`` of an async computation)."""
+    op = ins.op
+    if op in _FREE or (op.endswith("-start") and not ins.callee("calls")):
+        return None
+    if op.endswith("-done"):
+        start = by_name.get(ins.operands[0]) if ins.operands else None
+        if start is None or not start.op.endswith("-start") or start.callee("calls"):
+            return None  # the -done of an async computation (charged at its -start) or unknown
+        if start.op in ("copy-start", "slice-start"):
+            return 2.0 * ins.nbytes
+        return float(ins.nbytes + sum(by_name[o].nbytes for o in start.operands if o in by_name))
+    if op == "fusion":
+        return fusion_bytes(ins, comps, by_name)
+    if (kernel := tpu_kernel_cost(ins)) is not None:
+        return kernel[1]
+    if op in _PARTIAL_READ:
+        return 2.0 * ins.nbytes
+    if op in _IN_PLACE and len(ins.operands) > 1 and ins.operands[-1] in by_name:
+        return 2.0 * by_name[ins.operands[1 if op == "dynamic-update-slice" else -1]].nbytes
+    return float(ins.nbytes + sum(by_name[o].nbytes for o in ins.operands if o in by_name))
+
+
+def branches_of(ins: Instr) -> list[str]:
+    """A conditional's branch computations."""
+    if "branch_computations" in ins.attrs:
+        return re.findall(r"%([\w.\-]+)", re.search(r"branch_computations=\{([^}]*)\}", ins.attrs).group(1))
+    return [b for b in (ins.callee("true_computation"), ins.callee("false_computation")) if b]
+
+
 def computation_cost(comp: str, comps, by_name, memo=None) -> tuple[float, float]:
     """(flops, bytes) of one run of computation ``comp``, its loops counted per trip."""
     memo = {} if memo is None else memo
@@ -282,42 +331,21 @@ def computation_cost(comp: str, comps, by_name, memo=None) -> tuple[float, float
     flops = nbytes = 0.0
     for ins in comps.get(comp, []):
         op = ins.op
-        if op in _FREE or (op.endswith("-start") and not ins.callee("calls")):
-            continue
-        if op.endswith("-done"):
-            start = by_name.get(ins.operands[0]) if ins.operands else None
-            if start is None or not start.op.endswith("-start") or start.callee("calls"):
-                continue  # the -done of an async computation (charged at its -start) or unknown
-            if start.op in ("copy-start", "slice-start"):
-                nbytes += 2 * ins.nbytes
-            else:
-                nbytes += ins.nbytes + sum(by_name[o].nbytes for o in start.operands if o in by_name)
-            continue
         if op == "while":
             n = trip_count(ins, comps, by_name)
             f, b = computation_cost(ins.callee("body"), comps, by_name, memo)
             flops, nbytes = flops + n * f, nbytes + n * b
         elif op == "conditional":
-            branches = re.findall(r"%([\w.\-]+)", re.search(r"branch_computations=\{([^}]*)\}", ins.attrs).group(1)) \
-                if "branch_computations" in ins.attrs else [ins.callee("true_computation"), ins.callee("false_computation")]
-            costs = [computation_cost(b, comps, by_name, memo) for b in branches if b]
+            costs = [computation_cost(b, comps, by_name, memo) for b in branches_of(ins)]
             f, b = max(costs, key=lambda c: c[1], default=(0.0, 0.0))
             flops, nbytes = flops + f, nbytes + b
         elif op == "call" or (op.endswith("-start") and ins.callee("calls")):
             f, b = computation_cost(ins.callee("to_apply") or ins.callee("calls"), comps, by_name, memo)
             flops, nbytes = flops + f, nbytes + b
-        elif op == "fusion":
-            flops += _fused_flops(ins.callee("calls"), comps, by_name, memo)
-            nbytes += fusion_bytes(ins, comps, by_name)
-        else:
-            flops += matmul_flops(ins, by_name)
-            operands = sum(by_name[o].nbytes for o in ins.operands if o in by_name)
-            if op in _PARTIAL_READ:
-                nbytes += 2 * ins.nbytes
-            elif op in _IN_PLACE and len(ins.operands) > 1 and ins.operands[-1] in by_name:
-                nbytes += 2 * by_name[ins.operands[1 if op == "dynamic-update-slice" else -1]].nbytes
-            else:
-                nbytes += ins.nbytes + operands
+        elif (b := instr_bytes(ins, comps, by_name)) is not None:
+            nbytes += b
+            flops += _fused_flops(ins.callee("calls"), comps, by_name, memo) if op == "fusion" \
+                else matmul_flops(ins, by_name)
     memo[key] = (flops, nbytes)
     return memo[key]
 

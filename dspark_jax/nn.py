@@ -7,13 +7,14 @@ stack carry a leading ``layers`` axis and are consumed by ``lax.scan``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
-from dspark_jax import flash
+from dspark_jax import flash, flash_tpu
 
 NEG_INF = -1e30  # large finite negative, so fully masked rows stay NaN-free
 
@@ -74,7 +75,7 @@ def read_span(cache_span: int | None, capacity: int) -> int:
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-              prefix: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+              prefix: tuple | None = None,
               scale: float | None = None, causal: bool = False, window: int | None = None) -> jax.Array:
     """Masked GQA attention, optionally jointly over a read-only prefix (a KV cache).
 
@@ -82,13 +83,17 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     ``prefix = (k_pre, v_pre, pre_mask)`` with k_pre, v_pre [B, Hkv, L, D] (head-major, the
     layout caches are stored in: see ``cache_scores``) and pre_mask [B, Q, S], S <= L: one
     softmax over [the first S prefix slots ; k] without materialising their concatenation (a
-    cache read over its used span, ``read_span``; S = 0: no prefix). Rows with no visible key
+    cache read over its used span, ``read_span``; S = 0: no prefix). Or ``(k_all, v_all, pre_mask,
+    layer)``: whole stacked caches [Lyr, B, Hkv, L, D] and this layer's place in them
+    (``flash_tpu.Layer``), read at ``layer.index`` (for TPU programs, whose kernel reads the stack
+    in place: a slice would be copied first). Rows with no visible key
     return zeros. ``scale`` multiplies the scores (default D^-0.5; Gemma4 uses 1.0).
     ``causal``: the caller's promise that ``mask`` is the causal mask of the new tokens (query t
     sees keys <= t; Q = K; with ``window``: only keys > t - window, a sliding window): without a
     prefix, on CUDA, that is cuDNN's fused flash attention (``causal_fused``), which never writes
     the [Q, K] scores to memory. With a prefix, on CUDA, a few queries (``flash.applies``: a
-    decode step's) read it in the fused flash-decoding kernel (``dspark_jax.flash``).
+    decode step's) read it in the fused flash-decoding kernel (``dspark_jax.flash``); a stacked
+    prefix on TPU, in ``dspark_jax.flash_tpu``'s.
     Returns [B, Q, Hq, D].
     """
     b, nq, hq, d = q.shape
@@ -102,6 +107,13 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     if prefix is None or prefix[2].shape[-1] == 0:
         probs = masked_softmax(scores, mask[:, None, None, :, :], scale).astype(v.dtype)
         out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v)
+        return out.reshape(b, nq, hq, d)
+    if len(prefix) == 4:  # a stacked cache: on TPU the flash-decoding kernel reads layer ``index`` in place
+        k_all, v_all, pre_mask, layer = prefix
+        where = dataclasses.replace(layer, index=None)
+        out = flash.dispatch(functools.partial(_joint_stacked_xla, scale=scale),
+                             functools.partial(_joint_stacked_tpu, scale=scale, where=where),
+                             qg, scores, mask, v, k_all, v_all, pre_mask, layer.index, platform="tpu")
         return out.reshape(b, nq, hq, d)
     args = (qg, scores, mask, v, *prefix)
     if flash.applies(nq, d, hq // hkv):  # a few queries: on CUDA the fused kernel (dspark_jax.flash)
@@ -122,10 +134,27 @@ def _joint_xla(qg, scores, mask, v, k_pre, v_pre, pre_mask, scale):
     return cache_values(probs[..., :s], v_pre) + jnp.einsum("bhgqk,bkhd->bqhgd", probs[..., s:], v)
 
 
+def _joint_stacked_xla(qg, scores, mask, v, k_all, v_all, pre_mask, layer, scale):
+    """``_joint_xla`` over layer ``layer`` of stacked caches k_all, v_all [Lyr, B, Hkv, L, D]."""
+    k_pre, v_pre = (jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False) for a in (k_all, v_all))
+    return _joint_xla(qg, scores, mask, v, k_pre, v_pre, pre_mask, scale)
+
+
 def _joint_flash(qg, scores, mask, v, k_pre, v_pre, pre_mask, scale):
     """The same with the cache part in the flash-decoding kernel (CUDA): the cache is read in place."""
-    o, m, l = flash.cache_partials(qg, k_pre, v_pre, pre_mask, scale)
-    out_pre, probs = flash.merge(o, m, l, scores, mask[:, None, None], scale)
+    return _merge_block(flash.cache_partials(qg, k_pre, v_pre, pre_mask, scale), scores, mask, v, scale)
+
+
+def _joint_stacked_tpu(qg, scores, mask, v, k_all, v_all, pre_mask, layer, scale, where):
+    """``_joint_stacked_xla`` with the cache part in the TPU kernel, which reads the stacks in place."""
+    partials = flash_tpu.cache_partials(qg, k_all, v_all, layer, pre_mask, scale, where)
+    return _merge_block(partials, scores, mask, v, scale)
+
+
+def _merge_block(partials, scores, mask, v, scale):
+    """The cache's softmax partials (o, m, l) [B, Hkv, G, Q, ..] merged with the block's own raw
+    scores [B, Hkv, G, Q, K] (``flash.merge``) and its values v [B, K, Hkv, D]: [B, Q, Hkv, G, D]."""
+    out_pre, probs = flash.merge(*partials, scores, mask[:, None, None], scale)
     return (out_pre.astype(v.dtype).transpose(0, 3, 1, 2, 4)
             + jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v))
 

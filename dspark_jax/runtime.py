@@ -104,6 +104,12 @@ class Context:
     def rule_map(self) -> dict:
         return dict(self.rules)
 
+    @property
+    def platform(self) -> str:
+        """The platform the forward's program targets: its mesh's devices' (compile-only TPU / GPU
+        devices included), else JAX's default backend."""
+        return jax.default_backend() if self.mesh is None else self.mesh.devices.flat[0].platform
+
     def for_params(self, params) -> "Context":
         """This context with ``dtype`` set (``compute_dtype(params)`` when None)."""
         return self if self.dtype is not None else dataclasses.replace(self, dtype=compute_dtype(params))

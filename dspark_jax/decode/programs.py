@@ -85,8 +85,7 @@ class DecodeProgram:
         family = families.for_config(config)
         if params is None or family.runtime is None or not family.runtime.per_layer:
             return params
-        platform = jax.default_backend() if self.mesh is None else self.mesh.devices.flat[0].platform
-        return params_lib.for_platform(params, platform, family.runtime.stacks)
+        return params_lib.for_platform(params, runtime.Context(self.mesh).platform, family.runtime.stacks)
 
     def place(self, x):
         """A host input (prompts, lens, ...) on the mesh, batch-sharded when its dim 0 divides."""

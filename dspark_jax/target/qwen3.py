@@ -16,13 +16,14 @@ slots are dropped); ``forward`` is the two together (training, tests, sampling).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-from dspark_jax import nn
+from dspark_jax import flash_tpu, nn
 from dspark_jax import params as params_lib
 from dspark_jax import runtime
 from dspark_jax.config import TargetConfig
@@ -182,15 +183,18 @@ def logits(params: dict, config: TargetConfig, hidden: jax.Array) -> jax.Array:
     return compute_logits(params, hidden)
 
 
-def _layer(config: TargetConfig, x, p, positions, mask, k_cache=None, v_cache=None, cache_mask=None):
+def _layer(config: TargetConfig, x, p, positions, mask, k_cache=None, v_cache=None, cache_mask=None,
+           layer=None):
     """One decoder layer over x [B, T, H].
 
     Without a cache: attention over the T new tokens (``mask`` [B, T, T], causal: the fused
     form on CUDA, ``nn.attention``). With
     one: this layer's read-only ``k_cache, v_cache [B, Hkv, max_len, D]``, of which the first
     S = ``cache_mask.shape[-1]`` slots are read (``nn.attention``; visible per ``cache_mask``
-    [B, T, S]), plus the new tokens (``mask``). Returns (x, k, v) with the new tokens' k, v
-    [B, Hkv, T, D] (head-major like the cache; written by the caller).
+    [B, T, S]), plus the new tokens (``mask``); with ``layer`` (``flash_tpu.Layer``), the whole
+    stacked caches [L, B, Hkv, max_len, D] (in the compute dtype), read at ``layer.index``.
+    Returns (x, k, v) with the new tokens' k, v [B, Hkv, T, D] (head-major like the cache;
+    written by the caller).
     """
     h = nn.rms_norm(x, p["input_layernorm"], config.rms_norm_eps)
     q, k, v = nn.qkv_heads(h, p, config.num_attention_heads, config.num_key_value_heads,
@@ -199,6 +203,8 @@ def _layer(config: TargetConfig, x, p, positions, mask, k_cache=None, v_cache=No
     q, k = nn.apply_rope(q, cos, sin), nn.apply_rope(k, cos, sin)
     if k_cache is None:
         attn = nn.attention(q, k, v, mask, causal=True)
+    elif layer is not None:
+        attn = nn.attention(q, k, v, mask, causal=True, prefix=(k_cache, v_cache, cache_mask, layer))
     else:
         attn = nn.attention(q, k, v, mask, causal=True,
                             prefix=(k_cache.astype(q.dtype), v_cache.astype(q.dtype), cache_mask))
@@ -252,12 +258,22 @@ def forward_pure(params: dict, config: TargetConfig, tokens: jax.Array, cache: K
         taps0 = taps0.at[tap_ids.index(-1)].set(x)
 
     layers = jax.tree.map(lambda a: a.astype(dtype) if a.dtype != dtype else a, params["layers"])
+    # A TPU program's scan hands the attention the whole stacked cache and the layer's index, for
+    # the kernel that reads the layer in place (``flash_tpu``; a scanned slice would be copied).
+    stacked = None
+    if (cache is not None and not cache.per_layer and not params_lib.per_layer(params)
+            and flash_tpu.applies(ctx.platform, t, config.head_dim, cache.k.dtype, dtype)):
+        stacked = flash_tpu.placement(ctx, cache.axes().k, cache.k.shape)
 
     def body(carry, xs):
         x, taps = carry
         if cache is None:
             p, idx = xs
             x, k, v = _layer(config, x, p, positions, causal)
+        elif stacked is not None:
+            p, idx, layer = xs
+            x, k, v = _layer(config, x, p, positions, causal, cache.k, cache.v, cache_mask,
+                             dataclasses.replace(stacked, index=layer))
         else:
             p, idx, k_cache, v_cache = xs
             x, k, v = _layer(config, x, p, positions, causal, k_cache, v_cache, cache_mask)
@@ -284,7 +300,9 @@ def forward_pure(params: dict, config: TargetConfig, tokens: jax.Array, cache: K
             delta = tuple(zip(*outs)) if cache.per_layer else tuple(jnp.stack(a) for a in zip(*outs))
     else:
         xs = (layers, jnp.asarray(tap_index, jnp.int32))
-        if cache is not None:
+        if stacked is not None:
+            xs = xs + (jnp.arange(config.num_hidden_layers, dtype=jnp.int32),)
+        elif cache is not None:
             xs = xs + (cache.k, cache.v)
         (x, taps_out), delta = jax.lax.scan(body, (x, taps0), xs)     # delta: [Lyr, B, Hkv, T, D] x2
     hidden = nn.rms_norm(x, params["norm"].astype(dtype), config.rms_norm_eps)

@@ -26,37 +26,16 @@ def walk(comp, comps, by_name, mult, out, memo):
     """Append (bytes x mult, mult, instr) of every charged top-level instruction of ``comp``."""
     for ins in comps.get(comp, []):
         op = ins.op
-        if op in hc._FREE or (op.endswith("-start") and not ins.callee("calls")):
-            continue
-        if op.endswith("-done"):
-            start = by_name.get(ins.operands[0]) if ins.operands else None
-            if start is None or not start.op.endswith("-start") or start.callee("calls"):
-                continue
-            b = 2 * ins.nbytes if start.op in ("copy-start", "slice-start") else \
-                ins.nbytes + sum(by_name[o].nbytes for o in start.operands if o in by_name)
-            out.append((b * mult, mult, ins))
-            continue
         if op == "while":
             n = hc.trip_count(ins, comps, by_name)
             walk(ins.callee("body"), comps, by_name, mult * n, out, memo)
         elif op == "conditional":
-            branches = re.findall(r"%([\w.\-]+)", re.search(r"branch_computations=\{([^}]*)\}", ins.attrs).group(1)) \
-                if "branch_computations" in ins.attrs else [ins.callee("true_computation"), ins.callee("false_computation")]
-            costs = [(hc.computation_cost(b, comps, by_name, memo)[1], b) for b in branches if b]
+            costs = [(hc.computation_cost(b, comps, by_name, memo)[1], b) for b in hc.branches_of(ins)]
             if costs:
                 walk(max(costs)[1], comps, by_name, mult, out, memo)
         elif op == "call" or (op.endswith("-start") and ins.callee("calls")):
             walk(ins.callee("to_apply") or ins.callee("calls"), comps, by_name, mult, out, memo)
-        elif op == "fusion":
-            out.append((hc.fusion_bytes(ins, comps, by_name) * mult, mult, ins))
-        else:
-            operands = sum(by_name[o].nbytes for o in ins.operands if o in by_name)
-            if op in hc._PARTIAL_READ:
-                b = 2 * ins.nbytes
-            elif op in hc._IN_PLACE and len(ins.operands) > 1 and ins.operands[-1] in by_name:
-                b = 2 * by_name[ins.operands[1 if op == "dynamic-update-slice" else -1]].nbytes
-            else:
-                b = ins.nbytes + operands
+        elif (b := hc.instr_bytes(ins, comps, by_name)) is not None:
             out.append((b * mult, mult, ins))
 
 

@@ -33,6 +33,10 @@ DEFAULT_RULES: dict[str, object] = {
     "heads": "tensor",
     "kv_heads": "tensor",
     "mlp": "tensor",
+    # the drafter's context projection's input (n concatenated target layers' features): sharded
+    # like a row-parallel kernel, so a decode round on a tensor mesh reads 1/tensor of ``fc`` per
+    # chip (replicated, it was 0.17 GB of a Qwen3-8B round on every v5e chip) and sums [B, T, H]
+    "features": "tensor",
     "rank": None,
     "layers": None,
     "expert": EXPERT,  # only on meshes with an expert axis (dropped elsewhere, see logical_to_spec)

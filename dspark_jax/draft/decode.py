@@ -70,7 +70,10 @@ class ContextCache:
 
     def scatter(self, k_new: jax.Array, v_new: jax.Array, slots: jax.Array) -> "ContextCache":
         """Write k_new, v_new [Ld, B, Hkv, T, D] at ``slots [B, T]`` (slots >= L are dropped)."""
-        write = lambda buf, new: jax.tree.map(lambda b, n: runtime.write_steps(b, n, slots), buf, new)  # noqa: E731
+        def write(buf, new):  # new is stacked [Ld, ...] either way (``backbone.map_layers``)
+            if self.per_layer:
+                return tuple(runtime.write_steps(b, n, slots) for b, n in zip(buf, new))
+            return runtime.write_steps(buf, new, slots)
         return self.replace(k=write(self.k, k_new), v=None if self.v is None else write(self.v, v_new))
 
     def read(self, span: int) -> tuple:

@@ -189,7 +189,7 @@ def declare(cfg: Gemma4DraftConfig) -> dict[tuple, ParamSpec]:
     decl = {
         ("embed_tokens",): ParamSpec((v, h), ("vocab", "embed"), "embed_tokens.weight", frozen=True),
         ("lm_head",): ParamSpec((h, v), ("embed", "vocab"), "lm_head.weight", transpose=True, frozen=True),
-        ("fc",): ParamSpec((n * h, h), (None, "embed"), "fc.weight", transpose=True),
+        ("fc",): ParamSpec((n * h, h), ("features", "embed"), "fc.weight", transpose=True),
         ("hidden_norm",): ParamSpec((h,), (None,), "hidden_norm.weight", init="ones"),
         ("norm",): ParamSpec((h,), (None,), "norm.weight", init="ones"),
     }

@@ -37,7 +37,7 @@ def declare(config: DraftConfig) -> dict[tuple, ParamSpec]:
                                      frozen=True, rng_path=((6, 0),)),
         ("lm_head",): ParamSpec((h, v), ("embed", "vocab"), "lm_head.weight", transpose=True,
                                 frozen=True, rng_path=((6, 1),)),
-        ("fc",): ParamSpec((n * h, h), (None, "embed"), "fc.weight", transpose=True, rng_path=((6, 2),)),
+        ("fc",): ParamSpec((n * h, h), ("features", "embed"), "fc.weight", transpose=True, rng_path=((6, 2),)),
         ("hidden_norm",): ParamSpec((h,), (None,), "hidden_norm.weight", init="ones"),
         ("norm",): ParamSpec((h,), (None,), "norm.weight", init="ones"),
     }

@@ -1,6 +1,6 @@
 """Markdown table of the compiled decode rows in this folder (and ``bound.json``'s round_bound).
 
-    python benchmarks/results/hw_tables/table.py
+    python benchmarks/results/hw_tables/table.py [RUN ...]   # RUN: folders here (default: all)
 
 Per step = hlo_cost's loops x trip counts (``step_bytes`` / ``step_projected`` of
 ``round_cost.py --compile-only``), per chip; projected ms = max(flops / peak, bytes / HBM
@@ -8,19 +8,21 @@ bandwidth) for the chip of ``--hardware``.
 """
 
 import json
+import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
 
 
-def main() -> None:
+def main(runs: list[str]) -> None:
     bounds = {}
     if (HERE / "bound.json").exists():
         bounds = {(r["size"], r["batch"], r["hardware"]): r for r in json.loads((HERE / "bound.json").read_text())["rows"]}
     print("| hardware | target + DSpark | B | AR GB/step | round GB/step | AR ms | round ms | round/AR "
           "| round_bound | compulsory GB AR / round | temporaries GiB AR / round | peak GiB round (fits) | compile CPU s AR / round |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for path in sorted(HERE.glob("*/round_cost_compiled.json")):
+    paths = [HERE / r / "round_cost_compiled.json" for r in runs] or sorted(HERE.glob("*/round_cost_compiled.json"))
+    for path in paths:
         if path.parent.name.startswith("experiment_"):  # uncommitted-code experiments: README text only
             continue
         for r in json.loads(path.read_text())["rows"]:
@@ -36,4 +38,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import math
 
 import jax
@@ -41,7 +40,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from dspark_jax import nn
+from dspark_jax import hardware, nn
 
 # The kernel's name in the compiled HLO (``backend_config={... name = "..."}`` of the
 # ``__gpu$xla.gpu.triton`` custom call): ``hlo_cost`` counts its flops by it.
@@ -64,7 +63,7 @@ def applies(num_queries: int, head_dim: int, group: int) -> bool:
 @functools.cache
 def cuda_installed() -> bool:
     """Whether this JAX has its CUDA plugin (the ``cuda`` extra: a GPU or compile-only GPU targets)."""
-    return importlib.util.find_spec("jax_cuda12_plugin") is not None
+    return hardware.has_extra("cuda")
 
 
 def _rows(r: int) -> int:

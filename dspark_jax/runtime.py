@@ -78,6 +78,8 @@ from typing import Any, Callable, Mapping, Protocol
 import jax
 import jax.numpy as jnp
 
+from dspark_jax import sharding
+
 BATCH = "batch"      # the request-row axis of every cache / delta leaf
 STEP = "sequence"    # the position (cache) / token (delta) axis
 
@@ -108,7 +110,7 @@ class Context:
     def platform(self) -> str:
         """The platform the forward's program targets: its mesh's devices' (compile-only TPU / GPU
         devices included), else JAX's default backend."""
-        return jax.default_backend() if self.mesh is None else self.mesh.devices.flat[0].platform
+        return sharding.platform_of(self.mesh)
 
     def for_params(self, params) -> "Context":
         """This context with ``dtype`` set (``compute_dtype(params)`` when None)."""

@@ -43,6 +43,12 @@ DEFAULT_RULES: dict[str, object] = {
 }
 
 
+def platform_of(mesh: Mesh | None) -> str:
+    """The platform a program over ``mesh`` is compiled for: its devices' (compile-only TPU / GPU
+    devices included); without a mesh, JAX's default backend."""
+    return jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+
+
 def parse_mesh_spec(spec: str | Mapping[str, int] | None) -> dict[str, int]:
     """``"data=2,fsdp=2,tensor=1"`` -> {"data": 2, "fsdp": 2, "tensor": 1}; -1 = the rest.
     ``expert`` is in the result only when the spec names it."""

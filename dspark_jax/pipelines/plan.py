@@ -174,12 +174,6 @@ def upcast_bytes(hlo_text: str) -> int:
     return total
 
 
-def mesh_platform(mesh: Mesh) -> str:
-    """The platform the program is compiled for: its mesh devices' (compile-only TPU/GPU devices
-    included), not ``jax.default_backend()``."""
-    return mesh.devices.flat[0].platform
-
-
 def compile_plan(name: str, fn: Callable, *abstract_args, platform: str | None = None,
                  **jit_kwargs) -> ProgramPlan:
     """Lower + compile ``fn`` (jitted with ``jit_kwargs`` unless it is jitted already) on
@@ -229,7 +223,7 @@ def plan_train_step(draft_cfg: DraftConfig, target_cfg: TargetConfig, train_cfg:
     program = build_program(draft_cfg, target_cfg, train_cfg, mesh, total_steps=total_steps,
                             weights_dtype=dtype, feature_dtype=dtype)
     plan = compile_plan(f"train_step[{train_cfg.features}]", program.step, *program.abstract_args,
-                        platform=mesh_platform(mesh))
+                        platform=shard_lib.platform_of(mesh))
     sizes = {"params_bytes": tree_bytes_per_device(program.state.params),
              "optimizer_bytes": tree_bytes_per_device(program.state.opt_state),
              "frozen_bytes": tree_bytes_per_device(program.frozen),
@@ -269,7 +263,7 @@ def plan_target_forward(target_cfg, mesh: Mesh, *, batch: int, seq_len: int, tap
         hidden, feats, _ = forward(params, target_cfg, ids, None, ctx=ctx, taps=tuple(taps), span=None)
         return feats, hidden
 
-    plan = compile_plan("target_forward", features, t_abs, tokens, platform=mesh_platform(mesh))
+    plan = compile_plan("target_forward", features, t_abs, tokens, platform=shard_lib.platform_of(mesh))
     return plan, {"target_bytes": tree_bytes_per_device(t_abs), "batch_bytes": tree_bytes_per_device(tokens)}
 
 
@@ -322,7 +316,7 @@ def plan_decode_round(draft_cfg: DraftConfig | None, target_cfg: TargetConfig, m
                                        max_len=max_len), t_abs)
         args = (t_abs, None, abstract(state_shapes, prog.state_sharding(state_shapes)), *temp_stop, None)
         program = types.SimpleNamespace(lower=lambda *a: prog.ar.step.lower(*a, static=static))
-        plan = compile_plan("ar_step", program, *args, platform=mesh_platform(mesh))
+        plan = compile_plan("ar_step", program, *args, platform=shard_lib.platform_of(mesh))
         sizes = {"target_bytes": tree_bytes_per_device(t_abs), "draft_bytes": 0}
     else:
         d_abs, _ = families.abstract_params(draft_cfg, mesh, dtype, prog.rules)
@@ -333,7 +327,7 @@ def plan_decode_round(draft_cfg: DraftConfig | None, target_cfg: TargetConfig, m
         args = (t_abs, d_abs, abstract(state_shapes, prog.state_sharding(state_shapes)), *temp_stop,
                 jax.ShapeDtypeStruct((draft_cfg.block_size,), jnp.float32, sharding=rep))
         program = types.SimpleNamespace(lower=lambda *a: prog.spec.step.lower(*a, static=static))
-        plan = compile_plan("decode_round", program, *args, platform=mesh_platform(mesh))
+        plan = compile_plan("decode_round", program, *args, platform=shard_lib.platform_of(mesh))
         sizes = {"target_bytes": tree_bytes_per_device(t_abs), "draft_bytes": tree_bytes_per_device(d_abs),
                  "draft_context_cache_bytes": tree_bytes_per_device(args[2].ctx)}
     state = args[2]

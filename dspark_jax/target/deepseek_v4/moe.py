@@ -170,8 +170,7 @@ def grouped_swiglu_ragged(cfg, xs: jax.Array, sizes: jax.Array, w1, w3, w2) -> j
 
 
 def default_impl(mesh=None) -> str:
-    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-    return "ragged" if platform == "tpu" else "blocks"
+    return "ragged" if sharding.platform_of(mesh) == "tpu" else "blocks"
 
 
 # ----------------------------------------------------------------------------- sorted

@@ -74,8 +74,8 @@ def test_training_data_is_target_continuations_of_train_split(quick_demo):
         assert row["input_ids"][1:n_prompt] == list(p["text"].encode())
         assert row["loss_mask"] == [0] * n_prompt + [1] * cfg.continuation_tokens
     from dspark_jax.data.eval_datasets import load_dataset
-    from dspark_jax.embedded import pretrain
-    _, heldout = pretrain.split_files(pretrain.stdlib_files(), pretrain.PretrainConfig().heldout_fraction)
+    from dspark_jax.embedded import corpus, pretrain
+    _, heldout = corpus.split_files(corpus.stdlib_files(), pretrain.PretrainConfig().heldout_fraction)
     used = {p["source"].rsplit(":", 1)[0] for p in prompts}
     assert used and not used & set(heldout)
     # the decoded prompts are the held-out ones
@@ -86,8 +86,8 @@ def test_training_data_is_target_continuations_of_train_split(quick_demo):
 
 
 def test_train_prompts_never_use_heldout_files():
-    from dspark_jax.embedded import pretrain
-    _, heldout = pretrain.split_files(pretrain.stdlib_files(), pretrain.PretrainConfig().heldout_fraction)
+    from dspark_jax.embedded import corpus, pretrain
+    _, heldout = corpus.split_files(corpus.stdlib_files(), pretrain.PretrainConfig().heldout_fraction)
     texts = train_prompt_texts(40, min_bytes=16, max_bytes=64, seed=3)
     assert len(texts) == 40
     assert all(16 <= len(t["text"].encode()) <= 64 for t in texts)

@@ -231,16 +231,16 @@ def train_prompt_texts(count: int, *, min_bytes: int, max_bytes: int, seed: int 
     """``count`` prompts of whole consecutive lines cut from the standard library's TRAIN
     files (the held-out split of the default target's pretraining is excluded):
     ``[{"text": str, "source": "rel/path.py:LINE"}]``. Deterministic for a seed."""
-    from dspark_jax.embedded import pretrain
+    from dspark_jax.embedded import corpus, pretrain
 
-    root = Path(root) if root is not None else pretrain.stdlib_dir()
+    root = Path(root) if root is not None else corpus.stdlib_dir()
     heldout_fraction = pretrain.PretrainConfig().heldout_fraction
     try:
         from dspark_jax.embedded.default import default_metadata
         heldout_fraction = default_metadata().get("pretrain_config", {}).get("heldout_fraction", heldout_fraction)
     except Exception:  # metadata is optional; the default fraction is the recipe's
         pass
-    train_files, heldout = pretrain.split_files(pretrain.stdlib_files(root), heldout_fraction)
+    train_files, heldout = corpus.split_files(corpus.stdlib_files(root), heldout_fraction)
     assert not set(train_files) & set(heldout)
     rng = np.random.default_rng(seed)
     out: list[dict] = []

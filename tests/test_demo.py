@@ -170,7 +170,7 @@ def test_report_has_both_tables_degeneracy_and_samples(quick_demo):
     assert "temperature 1 (headline" in text and "temperature 0 (greedy" in text
     assert "degen" in text and " ws" in text and "distinct-4-gram" in text
     # three continuations, each round's accepted draft span marked
-    from dspark_jax.pipelines.demo import SPAN_CLOSE, SPAN_OPEN
+    from dspark_jax.pipelines.demo_report import SPAN_CLOSE, SPAN_OPEN
     samples = report["samples"]
     assert len(samples) == cfg.num_samples == 3
     for smp in samples:
@@ -185,7 +185,7 @@ def test_report_has_both_tables_degeneracy_and_samples(quick_demo):
 
 def test_round_spans_mark_accepted_drafts_and_bonus():
     from dspark_jax.decode import Result
-    from dspark_jax.pipelines.demo import round_spans
+    from dspark_jax.pipelines.demo_report import round_spans
 
     ids = list(b"abcdefgh")
     # prefill token 'a'; round 1 accepts 2 drafts 'bc' + bonus 'd'; round 2 none + bonus 'e';

@@ -24,8 +24,8 @@ from dspark_jax import params as params_lib
 from dspark_jax.config import DraftConfig, TargetConfig
 from dspark_jax.convert import bounded, dspark_v4, foreign, mapping, quant, safetensors_io
 from dspark_jax.convert.formats import (FORMAT_VERSION, META_NAME, PARAMS_DIR, cast_tree, check_params,
-                                        config_from_hf, detect_format, detect_kind, np_dtype, read_json_object, read_meta,
-                                        text_config, tree_dtype, validated_torch)
+                                        config_from_hf, detect_format, detect_kind, np_dtype, read_json_object,
+                                        read_meta, text_config, tree_dtype, validated_torch)
 from dspark_jax.errors import CheckpointError, ConfigError, InputError
 from dspark_jax.fileio import atomic_dir
 

@@ -1,10 +1,11 @@
 """Speed tables of the verification scheduler: token SPS tables, round tables, and their fits.
 
-What the scheduler reads about the target's speed, measured by ``decode.profile`` and stored as JSON.
+What the scheduler reads about the target's speed, measured by ``decode.profile`` and stored as
+JSON.
 
-SPS tables (:class:`SPSTable`): verification steps per second vs tokens per forward. A raw table (``interp="sps"``) interpolates SPS linearly between measured batch sizes,
-clamps below the smallest and beyond the largest assumes a constant token rate
-(``SPS(B) = SPS(Bmax) * Bmax / B``).
+SPS tables (:class:`SPSTable`): verification steps per second vs tokens per forward. A raw table
+(``interp="sps"``) interpolates SPS linearly between measured batch sizes, clamps below the
+smallest and beyond the largest assumes a constant token rate (``SPS(B) = SPS(Bmax) * Bmax / B``).
 
 Fitted tables (:func:`fit_sps`, :meth:`SPSTable.fitted`). A measured SPS curve is a latency
 curve ``L(B) = 1 / SPS(B)``: physically non-decreasing in B and, for a roofline-limited

@@ -122,14 +122,24 @@ def heldout_prompts(count: int, *, root: Path | None = None, max_bytes: int = 32
             lines = (root / rel).read_text(encoding="utf-8").splitlines(keepends=True)
         except (OSError, UnicodeDecodeError):
             continue
-        if len(lines) < 4:
-            continue
-        start = int(rng.integers(0, len(lines) - 2))
-        text, end = "", start
-        while end < len(lines) and len((text + lines[end]).encode()) <= max_bytes:
-            text += lines[end]
-            end += 1
-        if len(text.encode()) < min_bytes or not text.strip():
-            continue
-        out.append({"turns": [text], "source": f"{rel}:{start + 1}"})
+        cut = cut_lines(lines, rng, min_bytes, max_bytes)
+        if cut is not None:
+            out.append({"turns": [cut[0]], "source": f"{rel}:{cut[1] + 1}"})
     return out
+
+
+def cut_lines(lines: Sequence[str], rng: np.random.Generator, min_bytes: int, max_bytes: int
+              ) -> tuple[str, int] | None:
+    """Whole consecutive ``lines`` (with their newlines) from a random start line, at most
+    ``max_bytes`` UTF-8 bytes: ``(text, start index)``; None for a file of fewer than 4 lines (no
+    draw from ``rng``) or a cut shorter than ``min_bytes`` or blank."""
+    if len(lines) < 4:
+        return None
+    start = int(rng.integers(0, len(lines) - 2))
+    text, end = "", start
+    while end < len(lines) and len((text + lines[end]).encode()) <= max_bytes:
+        text += lines[end]
+        end += 1
+    if len(text.encode()) < min_bytes or not text.strip():
+        return None
+    return text, start

@@ -255,17 +255,9 @@ def train_prompt_texts(count: int, *, min_bytes: int, max_bytes: int, seed: int 
                 cache[rel] = (root / rel).read_text(encoding="utf-8").splitlines(keepends=True)
             except (OSError, UnicodeDecodeError):
                 cache[rel] = []
-        lines = cache[rel]
-        if len(lines) < 4:
-            continue
-        start = int(rng.integers(0, len(lines) - 2))
-        text, end = "", start
-        while end < len(lines) and len((text + lines[end]).encode()) <= max_bytes:
-            text += lines[end]
-            end += 1
-        if len(text.encode()) < min_bytes or not text.strip():
-            continue
-        out.append({"text": text, "source": f"{rel}:{start + 1}"})
+        cut = corpus.cut_lines(cache[rel], rng, min_bytes, max_bytes)
+        if cut is not None:
+            out.append({"text": cut[0], "source": f"{rel}:{cut[1] + 1}"})
     if len(out) < count:
         raise InputError(f"could only cut {len(out)} of {count} training prompts of {min_bytes}..{max_bytes} "
                          f"bytes from {root}")

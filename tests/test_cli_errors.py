@@ -298,7 +298,7 @@ CASES = {
         "export_dir"),
     ("train", "output-dir-foreign"): (
         lambda d: (_tokens(d), _w(d / "run" / "notes.txt", "mine"), _w(d / "run" / "metrics.jsonl", "{}\n"),
-                   ["train", "--config", str(_config(d))])[3], "not one of ours"),
+                   ["train", "--config", str(_config(d))])[3], "not one dspark-jax wrote"),
     ("data-regenerate", "out-is-data-force"): (
         lambda d: ["data", "regenerate", "--target", str(TARGET), "--data", str(_w(d / "chat.jsonl", '{"prompt": "hi"}\n')),
                    "--out", str(d / "chat.jsonl"), "--force"], "is the input --data"),

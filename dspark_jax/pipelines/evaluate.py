@@ -25,7 +25,7 @@ import numpy as np
 
 from dspark_jax.decode.settings import DecodeOptions, resolve
 from dspark_jax.errors import InputError
-from dspark_jax.fileio import atomic_open, dumps, iter_jsonl, json_safe, write_json
+from dspark_jax.fileio import atomic_open, dumps, iter_jsonl, json_safe, mark_dir, write_json
 
 RESULT_FILE = "eval.json"
 
@@ -341,6 +341,7 @@ def _print_report(summaries: Mapping[str, Mapping], printer) -> None:
 def _write_outputs(out: Path, report: dict, all_results: Mapping, prompts_by_ds: Mapping) -> dict:
     """results/<dataset>.jsonl, PNGs and tb/ under ``out``; returns {name: path}."""
     out.mkdir(parents=True, exist_ok=True)
+    mark_dir(out, "eval")
     files = {}
     for name, results in all_results.items():
         extra = [{"dataset": name, "index": p.index, "line": p.line} for p in prompts_by_ds[name]]

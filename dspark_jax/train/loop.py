@@ -41,7 +41,7 @@ from dspark_jax.convert.identity import target_identity
 from dspark_jax.data import chat, pipeline, reference_cache, sources
 from dspark_jax import families, interrupt
 from dspark_jax.errors import CheckpointError, ConfigError, DSparkError, InputError
-from dspark_jax.fileio import atomic_open, check_not_input, check_output, dumps, write_json
+from dspark_jax.fileio import atomic_open, check_output, dumps, mark_dir, write_json
 from dspark_jax.tokenizer import load_tokenizer
 from dspark_jax.train import optim
 from dspark_jax.train.config import TrainConfig
@@ -222,6 +222,7 @@ def _write_run_record(out: Path, record: dict, is_main: bool) -> None:
     """``run.json`` (atomic, process 0)."""
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
+        mark_dir(out, "train")
         write_json(out / "run.json", record, indent=1)
 
 
@@ -231,9 +232,9 @@ def setup(cfg: TrainConfig, *, fast_compile: bool = False, force_resume: bool = 
     inputs = ({f: getattr(cfg, f) for f in ("target", "draft_init", "data", "tokenizer")}
               | {"cache_dir": cfg.cache_dir if cfg.features == "cache" else None})
     check_output(cfg.output_dir, kind="dir", flag="output_dir", marker=("run.json", "checkpoints"),
-                 inputs=inputs)
-    if cfg.export_dir:  # replaced at the end of the run: never an input
-        check_not_input(cfg.export_dir, inputs, flag="export_dir")
+                 inputs=inputs, reuse=True)
+    if cfg.export_dir:  # replaced at the end of the run: never an input, a folder of ours
+        check_output(cfg.export_dir, kind="dir", flag="export_dir", force=True, inputs=inputs)
     target_cfg, target_params = ckpt_io.load_target(cfg.target)
     draft_cfg, params = load_drafter(cfg, target_cfg, target_params)
     if jax.process_index() == 0:

@@ -59,6 +59,9 @@ def run(args) -> int:
 
     check_output(args.dst, force=args.force, kind="dir", flag="DST",
                  inputs={"DRAFT": args.draft, "--sps": args.sps, "--target": args.target})
+    if args.target:
+        from dspark_jax.pairing import check_pair_paths
+        check_pair_paths(args.target, args.draft, draft_flag="DRAFT")
     summary = engines.export_draft(args.draft, args.dst, args.engine, force=args.force, sps=args.sps,
                                    target=args.target)
     print(f"wrote {args.engine} drafter ({summary['architecture']}, {summary['tensors']} tensors, "

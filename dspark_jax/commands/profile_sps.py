@@ -147,6 +147,8 @@ def _run_rounds(args, out, mesh) -> int:
     sizes = (_parse_ints(args.batch_sizes, "--batch-sizes") if args.batch_sizes
              else profile.default_round_batches(args.max_batch))
     widths = _parse_ints(args.widths, "--widths") if args.widths else None
+    from dspark_jax.pairing import check_pair_paths
+    check_pair_paths(args.target, args.draft)
     tcfg, tparams = checkpoint.load_target(args.target)
     dcfg, dparams = checkpoint.load_draft(args.draft, target_params=tparams)
     if args.dtype:

@@ -406,6 +406,8 @@ def evaluate(target, draft, datasets=None, *, data_dir=None, max_samples: int | 
     for flag, d in (("--target", target), ("--draft", draft)):
         if not d.is_dir():
             raise InputError(f"{flag} {str(d)!r} is not a directory")
+    from dspark_jax.pairing import check_pair_paths
+    check_pair_paths(target, draft)
     if datasets is None:
         datasets = default_datasets(target)
     prompts_by_ds = load_datasets(datasets, data_dir, max_samples=max_samples)

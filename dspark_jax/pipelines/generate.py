@@ -34,6 +34,9 @@ def generate(target, prompts_file, out, *, draft=None, options: DecodeOptions = 
 
     out = check_output(out, force=force, inputs={"--target": target, "--draft": draft,
                                                  "--prompts": prompts_file, "--sps": options.sps_table})
+    if draft:
+        from dspark_jax.pairing import check_pair_paths
+        check_pair_paths(target, draft)
     target_dir = Path(target)
     tokenizer = load_tokenizer(target_dir) if target_dir.is_dir() else None
     encode = None

@@ -41,6 +41,7 @@ from dspark_jax.convert.identity import target_identity
 from dspark_jax.data import chat, pipeline, reference_cache, sources
 from dspark_jax import families, interrupt
 from dspark_jax.errors import CheckpointError, ConfigError, DSparkError, InputError
+from dspark_jax.pairing import check_pair_paths
 from dspark_jax.fileio import atomic_open, check_output, dumps, mark_dir, write_json
 from dspark_jax.tokenizer import load_tokenizer
 from dspark_jax.train import optim
@@ -235,6 +236,8 @@ def setup(cfg: TrainConfig, *, fast_compile: bool = False, force_resume: bool = 
                  inputs=inputs, reuse=True)
     if cfg.export_dir:  # replaced at the end of the run: never an input, a folder of ours
         check_output(cfg.export_dir, kind="dir", flag="export_dir", force=True, inputs=inputs)
+    if cfg.draft_init and Path(cfg.target).is_dir():  # before the target's weights are read
+        check_pair_paths(cfg.target, cfg.draft_init, target_flag="target", draft_flag="draft_init")
     target_cfg, target_params = ckpt_io.load_target(cfg.target)
     draft_cfg, params = load_drafter(cfg, target_cfg, target_params)
     if jax.process_index() == 0:

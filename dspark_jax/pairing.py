@@ -20,11 +20,12 @@ def stored_config(path, kind: str):
     files only (``config.json`` or the project format's metadata; a DeepSeek-V4 checkpoint's
     in-checkpoint module as a drafter). ConfigError / CheckpointError naming the file."""
     from dspark_jax.convert import checkpoint as ckpt
-    from dspark_jax.convert import dspark_v4
+    from dspark_jax.convert import dspark_v4, module_io
 
     p = Path(path)
-    if kind == "draft" and dspark_v4.holds_module(p):
-        return dspark_v4.read_config(p)
+    module = module_io.module_dir(p) if kind == "draft" else None
+    if module is not None:
+        return dspark_v4.read_config(module)
     if ckpt.detect_format(p) == "jax":
         meta = ckpt._read_meta(p)
         return ckpt._config_from_hf(kind, meta["config"], f"{p / ckpt.META_NAME} 'config'")

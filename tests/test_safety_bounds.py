@@ -71,3 +71,13 @@ def test_non_finite_features_are_refused():
     last[1, 2, 0] = np.nan
     with pytest.raises(CheckpointError, match="not finite .*record 6"):
         _check_finite(taps, last, [5, 6])
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["--devices", HUGE], rf"--devices {HUGE} needs about [\d.]+ GiB .* at most --devices \d+"),
+    (["--mesh", "fsdp=0"], r"--mesh 'fsdp=0': axis fsdp=0 must be >= 1"),
+])
+def test_plan_devices_and_mesh_checked_before_devices_exist(args, expect, capsys):
+    assert cli.main(["plan", "--target", "Qwen/Qwen3-4B", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(expect, err[0]), err

@@ -114,8 +114,13 @@ def _print_target(args) -> int:
         print(f"  quantized: {q} (scales {', '.join(info['scale_dtypes'])})")
     else:
         print("  quantized: none (stored unquantized)")
-    a = info["aside"]
-    if a["tensors"]:
+    a, m = info["aside"], info.get("module")
+    if m and m["problem"]:
+        print(f"  module tensors (mtp.*): BROKEN: {m['problem']}")
+    elif m:
+        print(f"  module tensors (mtp.*): {m['tensors']} in {m['where']} ({m['bytes']:,} bytes), shapes and "
+              "dtypes as declared; `--draft` reads them")
+    elif a["tensors"]:
         print(f"  kept aside: {a['tensors']} mtp.* tensors ({a['bytes']:,} bytes), DSpark stages {a['mtp_stages']}")
     else:
         print("  no mtp.* tensors")
@@ -126,4 +131,7 @@ def _print_target(args) -> int:
               f"window {d['window']}, noise token {d['noise_token_id']}, experts {d['experts']}")
     else:
         print("  DSpark module: none (no dspark_* keys)")
+    if m and m["problem"]:
+        from dspark_jax.errors import CheckpointError
+        raise CheckpointError(f"{args.ckpt}: its module is broken: {m['problem']}")
     return 0

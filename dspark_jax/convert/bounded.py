@@ -35,7 +35,7 @@ import numpy as np
 from dspark_jax import families
 from dspark_jax import params as params_lib
 from dspark_jax.convert import checkpoint as ckpt
-from dspark_jax.convert import quant, safetensors_io
+from dspark_jax.convert import module_io, quant, safetensors_io
 from dspark_jax.errors import CheckpointError, InputError, warn
 
 
@@ -320,14 +320,22 @@ def convert_bounded(src, dst, *, to: str | None = None, force: bool = False, all
                                       "(pass --allow-nonfinite to convert it unchanged)")
 
     family = families.for_config(source.config)
+    module = module_io.read_module(src_p, lambda name, a: finite(_Unit(name, ("module", name), None, ()), a)) \
+        if kind == "target" else None
     with ckpt.atomic_dir(dst_p, force=force) as tmp:
         if to == "torch":
             _write_torch(tmp, source, units, dtypes, config=out_config, qplan=qplan, max_shard_size=max_shard_size,
                          stats=stats, finite=finite)
         else:
             _write_jax(tmp, source, units, dtypes, stats=stats, finite=finite)
-        ckpt._write_aside(tmp, src_p, family)
+        if module is not None:  # the checkpoint's own module: carried, not put aside
+            module_io.write_module(tmp, to, module, json.loads((tmp / "config.json").read_text())
+                                   if to == "torch" else {})
+        else:
+            ckpt._write_aside(tmp, src_p, family)
         for name in ckpt.SIDECAR_FILES:
+            if module is not None and name == ckpt.ASIDE_NAME:
+                continue
             if (src_p / name).is_file() and not (tmp / name).exists():
                 shutil.copy2(src_p / name, tmp / name)
     if bad:

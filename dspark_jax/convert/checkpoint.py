@@ -328,13 +328,10 @@ def load_draft(path, dtype=None, *, allow_pickle: bool = False,
 
     ``dtype`` None keeps the stored dtype; 'float32'/'bfloat16' casts.
     """
-    from dspark_jax.convert import dspark_v4  # it imports this module
-    if dspark_v4.holds_module(path):
-        cfg, params = dspark_v4.load_module(path, shared=target_params is None)
-        params = _cast_tree(params, _np_dtype(dtype), cfg)
-        if target_params is not None:
-            params = dspark_v4.with_target(params, target_params)
-        return cfg, params
+    from dspark_jax.convert import module_io  # it imports this module
+    if module_io.module_dir(path) is not None:  # a checkpoint's own module (either format)
+        cfg, params = module_io.load_module_draft(path, target_params)
+        return cfg, _cast_tree(params, _np_dtype(dtype), cfg)
     cfg, _, params = _load("draft", path, dtype, allow_pickle)
     return cfg, params
 

@@ -437,6 +437,18 @@ def _write_aside(tmp: Path, src: Path, family: Family) -> None:
              f"{family.name} model; kept unchanged in {ASIDE_NAME}")
 
 
+def nonfinite(params) -> list[str]:
+    """Paths ("a/b/kernel") of the float leaves of ``params`` holding NaN/inf, in tree order:
+    what ``convert`` refuses, so what ``export`` and ``inspect`` refuse too."""
+    from flax import traverse_util
+    bad = []
+    for path, a in traverse_util.flatten_dict(dict(params)).items():
+        a = np.asarray(a)
+        if a.dtype.kind in "fV" and not np.isfinite(a.astype(np.float32)).all():
+            bad.append("/".join(map(str, path)))
+    return bad
+
+
 def describe(path) -> dict:
     """A JSON-able summary of a checkpoint directory: format, kind, dtype, files, param count."""
     p = Path(path)

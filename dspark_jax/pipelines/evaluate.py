@@ -413,6 +413,9 @@ def evaluate(target, draft, datasets=None, *, data_dir=None, max_samples: int | 
     prompts_by_ds = load_datasets(datasets, data_dir, max_samples=max_samples)
     tokenizer = load_tokenizer(target, required=True)
     settings = resolve(options, target, draft, tokenizer)
+    from dspark_jax.decode.settings import check_verify_block
+    from dspark_jax.pairing import stored_config
+    check_verify_block(options, settings.policy, stored_config(draft, "draft").block_size)
     from dspark_jax.decode.sharded import make_decode_mesh
     make_decode_mesh(options.mesh)  # a mesh needing more devices than exist: ConfigError now
     encoded = {name: [encode_prompt(tokenizer, p.text, raw=options.raw_prompt, thinking=options.thinking)

@@ -41,7 +41,7 @@ from dspark_jax.convert.identity import target_identity
 from dspark_jax.data import chat, pipeline, reference_cache, sources
 from dspark_jax import families, interrupt
 from dspark_jax.errors import CheckpointError, ConfigError, DSparkError, InputError
-from dspark_jax.pairing import check_pair_paths
+from dspark_jax.pairing import check_pair_paths, stored_config
 from dspark_jax.fileio import atomic_open, check_output, dumps, mark_dir, write_json
 from dspark_jax.tokenizer import load_tokenizer
 from dspark_jax.train import optim
@@ -239,11 +239,13 @@ def setup(cfg: TrainConfig, *, fast_compile: bool = False, force_resume: bool = 
     if cfg.draft_init and Path(cfg.target).is_dir():  # before the target's weights are read
         check_pair_paths(cfg.target, cfg.draft_init, target_flag="target", draft_flag="draft_init")
     target_cfg, target_params = ckpt_io.load_target(cfg.target)
+    planned = stored_config(cfg.draft_init, "draft") if cfg.draft_init else cfg.draft_config(target_cfg)
+    source = load_source(cfg, target_cfg, planned, target_params)  # the data, before the drafter's init
+    sources.check_trainable(source, cfg.max_length, what=f"data {cfg.data!r}")
     draft_cfg, params = load_drafter(cfg, target_cfg, target_params)
     if jax.process_index() == 0:
         for line in engines.serving_warnings(draft_cfg, cfg.serve_engines):
             print(f"warning: this drafter {line}", file=sys.stderr)
-    source = load_source(cfg, target_cfg, draft_cfg, target_params)
     total_steps, epochs = _step_counts(cfg, len(source))
     out = Path(cfg.output_dir).absolute()
     identity = run_identity(cfg, draft_cfg, target_identity(target_cfg, target_params), total_steps)

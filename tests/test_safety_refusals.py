@@ -73,3 +73,13 @@ def test_training_data_without_a_trainable_position_refused(tmp_path, capsys):
             return self.rows[i]["input_ids"], self.rows[i]["loss_mask"]
 
     check_trainable(Rows(rows), 6)  # the third row trains within 6 tokens
+
+
+def test_nan_ue8m0_scale_is_nan_without_a_numpy_warning():
+    import warnings
+
+    from dspark_jax.convert import quant
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        v = quant.scale_values(np.array([127, 128, 0xFF], np.uint8))
+    assert v[0] == 1 and v[1] == 2 and np.isnan(v[2])

@@ -396,11 +396,12 @@ def _non_finite(run: Run, mgr, step: int, metrics: dict) -> NonFiniteLossError:
         "Lower optimizer.learning_rate or check the data.")
 
 
-def _save(run: Run, mgr, step: int, state, data_iter, log: "_Log") -> None:
-    """Checkpoint every ``checkpoint.every`` steps and at the last step (TensorBoard flushed
-    first, so a killed run's events reach the restored step)."""
+def _save(run: Run, mgr, step: int, state, data_iter, log: "_Log", *, now: bool = False) -> None:
+    """Checkpoint every ``checkpoint.every`` steps, at the last step and, ``now``, at this one (the
+    step a Ctrl-C stops at: its work is kept, not redone from the last periodic checkpoint);
+    TensorBoard flushed first, so a killed run's events reach the restored step."""
     every = run.cfg.checkpoint.every
-    if not every or (step % every and step != run.total_steps):
+    if not now and (not every or (step % every and step != run.total_steps)):
         return
     log.flush()
     mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
@@ -428,6 +429,8 @@ def iterate(run: Run, state, start: int, mgr, data_iter, log: _Log):
             raise _non_finite(run, mgr, it + 1, metrics)
         log.add(it + 1, metrics, row)
         _save(run, mgr, it + 1, state, data_iter, log)
+        if interrupt.requested() and run.cfg.checkpoint.every and mgr.latest_step() != it + 1:
+            _save(run, mgr, it + 1, state, data_iter, log, now=True)  # the step Ctrl-C stops at
         interrupt.check()
     mgr.wait_until_finished()
     return state

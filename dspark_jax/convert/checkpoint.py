@@ -330,8 +330,8 @@ def load_draft(path, dtype=None, *, allow_pickle: bool = False,
     """
     from dspark_jax.convert import module_io  # it imports this module
     if module_io.module_dir(path) is not None:  # a checkpoint's own module (either format)
-        cfg, params = module_io.load_module_draft(path, target_params)
-        return cfg, _cast_tree(params, _np_dtype(dtype), cfg)
+        return module_io.load_module_draft(path, target_params,
+                                           cast=lambda p, c: _cast_tree(p, _np_dtype(dtype), c))
     cfg, _, params = _load("draft", path, dtype, allow_pickle)
     return cfg, params
 

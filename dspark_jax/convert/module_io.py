@@ -16,7 +16,6 @@ opaque ``aside`` bytes. Where it lives:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Callable
@@ -79,9 +78,10 @@ def write_module(tmp: Path, to: str, module, out_hf: dict) -> None:
     (tmp / "config.json").write_text(json.dumps({**hf, **cfg.hf_fields()}, indent=2, sort_keys=True) + "\n")
 
 
-def load_module_draft(path, target_params=None):
-    """(config, params) of the module of ``path`` as a drafter (``checkpoint.load_draft``'s), sharing
-    ``target_params``' embedding and head (else the checkpoint's own target's)."""
+def load_module_draft(path, target_params=None, cast=lambda params, cfg: params):
+    """(config, params) of the module of ``path`` as a drafter (``checkpoint.load_draft``'s):
+    ``cast(params, cfg)`` (a dtype) applied to the module's own tensors, then ``target_params``'
+    embedding and head shared as they are (no copy; else the checkpoint's own target's)."""
     from dspark_jax.convert import dspark_v4
     from dspark_jax.convert.checkpoint import load_target
     d = module_dir(path)
@@ -90,10 +90,11 @@ def load_module_draft(path, target_params=None):
     else:  # project format: the module alone; the target's params come from beside it
         cfg, params = dspark_v4.load_module(d)
         if target_params is None:
-            target_params = load_target(path)[1]
+            return cfg, cast(dspark_v4.with_target(params, load_target(path)[1]), cfg)
+    params = cast(params, cfg)
     if target_params is not None:
         params = dspark_v4.with_target(params, target_params)
-    return dataclasses.replace(cfg), params
+    return cfg, params
 
 
 def describe_module(path) -> dict | None:

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import shutil
+import stat
 import tempfile
 import uuid
 from pathlib import Path
@@ -52,6 +53,109 @@ def remove_stale_temps(path) -> list[Path]:
     return removed
 
 
+OUTPUT_MARKER = ".dspark-jax.json"  # written into every folder the project writes (``mark_dir``)
+
+
+def path_kind(path) -> str | None:
+    """What ``path`` itself is, in words for a refusal ("a symbolic link", "a FIFO", ...), from
+    ``lstat`` (a link is not followed); None when nothing is there."""
+    try:
+        mode = os.lstat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    for test, words in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"),
+                        (stat.S_ISREG, "a regular file"), (stat.S_ISCHR, "a character device"),
+                        (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                        (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return words
+    return "a special file"
+
+
+def read_marker(d) -> dict | None:
+    """The project's marker of folder ``d`` (``{"written_by", "what", "entries"}``), None if absent
+    or unreadable (a foreign or broken marker is treated as none)."""
+    try:
+        m = json.loads((Path(d) / OUTPUT_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return m if isinstance(m, dict) and m.get("written_by") == "dspark-jax" else None
+
+
+def mark_dir(d, what: str, entries: Iterable[str] | None = None) -> Path:
+    """Write the marker into folder ``d``: it was written by ``what`` (a command). ``entries``: the
+    top-level names written (a folder replaced whole by ``atomic_dir``); None for a folder written
+    incrementally (a run, an evaluation), whose names accumulate in the marker as it is re-marked."""
+    d = Path(d)
+    old = read_marker(d) or {}
+    names = None if entries is None else sorted(set(entries) - {OUTPUT_MARKER})
+    if names is None and old.get("entries") is not None:
+        names = old["entries"]
+    text = dumps({"written_by": "dspark-jax", "what": what, "entries": names}) + "\n"
+    if old != json.loads(text):  # unchanged: not rewritten (a resumed run's files keep their mtimes)
+        (d / OUTPUT_MARKER).write_text(text)
+        (d / OUTPUT_MARKER).chmod(0o644)
+    return d
+
+
+def _listing(path: Path, shown: str) -> list[str]:
+    try:
+        return sorted(p.name for p in path.iterdir())
+    except OSError as e:
+        raise InputError(f"{shown}: cannot list it ({e.strerror})") from None
+
+
+def _few(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+
+
+def check_replaceable(path, *, kind: str = "file", force: bool = False, shown: str | None = None,
+                      legacy: tuple[str, ...] = (), reuse: bool = False) -> Path:
+    """The one output rule (every writing command, before any work): ``path`` is written only if
+    it does not exist, or it is a regular file (``kind="file"``) / a folder this project wrote
+    (``kind="dir"``: empty, or holding ``OUTPUT_MARKER`` or one of ``legacy``'s names), and then
+    only with ``force`` (``reuse``: a folder of ours or an empty one is taken as is, e.g. a run to
+    resume).
+    Refused whatever ``force`` says, one InputError line naming the path and what it is: a symbolic
+    link, a device, a FIFO, a socket; the working directory or a folder holding it; a file where a
+    folder is written or the reverse; a folder of other files; a folder of ours holding names its
+    marker does not list (replacing it would delete files the project did not write)."""
+    path = Path(path)
+    shown = shown or repr(str(path))
+    what = path_kind(path)
+    if what is None:
+        return path
+    if what not in ("a directory", "a regular file"):
+        raise InputError(f"{shown} is {what}; refused (only a new path, a regular file or a folder "
+                         "dspark-jax wrote is ever replaced); choose another path")
+    if what == "a directory":
+        real, cwd = Path(os.path.realpath(path)), Path(os.path.realpath(os.getcwd()))
+        if real == cwd or real in cwd.parents:
+            raise InputError(f"{shown} is {'the working directory' if real == cwd else 'a folder holding the working directory'}"
+                             "; refused (it would be replaced); choose a new folder")
+    if kind == "file":
+        if what == "a directory":
+            raise InputError(f"{shown} is a directory; give a file path")
+    elif what == "a regular file":
+        raise InputError(f"{shown} is a file; give a directory path")
+    else:
+        names = _listing(path, shown)
+        marker = read_marker(path)
+        if names and marker is None and not set(legacy) & set(names):
+            raise InputError(f"{shown} is a folder of other files ({_few(names)}), not one dspark-jax "
+                             f"wrote (no {OUTPUT_MARKER}); refused even with --force: choose a new or empty folder")
+        if reuse:
+            return path
+        listed = (marker or {}).get("entries")
+        foreign = [n for n in names if n != OUTPUT_MARKER and listed is not None and n not in listed]
+        if force and foreign:
+            raise InputError(f"{shown} holds files dspark-jax did not write ({_few(foreign)}); --force "
+                             "would delete them: move them out or choose another folder")
+    if not force:
+        raise InputError(f"{shown} already exists (destination exists: pass --force to replace it)")
+    return path
+
+
 @contextlib.contextmanager
 def atomic_open(path, *, force: bool = True, mode: int = 0o644) -> Iterator[IO[str]]:
     """Write a text file atomically: a temp file next to ``path``, renamed on success.
@@ -60,8 +164,7 @@ def atomic_open(path, *, force: bool = True, mode: int = 0o644) -> Iterator[IO[s
     error the temp file is removed and ``path`` is untouched.
     """
     path = Path(path)
-    if path.exists() and not force:
-        raise InputError(f"{path}: exists; pass --force to overwrite it")
+    check_replaceable(path, kind="file", force=force, shown=str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(path)
     fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(path), dir=str(path.parent))
@@ -77,17 +180,18 @@ def atomic_open(path, *, force: bool = True, mode: int = 0o644) -> Iterator[IO[s
 
 @contextlib.contextmanager
 def atomic_dir(dst, *, force: bool = False, make_parents: bool = True,
-               mode: int | None = None) -> Iterator[Path]:
+               mode: int | None = None, what: str = "dspark-jax") -> Iterator[Path]:
     """Yield a fresh temp dir next to ``dst``; on success it replaces ``dst`` (a rename).
 
-    Refuses an existing ``dst`` unless ``force`` (InputError); ``make_parents`` (default)
+    An existing ``dst`` is replaced only under the output rule (``check_replaceable``: a folder
+    of ours, with ``force``); the new folder gets the marker listing its entries
+    (``mark_dir(what=what)``). ``make_parents`` (default)
     creates missing parent directories, else the parent must exist; ``mode`` chmods the new
     directory. On any error the temp dir (and the parents it created) are removed and
     ``dst`` is left untouched.
     """
     dst = Path(dst).absolute()
-    if (dst.exists() or dst.is_symlink()) and not force:
-        raise InputError(f"{dst}: destination exists; pass --force to replace it")
+    check_replaceable(dst, kind="dir", force=force, shown=str(dst))
     created = []
     if make_parents:
         parent = dst.parent
@@ -106,6 +210,7 @@ def atomic_dir(dst, *, force: bool = False, make_parents: bool = True,
         if mode is not None:
             tmp.chmod(mode)
         yield tmp
+        mark_dir(tmp, what, [p.name for p in tmp.iterdir()])
         if dst.exists() or dst.is_symlink():
             old = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:8]}"
             os.replace(dst, old)
@@ -200,39 +305,25 @@ def check_not_input(path, inputs, *, flag: str = "--out") -> None:
 
 
 def check_output(path, *, force: bool = False, kind: str = "file", flag: str = "--out",
-                 inputs=(), marker: str | tuple[str, ...] | None = None) -> Path:
+                 inputs=(), marker: str | tuple[str, ...] | None = None, reuse: bool = False) -> Path:
     """Validate an output path before any work starts; returns it as a Path.
 
     ``kind`` is "file" or "dir" (what the command writes there). Refused (InputError, one
     line naming ``flag`` and the path): an output that is, contains or lies inside one of
-    ``inputs`` ({flag: path} or paths; ``check_not_input``) with or without ``force``; a file
-    output that is an existing directory (or a dir output that is an existing file); an
-    existing path without ``force``; a parent that is not a writable directory. With
-    ``marker`` (a run directory: train's ``run.json``; a name or a tuple of names) an existing
-    directory is accepted without ``force`` when it is empty or holds a ``marker`` (one of
-    ours), else refused even with ``force``.
+    ``inputs`` ({flag: path} or paths; ``check_not_input``) with or without ``force``; what the
+    output rule refuses (``check_replaceable``: links, devices, FIFOs, sockets, the working
+    directory, folders of other files, an existing path without ``force``); a parent that is not
+    a writable directory. ``marker``: names (besides ``OUTPUT_MARKER``) that make a folder one
+    of ours (train's ``run.json``); ``reuse``: a folder of ours is accepted without ``force``
+    (the command resumes it or decides itself, e.g. a train run, an evaluation, a demo).
     """
     path = Path(path)
     shown = f"{flag} {str(path)!r}"
     check_not_input(path, inputs, flag=flag)
-    if kind == "file" and path.is_dir():
-        raise InputError(f"{shown} is a directory; give a file path")
-    if kind == "dir" and path.exists() and not path.is_dir():
-        raise InputError(f"{shown} is a file; give a directory path")
-    if marker is not None and path.is_dir():
-        try:
-            entries = [p.name for p in path.iterdir()]
-        except OSError as e:
-            raise InputError(f"{shown}: cannot list it ({e.strerror})") from None
-        markers = (marker,) if isinstance(marker, str) else tuple(marker)
-        if entries and not set(markers) & set(entries):
-            raise InputError(f"{shown} is a non-empty directory without {markers[0]} (not one of ours: "
-                             f"holds {', '.join(sorted(entries)[:3])}{', ...' if len(entries) > 3 else ''}); "
-                             "choose an empty or new directory")
-    elif (path.exists() or path.is_symlink()) and not force:
-        raise InputError(f"{shown} already exists (destination exists: pass --force to replace it)")
+    legacy = () if marker is None else (marker,) if isinstance(marker, str) else tuple(marker)
+    check_replaceable(path, kind=kind, force=force, shown=shown, legacy=legacy, reuse=reuse)
     resolved = path.absolute().resolve()
-    parent = resolved.parent if not (marker is not None and resolved.is_dir()) else resolved
+    parent = resolved if (reuse and resolved.is_dir()) else resolved.parent  # where the writes land
     while not parent.exists():  # the command creates missing parents
         parent = parent.parent
     if not parent.is_dir():

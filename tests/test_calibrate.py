@@ -1,6 +1,7 @@
 """STS calibration (per-position temperatures): held-out ECE drops, AUROC kept; metrics; logs; CLI."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -126,7 +127,11 @@ def test_reliability_plot_says_held_out_or_in_sample(tmp_path):
     assert "held-out rounds" in info["title"] and info["title"].startswith("drafter: 200 ")
     labels = info["legend"]
     assert any(lab.startswith("STS held out (fit on 200 other rounds)") for lab in labels)
-    assert any(lab.startswith("raw ECE") for lab in labels)
+    assert "raw" in labels and len(labels) == 6  # one legend for the figure
+    assert "STS fitted on 200 others" in info["title"]
+    assert len(info["panels"]) == many.block_size and all(
+        re.match(r"position \d: n=\d+ rounds reach it\nECE raw [\d.]+% -> STS [\d.]+%$", t) for t in info["panels"])
+    assert info["panels"][0].startswith("position 1: n=200 ")  # every held-out round reaches position 1
     assert "rounds per bin (raw, right axis)" in labels and "perfect calibration" in labels
     assert "rounds per bin (STS, right axis)" in labels
     assert f"hollow: bin of < {C.MIN_BIN_ROUNDS} rounds (not joined)" in labels

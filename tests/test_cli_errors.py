@@ -298,7 +298,7 @@ CASES = {
         "export_dir"),
     ("train", "output-dir-foreign"): (
         lambda d: (_tokens(d), _w(d / "run" / "notes.txt", "mine"), _w(d / "run" / "metrics.jsonl", "{}\n"),
-                   ["train", "--config", str(_config(d))])[3], "not one of ours"),
+                   ["train", "--config", str(_config(d))])[3], "not one dspark-jax wrote"),
     ("data-regenerate", "out-is-data-force"): (
         lambda d: ["data", "regenerate", "--target", str(TARGET), "--data", str(_w(d / "chat.jsonl", '{"prompt": "hi"}\n')),
                    "--out", str(d / "chat.jsonl"), "--force"], "is the input --data"),
@@ -459,7 +459,9 @@ def test_advisories():
     o = DecodeOptions(verify="full", confidence_threshold=0.3)
     assert any("--confidence-threshold" in m for m in advisories(o, parse_policy("full")))
     o = DecodeOptions(verify="fixed:99")
-    assert any("clamped" in m for m in advisories(o, parse_policy("fixed:99"), block_size=7))
+    from dspark_jax.errors import InputError
+    with pytest.raises(InputError, match=r"fixed:99: the drafter proposes 7 tokens per round; K must be <= 7"):
+        advisories(o, parse_policy("fixed:99"), block_size=7)  # refused, not clamped
     assert advisories(o, parse_policy("fixed:99")) == []
     # SPS(B) falling faster than 1/B: one more verified token lowers throughput -> never pays
     flat = SPSTable(batch_sizes=(1, 2, 4, 8), sps=(100.0, 40.0, 20.0, 10.0))

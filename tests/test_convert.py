@@ -272,7 +272,7 @@ def test_sharded_equals_single_file(tmp_path):
     params = random_params(jax.eval_shape(lambda: qwen3.init_params(cfg, jax.random.key(0))), 3)
     save_target(tmp_path / "single", cfg, params)
     save_target(tmp_path / "sharded", cfg, params, max_shard_size="20KB")
-    files = sorted(p.name for p in (tmp_path / "sharded").iterdir())
+    files = sorted(p.name for p in (tmp_path / "sharded").iterdir() if not p.name.startswith("."))
     assert safetensors_io.INDEX_NAME in files and "model-00001-of-" in files[1] and len(files) > 4
     assert_same_tensors(safetensors_io.read_tensors(tmp_path / "single"),
                         safetensors_io.read_tensors(tmp_path / "sharded"))
@@ -392,11 +392,20 @@ def test_existing_destination_refused(draft_src, tmp_path):
     dst = tmp_path / "dst"
     dst.mkdir()
     (dst / "keep.txt").write_text("precious")
-    with pytest.raises(InputError, match="destination exists.*force"):
+    with pytest.raises(InputError, match="folder of other files"):
         convert(draft_src, dst)
     assert (dst / "keep.txt").read_text() == "precious" and len(list(dst.iterdir())) == 1
+    with pytest.raises(InputError, match="folder of other files"):  # not ours: not even with force
+        convert(draft_src, dst, force=True)
+    assert (dst / "keep.txt").read_text() == "precious" and len(list(dst.iterdir())) == 1
+    (dst / "keep.txt").unlink()
+    with pytest.raises(InputError, match="destination exists.*force"):
+        convert(draft_src, dst)  # an empty folder: replaced with --force
     convert(draft_src, dst, force=True)
-    assert not (dst / "keep.txt").exists() and formats.detect_format(dst) == "jax"
+    with pytest.raises(InputError, match="destination exists.*force"):
+        convert(draft_src, dst)
+    convert(draft_src, dst, force=True)  # ours: replaced
+    assert formats.detect_format(dst) == "jax"
     assert no_leftovers(tmp_path, "dst")
 
 
@@ -413,11 +422,13 @@ def test_failure_mid_write_leaves_nothing(draft_src, tmp_path, monkeypatch):
         convert(tmp_path / "j", tmp_path / "t")
     assert not (tmp_path / "t").exists() and no_leftovers(tmp_path, "t")
     # with force, the old destination survives a failed replacement
-    (tmp_path / "t").mkdir()
-    (tmp_path / "t" / "old.txt").write_text("old")
+    monkeypatch.setattr(safetensors_io, "write_planned", real)
+    convert(tmp_path / "j", tmp_path / "t")
+    old = {p.name: p.read_bytes() for p in (tmp_path / "t").iterdir()}
+    monkeypatch.setattr(safetensors_io, "write_planned", boom)
     with pytest.raises(OSError):
         convert(tmp_path / "j", tmp_path / "t", force=True)
-    assert (tmp_path / "t" / "old.txt").read_text() == "old" and no_leftovers(tmp_path, "t")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "t").iterdir()} == old and no_leftovers(tmp_path, "t")
 
 
 def test_save_validates_params(tmp_path):

@@ -151,10 +151,14 @@ def test_pretrain_smoke(tmp_path):
         pretrain.run(tmp_path / "bad", dataclasses.replace(pc, hidden_size=64), root=root,
                      progress=False, init_from=out)
     shutil.rmtree(tmp_path / "stage2")
-    # --force replaces atomically (the old directory is gone, the new one complete)
+    # --force replaces atomically (the old directory is gone, the new one complete), never a file it
+    # did not write
     (out / "stale.txt").write_text("old")
+    with pytest.raises(InputError, match=r"did not write \(stale.txt\)"):
+        pretrain.save_checkpoint(out, cfg, params, saved, force=True)
+    (out / "stale.txt").unlink()
     pretrain.save_checkpoint(out, cfg, params, saved, force=True)
-    assert default.is_complete(out) and not (out / "stale.txt").exists()
+    assert default.is_complete(out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lib", "target"]
 
 

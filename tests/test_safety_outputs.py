@@ -26,14 +26,14 @@ def test_output_that_is_contains_or_lies_inside_an_input_is_refused_even_with_fo
 
 def test_run_directory_is_absent_empty_or_ours(tmp_path):
     run = tmp_path / "run"
-    assert check_output(run, kind="dir", marker="run.json")  # absent
+    assert check_output(run, kind="dir", marker="run.json", reuse=True)  # absent
     run.mkdir()
-    assert check_output(run, kind="dir", marker="run.json")  # empty
+    assert check_output(run, kind="dir", marker="run.json", reuse=True)  # empty
     (run / "run.json").write_text("{}")
     (run / "metrics.jsonl").write_text("")
-    assert check_output(run, kind="dir", marker="run.json")  # ours
+    assert check_output(run, kind="dir", marker="run.json", reuse=True)  # ours
     (run / "run.json").unlink()
-    with pytest.raises(InputError, match="without run.json .*not one of ours.*metrics.jsonl"):
+    with pytest.raises(InputError, match="folder of other files .*metrics.jsonl.*not one dspark-jax wrote"):
         check_output(run, kind="dir", marker="run.json", force=True)
 
 

@@ -29,6 +29,8 @@ def register(subparsers) -> None:
     p.add_argument("--refit-all", action="store_true",
                    help="after reporting held-out metrics, refit the saved temperatures on all rounds")
     p.add_argument("--draft", help="drafter directory the logs came from (needed for --write-draft)")
+    p.add_argument("--target", help="target directory the logs were decoded with: --draft is checked "
+                                    "to be its drafter before anything is written")
     p.add_argument("--write-draft", action="store_true",
                    help="also write OUT/draft: a copy of --draft with the temperatures saved in its "
                         "extras (sts_temperatures), which `generate` applies")
@@ -47,7 +49,12 @@ def run(args) -> int:
     from dspark_jax.fileio import check_output, dumps
 
     out = check_output(args.out, force=args.force, kind="dir",
-                       inputs={"--logs": args.logs, "--draft": args.draft})
+                       inputs={"--logs": args.logs, "--draft": args.draft, "--target": args.target})
+    if args.target:
+        if not args.draft:
+            raise InputError("--target is checked against --draft: give --draft DIR too")
+        from dspark_jax.pairing import check_pair_paths
+        check_pair_paths(args.target, args.draft)
     if not 0 < args.holdout < 1:
         raise InputError(f"--holdout must be in (0, 1), got {args.holdout}")
     report = C.run_sts(args.logs, out, draft=args.draft, holdout=args.holdout, seed=args.seed,

@@ -79,11 +79,11 @@ def config_from_args(args):
 
 def run(args) -> int:
     from dspark_jax.fileio import check_output
-    from dspark_jax.pipelines.demo import run_demo
+    from dspark_jax.pipelines.demo import CONFIG_FILE, run_demo
 
     cfg = config_from_args(args)
     # a file, an input inside, or an unwritable parent; demo.json decides the rest
-    check_output(cfg.out, force=True, kind="dir", inputs={"--target": args.target})
+    check_output(cfg.out, force=True, kind="dir", reuse=True, marker=(CONFIG_FILE,), inputs={"--target": args.target})
     info = run_demo(cfg, stage=args.stage, force=args.force, progress=not args.no_progress)
     report = info.get("report")
     if report:

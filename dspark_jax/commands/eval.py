@@ -60,8 +60,8 @@ def run(args) -> int:
 
     maybe_initialize_distributed()  # under launch/ (multi-process --mesh); no-op otherwise
 
-    if args.out:  # an existing directory is allowed (the pipeline refuses one holding an eval)
-        check_output(args.out, force=True, kind="dir",
+    if args.out:  # a folder of ours is reused (the pipeline refuses one holding an eval without --force)
+        check_output(args.out, force=True, kind="dir", reuse=True, marker=("eval.json",),
                      inputs={"--target": args.target, "--draft": args.draft, "--data-dir": args.data_dir})
 
     target = args.target

@@ -50,6 +50,8 @@ def register(subparsers) -> None:
                         "into (default: DRAFT itself when it is a whole V4 checkpoint); its tensors "
                         "are linked or copied, never rewritten")
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="export weights holding NaN/inf (refused by default, as by convert)")
     p.set_defaults(func=run)
 
 
@@ -59,8 +61,11 @@ def run(args) -> int:
 
     check_output(args.dst, force=args.force, kind="dir", flag="DST",
                  inputs={"DRAFT": args.draft, "--sps": args.sps, "--target": args.target})
+    if args.target:
+        from dspark_jax.pairing import check_pair_paths
+        check_pair_paths(args.target, args.draft, draft_flag="DRAFT")
     summary = export.export_draft(args.draft, args.dst, args.engine, force=args.force, sps=args.sps,
-                                   target=args.target)
+                                   target=args.target, allow_nonfinite=args.allow_nonfinite)
     print(f"wrote {args.engine} drafter ({summary['architecture']}, {summary['tensors']} tensors, "
           f"{summary['bytes']} bytes{', ' + ', '.join(summary['sidecars']) if summary['sidecars'] else ''}) "
           f"to {summary['dst']}")

@@ -39,9 +39,11 @@ def describe_draft(path) -> dict:
     for name in (engines.STS_FILE, engines.SPS_FILE):
         if (p / name).is_file():
             sidecars[name] = str(p / name)
+    bad = checkpoint.nonfinite(params)
     per_engine = {}
     for engine in engines.TARGETS:
-        why = engines.check(cfg, engine)
+        why = engines.check(cfg, engine) or (
+            f"tensor {bad[0]!r} holds NaN/inf values ({len(bad)} tensor(s); `export` refuses it)" if bad else None)
         notes = [w for rule, w in engines.violations(cfg, engine, "warning")]
         per_engine[engine] = {"loadable": why is None, "why_not": why, "notes": notes,
                               "checked": engines.checked_against(engine, f.family) or ["read"]}
@@ -51,6 +53,7 @@ def describe_draft(path) -> dict:
             "target_layer_ids": list(f.target_layer_ids), "num_target_layers": f.num_target_layers,
             "block_size": f.block_size, "mask_token_id": f.mask_token_id,
             "draft_layers": cfg.num_hidden_layers, "tensors": len(shapes), "bytes": nbytes,
+            "nonfinite_tensors": bad,
             "sidecars": sidecars, "engines": per_engine}
 
 
@@ -74,6 +77,9 @@ def run(args) -> int:
           f"block size {info['block_size']}, mask token {info['mask_token_id']}, "
           f"{info['draft_layers']} drafter layers")
     print(f"  {info['tensors']} tensors, {info['bytes']} bytes")
+    if info["nonfinite_tensors"]:
+        bad = info["nonfinite_tensors"]
+        print(f"  weights BROKEN: {len(bad)} tensor(s) hold NaN/inf ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
     if info["sidecars"]:
         for k, v in info["sidecars"].items():
             print(f"  {k}: {v}")
@@ -114,8 +120,13 @@ def _print_target(args) -> int:
         print(f"  quantized: {q} (scales {', '.join(info['scale_dtypes'])})")
     else:
         print("  quantized: none (stored unquantized)")
-    a = info["aside"]
-    if a["tensors"]:
+    a, m = info["aside"], info.get("module")
+    if m and m["problem"]:
+        print(f"  module tensors (mtp.*): BROKEN: {m['problem']}")
+    elif m:
+        print(f"  module tensors (mtp.*): {m['tensors']} in {m['where']} ({m['bytes']:,} bytes), shapes and "
+              "dtypes as declared; `--draft` reads them")
+    elif a["tensors"]:
         print(f"  kept aside: {a['tensors']} mtp.* tensors ({a['bytes']:,} bytes), DSpark stages {a['mtp_stages']}")
     else:
         print("  no mtp.* tensors")
@@ -126,4 +137,7 @@ def _print_target(args) -> int:
               f"window {d['window']}, noise token {d['noise_token_id']}, experts {d['experts']}")
     else:
         print("  DSpark module: none (no dspark_* keys)")
+    if m and m["problem"]:
+        from dspark_jax.errors import CheckpointError
+        raise CheckpointError(f"{args.ckpt}: its module is broken: {m['problem']}")
     return 0

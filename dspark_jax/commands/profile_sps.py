@@ -97,6 +97,7 @@ def run(args) -> int:
     if args.dtype:
         dt = jnp.dtype(args.dtype)
         params = jax.tree.map(lambda a: a.astype(dt), params)
+    _check_memory(args, cfg, params, None, None, sizes, mesh)
     bar = tqdm(total=len(sizes), desc="profile-sps", unit="size", file=sys.stderr)
 
     def progress(b, sps):
@@ -114,6 +115,13 @@ def run(args) -> int:
                       "batch_sizes": list(table.batch_sizes),
                       "sps": [round(s, 3) for s in table.sps]}))
     return 0
+
+
+def _check_memory(args, tcfg, tparams, dcfg, dparams, sizes, mesh) -> None:
+    """The largest batch's decode state must fit (``decode.memory``), before it is allocated."""
+    from dspark_jax.decode.memory import check_decode_memory
+    check_decode_memory(tcfg, tparams, dcfg, dparams, max(sizes), args.cache_length, mesh,
+                        flag="--batch-sizes" if args.batch_sizes else "--max-batch", length_flags="--cache-length")
 
 
 def _parse_ints(text: str, flag: str) -> list[int]:
@@ -139,12 +147,15 @@ def _run_rounds(args, out, mesh) -> int:
     sizes = (_parse_ints(args.batch_sizes, "--batch-sizes") if args.batch_sizes
              else profile.default_round_batches(args.max_batch))
     widths = _parse_ints(args.widths, "--widths") if args.widths else None
+    from dspark_jax.pairing import check_pair_paths
+    check_pair_paths(args.target, args.draft)
     tcfg, tparams = checkpoint.load_target(args.target)
     dcfg, dparams = checkpoint.load_draft(args.draft, target_params=tparams)
     if args.dtype:
         dt = jnp.dtype(args.dtype)
         tparams = jax.tree.map(lambda a: a.astype(dt), tparams)
         dparams = jax.tree.map(lambda a: a.astype(dt), dparams)
+    _check_memory(args, tcfg, tparams, dcfg, dparams, sizes, mesh)
     bar = tqdm(desc="profile-sps rounds", unit="shape", file=sys.stderr)
 
     def progress(b, w, rps):

@@ -34,7 +34,7 @@ import numpy as np
 
 from dspark_jax import families
 from dspark_jax import params as params_lib
-from dspark_jax.convert import formats, quant, safetensors_io
+from dspark_jax.convert import formats, module_io, quant, safetensors_io
 from dspark_jax.errors import CheckpointError, InputError, warn
 from dspark_jax.fileio import atomic_dir
 
@@ -320,14 +320,22 @@ def convert_bounded(src, dst, *, to: str | None = None, force: bool = False, all
                                       "(pass --allow-nonfinite to convert it unchanged)")
 
     family = families.for_config(source.config)
+    module = module_io.read_module(src_p, lambda name, a: finite(_Unit(name, ("module", name), None, ()), a)) \
+        if kind == "target" else None
     with atomic_dir(dst_p, force=force) as tmp:
         if to == "torch":
             _write_torch(tmp, source, units, dtypes, config=out_config, qplan=qplan, max_shard_size=max_shard_size,
                          stats=stats, finite=finite)
         else:
             _write_jax(tmp, source, units, dtypes, stats=stats, finite=finite)
-        formats.write_aside(tmp, src_p, family)
+        if module is not None:  # the checkpoint's own module: carried, not put aside
+            module_io.write_module(tmp, to, module, json.loads((tmp / "config.json").read_text())
+                                   if to == "torch" else {})
+        else:
+            formats.write_aside(tmp, src_p, family)
         for name in formats.SIDECAR_FILES:
+            if module is not None and name == formats.ASIDE_NAME:
+                continue
             if (src_p / name).is_file() and not (tmp / name).exists():
                 shutil.copy2(src_p / name, tmp / name)
     if bad:

@@ -22,7 +22,7 @@ import numpy as np
 from dspark_jax import families
 from dspark_jax import params as params_lib
 from dspark_jax.config import DraftConfig, TargetConfig
-from dspark_jax.convert import bounded, dspark_v4, foreign, mapping, quant, safetensors_io
+from dspark_jax.convert import bounded, dspark_v4, foreign, mapping, module_io, quant, safetensors_io
 from dspark_jax.convert.formats import (FORMAT_VERSION, META_NAME, PARAMS_DIR, cast_tree, check_params,
                                         config_from_hf, detect_format, detect_kind, np_dtype, read_json_object,
                                         read_meta, text_config, tree_dtype, validated_torch)
@@ -124,12 +124,9 @@ def load_draft(path, dtype=None, *, allow_pickle: bool = False,
 
     ``dtype`` None keeps the stored dtype; 'float32'/'bfloat16' casts.
     """
-    if dspark_v4.holds_module(path):
-        cfg, params = dspark_v4.load_module(path, shared=target_params is None)
-        params = cast_tree(params, np_dtype(dtype), cfg)
-        if target_params is not None:
-            params = dspark_v4.with_target(params, target_params)
-        return cfg, params
+    if module_io.module_dir(path) is not None:  # a checkpoint's own module (either format)
+        return module_io.load_module_draft(path, load_target, target_params,
+                                           cast=lambda p, c: cast_tree(p, np_dtype(dtype), c))
     cfg, _, params = _load("draft", path, dtype, allow_pickle)
     return cfg, params
 
@@ -207,6 +204,18 @@ def convert_foreign(src, dst, fmt: str | None = None, *, target=None, num_target
         params = jax.tree.map(lambda a: np.asarray(jnp.asarray(a, dtype)), params)
     return save_draft(dst, cfg, params, format=to, force=force,
                       extras={"imported_from": fmt or foreign.detect(src)})
+
+
+def nonfinite(params) -> list[str]:
+    """Paths ("a/b/kernel") of the float leaves of ``params`` holding NaN/inf, in tree order:
+    what ``convert`` refuses, so what ``export`` and ``inspect`` refuse too."""
+    from flax import traverse_util
+    bad = []
+    for path, a in traverse_util.flatten_dict(dict(params)).items():
+        a = np.asarray(a)
+        if a.dtype.kind in "fV" and not np.isfinite(a.astype(np.float32)).all():
+            bad.append("/".join(map(str, path)))
+    return bad
 
 
 def describe(path) -> dict:

@@ -77,4 +77,6 @@ def describe_target(path) -> dict:
         from dspark_jax.draft import deepseek_v4 as dspark_v4
         module = dspark_v4.describe(source.hf)  # the in-checkpoint DSpark module (mtp.*, dspark_* keys)
         info["dspark"] = module if module["present"] else None
+    from dspark_jax.convert import module_io
+    info["module"] = module_io.describe_module(p)
     return info

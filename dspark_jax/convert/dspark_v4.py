@@ -48,6 +48,21 @@ def load_module(path, *, shared: bool = False) -> tuple[DeepseekV4DSparkConfig, 
     unquantized, as the target's conversion does."""
     p = Path(path)
     cfg = read_config(p)
+    specs, reader, infos, stored = module_headers(p, cfg, shared=shared)
+    tensors = {}
+    for name in infos:
+        tensors[name] = reader.get(name)
+        if name in stored:
+            scale = reader.get(stored[name].scale)
+            tensors[name] = quant.dequantize(tensors[name], scale, stored[name].quant).astype(infos[name].dtype)
+    cfg = dataclasses.replace(cfg, target=cfg.target.dequantized())
+    return cfg, params_lib.from_torch(declare(cfg) if shared else module_specs(cfg), tensors)
+
+
+def module_headers(p: Path, cfg: DeepseekV4DSparkConfig, *, shared: bool = False):
+    """(specs, reader, {name: logical TensorInfo}, {name: stored quantized}) of the module's tensors
+    in ``p``, every shape and dtype checked against the declaration from the headers alone
+    (CheckpointError naming the tensor: missing, wrong shape or dtype)."""
     specs = declare(cfg) if shared else module_specs(cfg)
     reader = safetensors_io.TensorReader(p)
     if not any(n.startswith(PREFIX) for n in reader.infos):
@@ -63,14 +78,7 @@ def load_module(path, *, shared: bool = False) -> tuple[DeepseekV4DSparkConfig, 
                                         lambda shape, dtype, info: dataclasses.replace(info, shape=shape, dtype=dtype),
                                         fixed)
     mapping.check_tensors(infos, params_lib.torch_shapes(specs), f"{p} (DSpark module)", fixed=fixed)
-    tensors = {}
-    for name in infos:
-        tensors[name] = reader.get(name)
-        if name in stored:
-            scale = reader.get(stored[name].scale)
-            tensors[name] = quant.dequantize(tensors[name], scale, stored[name].quant).astype(infos[name].dtype)
-    cfg = dataclasses.replace(cfg, target=cfg.target.dequantized())
-    return cfg, params_lib.from_torch(declare(cfg) if shared else module_specs(cfg), tensors)
+    return specs, reader, infos, stored
 
 
 def holds_module(path) -> bool:

@@ -29,7 +29,8 @@ def _read_sps(path) -> dict:
     return data
 
 
-def export_draft(src, dst, engine: str, *, force: bool = False, sps=None, target=None) -> dict:
+def export_draft(src, dst, engine: str, *, force: bool = False, sps=None, target=None,
+                 allow_nonfinite: bool = False) -> dict:
     """Write drafter ``src`` (either format) to ``dst`` as ``engine`` loads it; returns a summary.
 
     A DeepSeek-V4 DSpark module (``src`` a V4 checkpoint with the ``dspark_*`` keys, or a module
@@ -57,6 +58,11 @@ def export_draft(src, dst, engine: str, *, force: bool = False, sps=None, target
     if target is not None:
         raise ConfigError("--target is only for a DeepSeek-V4 DSpark module (written into its target)")
     cfg, params = checkpoint.load_draft(src)
+    bad = checkpoint.nonfinite(params)
+    if bad and not allow_nonfinite:
+        raise CheckpointError(f"{src}: tensor {bad[0]!r} holds NaN/inf values ({len(bad)} tensor(s)): an "
+                              "engine would serve a drafter whose drafts are all rejected; pass "
+                              "--allow-nonfinite to export it anyway")
     why = engines.check(cfg, engine)
     if why:
         raise ConfigError(f"{src}: cannot export for {why}")

@@ -76,10 +76,14 @@ def logical_infos(quantized: Mapping[str, Quant], infos: Mapping, what: str, mak
 
 
 def scale_values(scale: np.ndarray) -> np.ndarray:
-    """ue8m0 (float8_e8m0fnu or its uint8 bytes) -> float32 ``2 ** (e - 127)``; float scales as they are."""
+    """ue8m0 (float8_e8m0fnu or its uint8 bytes) -> float32 ``2 ** (e - 127)`` (byte 0xFF, ue8m0's
+    NaN: NaN, quietly, for the caller's finiteness check to name); float scales as they are."""
     scale = np.asarray(scale)
     if scale.dtype in (UE8M0, np.dtype(np.uint8)):
-        return np.ldexp(np.float32(1), scale.view(np.uint8).astype(np.int32) - 127).astype(np.float32)
+        e = scale.view(np.uint8).astype(np.int32)
+        with np.errstate(over="ignore"):
+            values = np.ldexp(np.float32(1), e - 127).astype(np.float32)
+        return np.where(e == 0xFF, np.float32(np.nan), values)
     return scale.astype(np.float32)
 
 

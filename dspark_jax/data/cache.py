@@ -34,6 +34,7 @@ from dspark_jax import families
 from dspark_jax.config import DraftConfig, TargetConfig
 from dspark_jax.convert.identity import target_identity
 from dspark_jax.data.sources import TokenSequences, pad_record
+from dspark_jax.decode.memory import ROW_WORKING_SET, check_fits, tree_bytes
 from dspark_jax.errors import CheckpointError, ConfigError, InputError
 from dspark_jax.fileio import atomic_dir
 from dspark_jax.target.features import target_features
@@ -103,9 +104,12 @@ def _write_cache_into(tmp: Path, target_config: TargetConfig, target_params, lay
         target_config, num_hidden_layers=len(layer_ids), target_layer_ids=tuple(layer_ids),
         mask_token_id=0)  # validates the layer ids (V4: one DSpark stage per tapped layer)
     np_dtype = np.dtype(jnp.dtype(dtype))
-    run = _feature_fn(target_config, layer_ids, compute_dtype)
     s = data.max_length
     n = len(data)
+    batch_size = min(batch_size, n)  # rows past the data would be padding only
+    check_fits("--batch-size", batch_size, _row_bytes(target_config, len(layer_ids), s),
+               fixed=tree_bytes(target_params), what=f"rows of {s} tokens through the target")
+    run = _feature_fn(target_config, layer_ids, compute_dtype)
     index = np.zeros((n, 3), np.int64)
     shards: list[dict] = []
     buf = {k: [] for k in ARRAYS}
@@ -131,6 +135,7 @@ def _write_cache_into(tmp: Path, target_config: TargetConfig, target_params, lay
         if len(idx) < batch_size:  # static shapes: pad the last batch
             tokens = np.concatenate([tokens, np.zeros((batch_size - len(idx), width), np.int32)])
         taps, last = jax.device_get(run(target_params, jnp.asarray(tokens)))
+        _check_finite(taps[:len(idx)], last[:len(idx)], idx)
         for row, i in enumerate(idx):
             ids, mask = data.raw(i)
             length = len(ids)
@@ -154,6 +159,26 @@ def _write_cache_into(tmp: Path, target_config: TargetConfig, target_params, lay
     }
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return manifest
+
+
+def _row_bytes(cfg: TargetConfig, taps: int, length: int) -> float:
+    """Bytes one row of ``length`` tokens costs a cache batch: its float32 tapped layers and last
+    hidden state (on the device and copied to the host), the layer's activations (MLP width,
+    attention scores), counted twice for XLA's temporaries (``decode.memory.ROW_WORKING_SET``)."""
+    h = cfg.hidden_size
+    width = getattr(cfg, "intermediate_size", 4 * h) or 4 * h
+    per_token = 2 * (taps + 1) * h + 6 * h + width + cfg.num_attention_heads * length
+    return ROW_WORKING_SET * 4 * length * per_token
+
+
+def _check_finite(taps: np.ndarray, last: np.ndarray, rows) -> None:
+    """CheckpointError when the target produced NaN/inf features (broken weights): a cache of
+    them trains nothing; names the first record."""
+    bad = ~(np.isfinite(taps).all(axis=(1, 2)) & np.isfinite(last).all(axis=(1, 2)))
+    if bad.any():
+        raise CheckpointError(f"the target's features are not finite (NaN/inf) for record {rows[int(np.argmax(bad))]} "
+                              f"({int(bad.sum())} of this batch's {len(rows)}): its weights are broken; "
+                              "no cache written")
 
 
 def _load_npy(path: Path, **kw) -> np.ndarray:

@@ -110,3 +110,21 @@ def read_token_jsonl(path, max_length: int, vocab_size: int | None = None,
         seqs.append((ids, mask))
         wheres.append(where)
     return TokenSequences(seqs, max_length, vocab_size, overlong, name=str(path), wheres=wheres)
+
+
+def check_trainable(source, max_length: int, what: str = "data") -> None:
+    """InputError unless some row of ``source`` (``raw(i)`` -> (ids, loss_mask)) has a trainable
+    position within ``max_length``: an anchor with a next token, both with loss_mask > 0 (what
+    ``train.batch.anchor_candidates`` samples). Data without one trains nothing (loss 0, gradient
+    0) yet would "succeed"; names the first rows. Stops at the first trainable row."""
+    if not hasattr(source, "raw"):
+        return
+    n = len(source)
+    for i in range(n):
+        mask = np.asarray(source.raw(i)[1][:max_length], np.float32) > 0.5
+        if (mask[:-1] & mask[1:]).any():
+            return
+    rows = ", ".join(str(i + 1) for i in range(min(n, 5))) + (", ..." if n > 5 else "")
+    raise InputError(f"{what}: none of its {n} row(s) ({rows}) has a trainable position (two consecutive "
+                     f"tokens with loss_mask 1 within max_length={max_length}): training would learn "
+                     "nothing; give longer rows, a loss_mask over the replies, or a larger max_length")

@@ -68,6 +68,7 @@ def serve(
     on_result: Callable[[int, StreamResult], None] | None = None,
     top_p: float = 1.0,
     cache_spans: Sequence[int] | None = None,
+    slots_flag: str = "--batch-size",
 ) -> list[StreamResult]:
     """Serve ``prompts`` through ``slots`` rows with continuous batching; results in input order.
 
@@ -79,8 +80,9 @@ def serve(
     ``slots``, ``order`` or the other requests; default: one shared key per step (as before).
     ``on_result(i, result)`` is called as request i finishes. ``top_p`` < 1: nucleus sampling
     (autoregressive only). ``cache_spans``: the compiled attention spans over the cache
-    (``shapes.compiled_spans``; the longest live row picks one). Raises ConfigError / InputError
-    before compiling anything.
+    (``shapes.compiled_spans``; the longest live row picks one). ``slots_flag``: the caller's flag
+    for ``slots``, named when they cannot fit in memory. Raises ConfigError / InputError before
+    compiling anything.
     """
     speculative = draft_cfg is not None
     if speculative:
@@ -100,7 +102,7 @@ def serve(
         max_pos = min(max_pos, draft_cfg.max_position_embeddings)
     _, max_len = plan_shapes(prompts, r_cap, g, max_pos, max_cache_len)
     check_decode_memory(target_cfg, target_params, draft_cfg, draft_params if speculative else None,
-                        slots, max_len, mesh)
+                        slots, max_len, mesh, flag=slots_flag)
     st = DecodeStatic(target_cfg, draft_cfg, (policy or FullPolicy()) if speculative else None,
                       sampling.is_greedy(temperature), r_cap, top_p=top_p,
                       spans=requests.spans_arg(cache_spans))

@@ -2,9 +2,10 @@
 
 ``check_decode_memory`` estimates the bytes a decode allocates (weights, the target's KV cache
 for ``batch`` rows of ``max_len`` positions, the drafter's context cache, a round's logits) and
-refuses (InputError, one line in GiB) a run that cannot fit, before anything is placed or
-compiled. Capacity: the devices' ``bytes_limit`` where the backend reports one (GPU, TPU), else
-the host's physical memory (CPU).
+refuses (InputError, one line in GiB naming the flag and the largest value that fits) a run that
+cannot fit, before anything is placed or compiled. Capacity: the devices' ``bytes_limit`` where
+the backend reports one (GPU, TPU), else the host memory available now (CPU: ``MemAvailable``, the
+machine is shared). ``check_fits`` is the same bound for any count with a per-unit cost.
 """
 
 from __future__ import annotations
@@ -18,6 +19,34 @@ from dspark_jax import families, runtime
 from dspark_jax.errors import InputError
 
 GIB = float(1 << 30)
+# The rows' state is not all a round holds: XLA's temporaries (the round's logits, probabilities,
+# gathered caches) came to ~1.6x the estimated per-row bytes (generate, tiny fixture, batch 4000,
+# CPU peak RSS); the bound counts per-row bytes twice.
+ROW_WORKING_SET = 2.0
+
+
+def host_available() -> int:
+    """Bytes of host memory available now (``MemAvailable``), else the physical memory."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_fits(flag: str, value: int, per_unit: float, *, fixed: float = 0, what: str = "",
+               mesh=None, hint: str = "") -> None:
+    """InputError (one line) when ``fixed + value * per_unit`` bytes exceed the capacity (devices,
+    else the host's available memory): names ``flag``, its largest value that fits and the GiB
+    ``value`` would need. Called before the first allocation that grows with ``value``."""
+    need = fixed + value * per_unit
+    have, where = capacity(mesh)
+    if need > have:
+        most = max(0, int((have - fixed) // per_unit)) if per_unit > 0 else 0
+        raise InputError(f"{flag} {value} needs about {need / GIB:.1f} GiB{' (' + what + ')' if what else ''} "
+                         f"but {where} has {have / GIB:.1f} GiB: at most {flag} {most}{hint}")
 
 
 def tree_bytes(tree) -> int:
@@ -37,7 +66,7 @@ def capacity(mesh=None) -> tuple[int, str]:
         limits.append(stats.get("bytes_limit"))
     if limits and all(limits):
         return int(sum(limits)), f"{len(devices)} {devices[0].platform} device(s)"
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this host"
+    return host_available(), "this host (available now)"
 
 
 def decode_bytes(tcfg, tparams, dcfg, dparams, batch: int, max_len: int) -> dict:
@@ -66,13 +95,14 @@ def context_bytes_per_row(dcfg, max_len: int, dtype) -> int:
             * np.dtype(dtype).itemsize)
 
 
-def check_decode_memory(tcfg, tparams, dcfg, dparams, batch: int, max_len: int, mesh=None) -> None:
-    """InputError (one line, GiB) when the decode's estimate exceeds the devices' memory."""
+def check_decode_memory(tcfg, tparams, dcfg, dparams, batch: int, max_len: int, mesh=None,
+                        flag: str = "--batch-size",
+                        length_flags: str = "--max-cache-len / --max-new-tokens") -> None:
+    """InputError (one line: ``flag``, the most rows that fit, GiB) when the decode's estimate
+    (per-row bytes times ``ROW_WORKING_SET``) exceeds the devices' memory."""
     parts = decode_bytes(tcfg, tparams, dcfg, dparams, batch, max_len)
-    need = sum(parts.values())
-    have, where = capacity(mesh)
-    if need > have:
-        big = max(parts, key=parts.get)
-        raise InputError(f"this decode needs about {need / GIB:.1f} GiB ({big} {parts[big] / GIB:.1f} GiB "
-                         f"for batch {batch} x cache length {max_len}) but {where} has "
-                         f"{have / GIB:.1f} GiB; lower --batch-size or --max-cache-len")
+    weights = parts.pop("weights")
+    big = max(parts, key=parts.get)
+    check_fits(flag, batch, ROW_WORKING_SET * sum(parts.values()) / batch, fixed=weights, mesh=mesh,
+               what=f"{big} {parts[big] / GIB:.1f} GiB at cache length {max_len}",
+               hint=f" (or lower {length_flags})")

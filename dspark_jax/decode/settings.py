@@ -97,20 +97,26 @@ def resolve(options: DecodeOptions, target_dir, draft_dir=None, tokenizer=None) 
 NEVER_PAYS_CONFIDENCE = 0.95  # warn when the scheduler needs a first-token confidence above this
 
 
+def check_verify_block(options: DecodeOptions, policy, block_size: int) -> None:
+    """InputError when ``--verify fixed:K`` asks for more tokens than the drafter proposes per
+    round (``block_size``): refused before any weight is loaded, not silently clamped."""
+    k = getattr(policy, "k", None)
+    if isinstance(k, int) and k > block_size:
+        raise InputError(f"--verify {options.verify}: the drafter proposes {block_size} tokens per round; "
+                         f"K must be <= {block_size}")
+
+
 def advisories(options: DecodeOptions, policy, block_size: int | None = None) -> list[str]:
     """Warnings for settings that do not do what they seem to: a flag the policy ignores and an
     SPS table under which speculation never pays (``resolve`` prints these); with the drafter's
-    ``block_size``: ``fixed:K`` beyond the block (clamped)."""
+    ``block_size``: none (``check_verify_block`` refuses what used to be clamped)."""
     out = []
     name = options.verify.partition(":")[0]
     if options.confidence_threshold is not None and name != "threshold":
         out.append(f"--confidence-threshold {options.confidence_threshold} is ignored by --verify "
                    f"{options.verify} (it applies to --verify threshold only)")
     if block_size is not None:  # the checks that need the drafter's block size only
-        k = getattr(policy, "k", None)
-        if isinstance(k, int) and k > block_size:
-            return [f"--verify {options.verify}: the drafter proposes {block_size} tokens per round, "
-                    f"so fixed:{k} verifies {block_size} (clamped)"]
+        check_verify_block(options, policy, block_size)
         return []
     from dspark_jax.decode.tables import SPSTable
 

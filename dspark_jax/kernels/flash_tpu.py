@@ -1,6 +1,6 @@
 """Flash-decoding over a stacked KV cache on TPU: a Pallas (Mosaic) kernel for a few queries per row.
 
-The TPU counterpart of ``dspark_jax.flash`` (the CUDA kernel; read its docstring first): written
+The TPU counterpart of ``dspark_jax.kernels.flash`` (the CUDA kernel; read its docstring first): written
 as XLA ops, a decode step's attention over one layer's cache writes f32 scores [B, Hkv, G, Q, S]
 and re-reads them for the max, the sum, the probabilities and the values dot (~0.7 GB of a
 Qwen3-8B round at B = 8 on v5e, benchmarks/results/tpu_copies). This kernel reads the layer's K

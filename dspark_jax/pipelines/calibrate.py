@@ -304,10 +304,11 @@ def reliability_diagram(rounds: Rounds, temperatures, path, n_bins: int = DEFAUL
     before (raw) and after STS, with the rounds per confidence bin behind (right axis: raw as
     grey bars, STS as a blue outline). A bin with fewer than ``MIN_BIN_ROUNDS`` rounds is a
     hollow marker off the line (a handful of rounds says little), the others are joined;
-    ECE weighs the bins by their rounds. ``sts_label`` names the STS curve, saying whether its
-    temperatures were fitted on these rounds ("in-sample") or on others ("held out"); the
-    legend sits below each panel so it hides no curve. Returns ``{"title", "legend": [labels
-    of panel 1], "histogram": right-axis label}``."""
+    ECE weighs the bins by their rounds. Each panel's title says how many of the drawn rounds
+    reach its position (n) and both ECEs; ``sts_label`` names the STS curve once, in the one
+    legend below the panels, saying whether its temperatures were fitted on these rounds
+    ("in-sample") or on others ("held out"). Returns ``{"title", "legend": [labels],
+    "histogram": right-axis label, "panels": [panel titles]}``."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -316,7 +317,7 @@ def reliability_diagram(rounds: Rounds, temperatures, path, n_bins: int = DEFAUL
     g = rounds.block_size
     cols = min(g, 4)
     rows = -(-g // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols, 4.6 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols, 3.3 * rows + 1.0), squeeze=False)
     ver, surv = rounds.verified(), rounds.survived()
     edges = np.linspace(0, 1, n_bins + 1)
     centers = 0.5 * (edges[1:] + edges[:-1])
@@ -326,7 +327,7 @@ def reliability_diagram(rounds: Rounds, temperatures, path, n_bins: int = DEFAUL
             ax.axis("off")
             continue
         m = ver[:, k]
-        handles = []
+        handles, eces = [], []
         for temps, label, color in ((None, "raw", "tab:red"), (temperatures, sts_label, "tab:blue")):
             p = cumulative_probs(rounds.logits, temps)[m, k]
             y = surv[m, k]
@@ -346,25 +347,26 @@ def reliability_diagram(rounds: Rounds, temperatures, path, n_bins: int = DEFAUL
                 ax2.stairs(cnt, edges, color=color, lw=0.8, alpha=0.6)
                 handles += ax2.plot([], [], color=color, lw=0.8, alpha=0.6,
                                     label="rounds per bin (STS, right axis)")
-            handles += ax.plot(centers[full], acc[full], marker="o", ms=3, color=color,
-                               label=f"{label} ECE {100 * ece(p, y, n_bins):.1f}%")
+            handles += ax.plot(centers[full], acc[full], marker="o", ms=3, color=color, label=label)
+            eces.append(100 * ece(p, y, n_bins))
             ax.plot(centers[few], acc[few], ls="none", marker="o", ms=3, mfc="none", color=color)
         handles += ax.plot([], [], ls="none", marker="o", ms=3, mfc="none", color="0.3",
                            label=f"hollow: bin of < {MIN_BIN_ROUNDS} rounds (not joined)")
         handles += ax.plot([0, 1], [0, 1], color="0.6", lw=1, ls="--", label="perfect calibration")
-        ax.set_title(f"position {k + 1} (n={int(m.sum())})", fontsize=9)
+        ax.set_title(f"position {k + 1}: n={int(m.sum())} rounds reach it\n"
+                     f"ECE raw {eces[0]:.1f}% -> STS {eces[1]:.1f}%", fontsize=8.5)
         ax.set_xlim(0, 1)
         ax.set_ylim(0, 1)
         ax.set_xlabel("cumulative confidence", fontsize=8)
         ax.set_ylabel("prefix acceptance", fontsize=8)
-        ax.legend(handles=handles, fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.2),
-                  ncol=1, frameon=False)
+        if k == 0:
+            legend = fig.legend(handles=handles, fontsize=7.5, loc="lower center", ncol=3, frameon=False)
     if title:
         fig.suptitle(title, fontsize=10)
-    ax0 = axes[0][0]
-    info = {"title": title, "legend": [t.get_text() for t in ax0.get_legend().get_texts()],
-            "histogram": "rounds per bin (raw)"}
-    fig.tight_layout()
+    info = {"title": title, "legend": [t.get_text() for t in legend.get_texts()],
+            "histogram": "rounds per bin (raw)",
+            "panels": [axes[k // cols][k % cols].get_title() for k in range(g)]}
+    fig.tight_layout(rect=(0, 0.9 / (3.3 * rows + 1.0), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return info
@@ -379,7 +381,8 @@ def reliability_plot(rounds: Rounds, path, title: str = "", holdout: float = 0.5
     if rounds.num_rounds >= min_rounds:
         fit, held = split_rounds(rounds, holdout, seed)
         label, head, how = (f"STS held out (fit on {fit.num_rounds} other rounds)",
-                            f"{held.num_rounds} held-out rounds", "held out")
+                            f"{held.num_rounds} held-out rounds drawn (STS fitted on {fit.num_rounds} others)",
+                            "held out")
     else:
         fit = held = rounds
         label, head, how = ("STS in-sample (fit on these rounds)", f"{rounds.num_rounds} rounds", "in-sample")

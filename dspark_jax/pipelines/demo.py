@@ -36,7 +36,7 @@ from typing import Any, Callable
 import numpy as np
 
 from dspark_jax.errors import ConfigError, InputError, require_positive_int
-from dspark_jax.fileio import write_jsonl, write_text
+from dspark_jax.fileio import mark_dir, write_jsonl, write_text
 from dspark_jax.pipelines import demo_report
 
 STAGES = ("sample", "train", "decode", "report")
@@ -195,10 +195,8 @@ def prepare_out(cfg: DemoConfig, *, force: bool = False, stage: str = "all") -> 
     if p["config"].is_file():
         old = json.loads(p["config"].read_text())
         same = old.get("recipe") == cfg.recipe()
-        if stage == "all" and force:
-            shutil.rmtree(out)
-        elif not any(stage_done(cfg, s) for s in STAGES):
-            shutil.rmtree(out)  # an attempt that finished no stage (e.g. a bad --target): start over
+        if (stage == "all" and force) or not any(stage_done(cfg, s) for s in STAGES):
+            _clear(p)  # --force, or an attempt that finished no stage (e.g. a bad --target): start over
         elif not same:
             raise InputError(f"{out} holds a demo with a different configuration ({p['config']}); "
                              "pass --force to replace it or choose another --out")
@@ -212,10 +210,20 @@ def prepare_out(cfg: DemoConfig, *, force: bool = False, stage: str = "all") -> 
         raise InputError(f"--out {str(out)!r} exists and is not a demo directory (no {CONFIG_FILE}); "
                          "choose another --out")
     out.mkdir(parents=True, exist_ok=True)
+    mark_dir(out, "demo")
     if not p["config"].is_file():
         from dspark_jax.pipelines.evaluate import write_json_atomic
         write_json_atomic(p["config"], {"recipe": cfg.recipe(), "out": str(out), "target_sha256": identity})
     return out
+
+
+def _clear(p: dict[str, Path]) -> None:
+    """Remove what the demo writes in ``p["out"]`` (the top-level names of ``paths``), nothing
+    else: files a user put there stay."""
+    out = p["out"]
+    for name in sorted({q.relative_to(out).parts[0] for q in p.values() if q != out}):
+        q = out / name
+        shutil.rmtree(q) if q.is_dir() and not q.is_symlink() else q.unlink(missing_ok=True)
 
 
 def _require(cfg: DemoConfig, stage: str, needs: str) -> None:

@@ -25,7 +25,7 @@ import numpy as np
 
 from dspark_jax.decode.settings import DecodeOptions, resolve
 from dspark_jax.errors import InputError
-from dspark_jax.fileio import atomic_open, dumps, iter_jsonl, json_safe, write_json
+from dspark_jax.fileio import atomic_open, dumps, iter_jsonl, json_safe, mark_dir, write_json
 
 RESULT_FILE = "eval.json"
 
@@ -341,6 +341,7 @@ def _print_report(summaries: Mapping[str, Mapping], printer) -> None:
 def _write_outputs(out: Path, report: dict, all_results: Mapping, prompts_by_ds: Mapping) -> dict:
     """results/<dataset>.jsonl, PNGs and tb/ under ``out``; returns {name: path}."""
     out.mkdir(parents=True, exist_ok=True)
+    mark_dir(out, "eval")
     files = {}
     for name, results in all_results.items():
         extra = [{"dataset": name, "index": p.index, "line": p.line} for p in prompts_by_ds[name]]
@@ -405,11 +406,16 @@ def evaluate(target, draft, datasets=None, *, data_dir=None, max_samples: int | 
     for flag, d in (("--target", target), ("--draft", draft)):
         if not d.is_dir():
             raise InputError(f"{flag} {str(d)!r} is not a directory")
+    from dspark_jax.pairing import check_pair_paths
+    check_pair_paths(target, draft)
     if datasets is None:
         datasets = default_datasets(target)
     prompts_by_ds = load_datasets(datasets, data_dir, max_samples=max_samples)
     tokenizer = load_tokenizer(target, required=True)
     settings = resolve(options, target, draft, tokenizer)
+    from dspark_jax.decode.settings import check_verify_block
+    from dspark_jax.pairing import stored_config
+    check_verify_block(options, settings.policy, stored_config(draft, "draft").block_size)
     from dspark_jax.decode.sharded import make_decode_mesh
     make_decode_mesh(options.mesh)  # a mesh needing more devices than exist: ConfigError now
     encoded = {name: [encode_prompt(tokenizer, p.text, raw=options.raw_prompt, thinking=options.thinking)

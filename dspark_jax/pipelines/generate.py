@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from dspark_jax.decode.settings import DecodeOptions, advisories, resolve
+from dspark_jax.decode.settings import DecodeOptions, advisories, check_verify_block, resolve
 from dspark_jax.errors import warn
 from dspark_jax.fileio import atomic_open, check_output, dumps
 
@@ -34,6 +34,9 @@ def generate(target, prompts_file, out, *, draft=None, options: DecodeOptions = 
 
     out = check_output(out, force=force, inputs={"--target": target, "--draft": draft,
                                                  "--prompts": prompts_file, "--sps": options.sps_table})
+    if draft:
+        from dspark_jax.pairing import check_pair_paths
+        check_pair_paths(target, draft)
     target_dir = Path(target)
     tokenizer = load_tokenizer(target_dir) if target_dir.is_dir() else None
     encode = None
@@ -42,6 +45,9 @@ def generate(target, prompts_file, out, *, draft=None, options: DecodeOptions = 
     records = read_prompts(prompts_file, encode, tokenizer_hint=f" (none found in {str(target_dir)!r})")
     prompts = [ids for _, ids in records]
     settings = resolve(options, target_dir, draft, tokenizer)
+    if draft:
+        from dspark_jax.pairing import stored_config
+        check_verify_block(options, settings.policy, stored_config(draft, "draft").block_size)
 
     mesh = make_decode_mesh(options.mesh)  # ConfigError before loading or compiling
     tcfg, tparams = load_target(target_dir, dtype)

@@ -440,7 +440,7 @@ def _generate(todo: list[Request], done: dict, files: dict, sampling: Sampling, 
                      stop_token_ids=sampling.stop_token_ids, mesh=mesh,
                      max_cache_len=max_cache_len,
                      request_keys=request_keys(seed, [r.index for r in todo]),
-                     on_result=on_result)
+                     on_result=on_result, slots_flag="--slots")
     finally:
         journal.close()
         bar.close()

@@ -41,7 +41,8 @@ from dspark_jax.convert.identity import target_identity
 from dspark_jax.data import chat, pipeline, reference_cache, sources
 from dspark_jax import families, interrupt
 from dspark_jax.errors import CheckpointError, ConfigError, DSparkError, InputError
-from dspark_jax.fileio import atomic_open, check_not_input, check_output, dumps, write_json
+from dspark_jax.pairing import check_pair_paths, stored_config
+from dspark_jax.fileio import atomic_open, check_output, dumps, mark_dir, write_json
 from dspark_jax.tokenizer import load_tokenizer
 from dspark_jax.train import optim
 from dspark_jax.train.config import TrainConfig
@@ -222,6 +223,7 @@ def _write_run_record(out: Path, record: dict, is_main: bool) -> None:
     """``run.json`` (atomic, process 0)."""
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
+        mark_dir(out, "train")
         write_json(out / "run.json", record, indent=1)
 
 
@@ -231,15 +233,19 @@ def setup(cfg: TrainConfig, *, fast_compile: bool = False, force_resume: bool = 
     inputs = ({f: getattr(cfg, f) for f in ("target", "draft_init", "data", "tokenizer")}
               | {"cache_dir": cfg.cache_dir if cfg.features == "cache" else None})
     check_output(cfg.output_dir, kind="dir", flag="output_dir", marker=("run.json", "checkpoints"),
-                 inputs=inputs)
-    if cfg.export_dir:  # replaced at the end of the run: never an input
-        check_not_input(cfg.export_dir, inputs, flag="export_dir")
+                 inputs=inputs, reuse=True)
+    if cfg.export_dir:  # replaced at the end of the run: never an input, a folder of ours
+        check_output(cfg.export_dir, kind="dir", flag="export_dir", force=True, inputs=inputs)
+    if cfg.draft_init and Path(cfg.target).is_dir():  # before the target's weights are read
+        check_pair_paths(cfg.target, cfg.draft_init, target_flag="target", draft_flag="draft_init")
     target_cfg, target_params = ckpt_io.load_target(cfg.target)
+    planned = stored_config(cfg.draft_init, "draft") if cfg.draft_init else cfg.draft_config(target_cfg)
+    source = load_source(cfg, target_cfg, planned, target_params)  # the data, before the drafter's init
+    sources.check_trainable(source, cfg.max_length, what=f"data {cfg.data!r}")
     draft_cfg, params = load_drafter(cfg, target_cfg, target_params)
     if jax.process_index() == 0:
         for line in engines.serving_warnings(draft_cfg, cfg.serve_engines):
             print(f"warning: this drafter {line}", file=sys.stderr)
-    source = load_source(cfg, target_cfg, draft_cfg, target_params)
     total_steps, epochs = _step_counts(cfg, len(source))
     out = Path(cfg.output_dir).absolute()
     identity = run_identity(cfg, draft_cfg, target_identity(target_cfg, target_params), total_steps)
@@ -390,11 +396,12 @@ def _non_finite(run: Run, mgr, step: int, metrics: dict) -> NonFiniteLossError:
         "Lower optimizer.learning_rate or check the data.")
 
 
-def _save(run: Run, mgr, step: int, state, data_iter, log: "_Log") -> None:
-    """Checkpoint every ``checkpoint.every`` steps and at the last step (TensorBoard flushed
-    first, so a killed run's events reach the restored step)."""
+def _save(run: Run, mgr, step: int, state, data_iter, log: "_Log", *, now: bool = False) -> None:
+    """Checkpoint every ``checkpoint.every`` steps, at the last step and, ``now``, at this one (the
+    step a Ctrl-C stops at: its work is kept, not redone from the last periodic checkpoint);
+    TensorBoard flushed first, so a killed run's events reach the restored step."""
     every = run.cfg.checkpoint.every
-    if not every or (step % every and step != run.total_steps):
+    if not now and (not every or (step % every and step != run.total_steps)):
         return
     log.flush()
     mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
@@ -422,6 +429,8 @@ def iterate(run: Run, state, start: int, mgr, data_iter, log: _Log):
             raise _non_finite(run, mgr, it + 1, metrics)
         log.add(it + 1, metrics, row)
         _save(run, mgr, it + 1, state, data_iter, log)
+        if interrupt.requested() and run.cfg.checkpoint.every and mgr.latest_step() != it + 1:
+            _save(run, mgr, it + 1, state, data_iter, log, now=True)  # the step Ctrl-C stops at
         interrupt.check()
     mgr.wait_until_finished()
     return state

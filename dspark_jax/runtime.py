@@ -64,6 +64,9 @@ the signature of ``draft.model.block_heads`` without ``ops``) replaces the share
 family whose heads read other than the backbone's normed output (DeepSeek-V4's module);
 ``ring`` (optional, ``ContextRing``) makes the decode-time context cache a ring of the window's
 rows for a drafter whose blocks read only a sliding window of the context (DeepSeek-V4's module).
+``objective`` (optional, ``TrainObjective``): a drafter trained on its own objective instead of
+anchored blocks (Eagle3's test-time training); the trainer then calls only it and
+``compute_logits`` (the block functions may be None).
 ``bind`` (optional, ``Context -> DraftRuntime``): the record for a ``Context`` (its mesh), for a
 family whose backbone shards inside itself (DeepSeek-V4's module: its MoE stages ``shard_map``
 the expert dispatch over ``ctx.mesh``); ``on(ctx)`` gives it (the record itself without ``bind``).
@@ -170,6 +173,21 @@ class ContextRing:
 
 
 @dataclasses.dataclass(frozen=True)
+class TrainObjective:
+    """A drafter family's own training objective (``DraftRuntime.objective``).
+
+    ``denominator(cfg, input_ids [N, S], loss_mask [N, S]) -> []``: the global batch's loss
+    denominator, computed before the gradient pass; ``sums(params, cfg, input_ids [Bm, S],
+    features [Bm, S, F], last_hidden [Bm, S, H], loss_mask [Bm, S], *, remat) -> dict``: additive
+    statistics of one micro-batch, ``"loss"`` the loss numerator; ``finalize(sums, denominator)
+    -> (loss, metrics)`` over the summed statistics."""
+
+    denominator: Callable[..., jax.Array]
+    sums: Callable[..., dict]
+    finalize: Callable[..., tuple]
+
+
+@dataclasses.dataclass(frozen=True)
 class DraftRuntime:
     """A drafter family's backbone functions (see the module docstring)."""
 
@@ -184,6 +202,7 @@ class DraftRuntime:
     per_layer: bool = False  # ``context_kv`` / ``block_forward`` also take per-layer ``params["layers"]``
     stacks: tuple[str, ...] = ("layers",)  # the params' stacked-layer subtrees ([L, ...] leaves)
     bind: Callable[[Context], "DraftRuntime"] | None = None  # the record on a Context (its mesh)
+    objective: TrainObjective | None = None  # a family's own training objective (Eagle3's TTT)
 
     def on(self, ctx: Context) -> "DraftRuntime":
         """This record for ``ctx`` (``bind(ctx)``; itself when the family has no ``bind``)."""

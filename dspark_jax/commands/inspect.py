@@ -44,13 +44,14 @@ def describe_draft(path) -> dict:
         why = engines.check(cfg, engine)
         notes = [w for rule, w in engines.violations(cfg, engine, "warning")]
         per_engine[engine] = {"loadable": why is None, "why_not": why, "notes": notes,
-                              "checked": engines.checked_against(engine, f.family) or ["read"]}
+                              "checked": engines.checked_against(engine, f.family, f.kind) or ["read"]}
     arch = (cfg.to_hf().get("architectures") or ["?"])[0]
     return {"path": str(p), "format": checkpoint.detect_format(p), "family": f.family, "architecture": arch,
             "head": f.head, "markov_rank": f.markov_rank, "confidence_head": f.enable_confidence_head,
             "target_layer_ids": list(f.target_layer_ids), "num_target_layers": f.num_target_layers,
             "block_size": f.block_size, "mask_token_id": f.mask_token_id,
             "draft_layers": cfg.num_hidden_layers, "tensors": len(shapes), "bytes": nbytes,
+            "kind": f.kind, "kind_fields": dict(getattr(cfg, "describe", dict)()),
             "sidecars": sidecars, "engines": per_engine}
 
 
@@ -68,11 +69,13 @@ def run(args) -> int:
         print(json.dumps(info))
         return 0
     print(f"{info['path']}  ({info['format']} format)")
-    print(f"  family {info['family']} ({info['architecture']}), head {info['head']} (markov_rank {info['markov_rank']}), "
+    print(f"  {info['kind']} drafter, family {info['family']} ({info['architecture']}), head {info['head']} (markov_rank {info['markov_rank']}), "
           f"confidence head {'yes' if info['confidence_head'] else 'no'}")
+    mask = "" if info["mask_token_id"] is None else f", mask token {info['mask_token_id']}"
     print(f"  target layers {info['target_layer_ids']} of {info['num_target_layers']}, "
-          f"block size {info['block_size']}, mask token {info['mask_token_id']}, "
-          f"{info['draft_layers']} drafter layers")
+          f"block size {info['block_size']}{mask}, {info['draft_layers']} drafter layers")
+    for key, value in info["kind_fields"].items():
+        print(f"  {key} {value}")
     print(f"  {info['tensors']} tensors, {info['bytes']} bytes")
     if info["sidecars"]:
         for k, v in info["sidecars"].items():

@@ -84,7 +84,7 @@ def ttt_hidden(p: dict, cfg, input_ids: jax.Array, features: jax.Array, lengths:
         return m.step_output(p, cfg, h, _attend(q, kk, vv, dk, dv, live, scale)), k, v
 
     if remat:
-        one = jax.checkpoint(one, static_argnums=())
+        one = jax.checkpoint(one)
     for step in range(k_steps):
         live = jnp.arange(s)[None, :] < (lengths - step)[:, None]
         h, k, v = one(p, h, shift_left(input_ids, step + 1), base + step, k0, v0, diag_k, diag_v, live)
@@ -145,15 +145,21 @@ def loss_sums(p: dict, cfg, input_ids, features, last_hidden, loss_mask, *, leng
     accept products). ``last_hidden`` [B, S, H]: the target's hidden after its final norm."""
     lengths = lengths_of(loss_mask) if lengths is None else lengths
     hidden = ttt_hidden(p, cfg, input_ids, features, lengths, steps, remat=remat)
-    return hidden_sums(p, cfg, hidden, last_hidden, loss_mask, lengths)
+    return hidden_sums(p, cfg, hidden, last_hidden, loss_mask, lengths, remat=remat)
 
 
-def hidden_sums(p: dict, cfg, hidden, last_hidden, loss_mask, lengths) -> dict:
-    """``loss_sums`` of the steps' layer outputs hidden [K, B, S, H] (``ttt_hidden``)."""
+def hidden_sums(p: dict, cfg, hidden, last_hidden, loss_mask, lengths, remat: bool = False) -> dict:
+    """``loss_sums`` of the steps' layer outputs hidden [K, B, S, H] (``ttt_hidden``). ``remat``:
+    each step's [B, S, V] logits and softmaxes are recomputed in the backward pass, not kept
+    (K of them at S = 4096 and a 152k vocabulary are 17 GB)."""
     k_steps = hidden.shape[0]
     target_logits = jax.lax.stop_gradient(m.head(p, cfg, last_hidden.astype(hidden.dtype)))
     masks = position_masks(loss_mask, lengths, k_steps)
-    per = [step_sums(m.logits(p, cfg, hidden[k]), target_logits, masks[k], k) for k in range(k_steps)]
+    def one(p, h, target_logits, mask, k):
+        return step_sums(m.logits(p, cfg, h), target_logits, mask, k)
+    if remat:
+        one = jax.checkpoint(one, static_argnums=(4,))
+    per = [one(p, hidden[k], target_logits, masks[k], k) for k in range(k_steps)]
     decay = jnp.asarray([cfg.step_loss_decay ** k for k in range(k_steps)], jnp.float32)
     stack = lambda key: jnp.stack([d[key] for d in per])
     ce = stack("ce")

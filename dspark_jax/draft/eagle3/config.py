@@ -7,7 +7,7 @@ decoder layer, all ``full_attention``, untied head) plus the Eagle3 keys: ``num_
 ``step_loss_decay`` (step k's loss weight is decay^k) and ``draft_num_hidden_layers`` (1).
 ``text`` holds the drafter's own one-layer text config (a Qwen3 ``TargetConfig`` or a
 ``Gemma4TargetConfig``); the attribute names generic drafter code reads are forwarded to it.
-``draft_steps`` (not stored in config.json): tokens proposed per decode round, default
+``num_steps`` (not stored in config.json): tokens proposed per decode round, default
 ``ttt_length``; decode reads it as ``block_size``.
 """
 
@@ -38,7 +38,7 @@ class Eagle3Config:
     target_layer_ids: tuple[int, ...]
     ttt_length: int = 7
     step_loss_decay: float = 0.8
-    draft_steps: int | None = None
+    num_steps: int | None = None
     target_model_name_or_path: str | None = None
 
     ARCHITECTURE = ""
@@ -61,7 +61,7 @@ class Eagle3Config:
                  f"step_loss_decay must be in (0, 1], got {self.step_loss_decay!r}")
         _require(self.text.num_hidden_layers == 1,
                  f"an Eagle3 drafter has one decoder layer, got num_hidden_layers={self.text.num_hidden_layers}")
-        k = self.draft_steps
+        k = self.num_steps
         _require(k is None or (isinstance(k, int) and not isinstance(k, bool) and k >= 1),
                  f"draft steps must be an int >= 1, got {k!r}")
 
@@ -74,7 +74,7 @@ class Eagle3Config:
     rms_norm_eps = property(lambda self: self.text.rms_norm_eps)
     max_position_embeddings = property(lambda self: self.text.max_position_embeddings)
     num_context_features = property(lambda self: len(self.target_layer_ids))
-    block_size = property(lambda self: self.draft_steps or self.ttt_length)  # decode's k
+    block_size = property(lambda self: self.num_steps or self.ttt_length)  # decode's k
     kind = property(lambda self: KIND)
     enable_confidence_head = False
     has_markov = False

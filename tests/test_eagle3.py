@@ -106,3 +106,29 @@ def test_drafter_for_another_target_refused():
         cfg.check_compatible(wider)
     with pytest.raises(ConfigError, match="tappable layers of a 4-layer target"):
         cfg.check_compatible(wider.__class__(**{**wider.__dict__, "hidden_size": 64, "num_hidden_layers": 4}))
+
+
+def _train_config(tmp_path, **fields) -> str:
+    (tmp_path / "d.jsonl").write_text('{"input_ids": [1, 2, 3], "loss_mask": [1, 1, 1]}\n')
+    base = dict(target=str(fixture("qwen3") / "target"), data=str(tmp_path / "d.jsonl"),
+                output_dir=str(tmp_path / "run"), max_length=8, batch_size=1, steps=1, num_devices=1, mesh="data=1")
+    (tmp_path / "c.py").write_text(f"CONFIG = {dict(base, **fields)!r}\n")
+    return str(tmp_path / "c.py")
+
+
+@pytest.mark.parametrize("fields,expected", [
+    (dict(draft_init=str(fixture("qwen3") / "draft"), target=str(FIXTURES.parent.parent / "dspark_jax/assets/default_target")),
+     "Eagle3 drafter and target do not fit together: vocab_size 512 != target 264; hidden_size 64 != target 128"),
+    (dict(draft=dict(kind="eagle3", ttt_length=0)), "ttt_length must be an int >= 1, got 0"),
+    (dict(draft=dict(kind="eagle3", target_layer_ids=(0, 1, 2, 3, 5))), "target_layer_ids [5] do not exist"),
+    (dict(draft=dict(kind="eagle3"), target=str(FIXTURES.parent.parent / "dspark_jax/assets/default_target")),
+     "a 4-layer target has only 3 tappable"),
+    (dict(draft=dict(kind="medusa")), "no registered 'medusa' drafter family reads 'qwen3' targets"),
+])
+def test_train_refuses_bad_eagle3_in_one_line(fields, expected, tmp_path, capsys):
+    config = _train_config(tmp_path, **fields)
+    capsys.readouterr()
+    assert cli.main(["train", "--config", config]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and expected in err[0], err
+    assert not (tmp_path / "run").exists()

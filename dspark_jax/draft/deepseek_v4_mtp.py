@@ -103,6 +103,18 @@ class DeepseekV4MTPConfig:
         return cls(target=target)
 
 
+def describe(hf: Mapping[str, Any], aside_names) -> dict[str, Any] | None:
+    """What ``inspect`` shows of a V4 checkpoint's MTP module (None when it holds none: a DSpark
+    module's keys, no ``num_nextn_predict_layers``, or no ``mtp.0.e_proj`` among ``aside_names``)."""
+    if any(hf.get(k) is not None for k in DSPARK_KEYS) or PREFIX + "e_proj.weight" not in set(aside_names):
+        return None
+    cfg = DeepseekV4MTPConfig.from_hf(hf)
+    t = cfg.target
+    return {"layers": 1, "window": t.sliding_window, "heads": t.num_attention_heads, "hc_mult": t.hc_mult,
+            "experts": f"{t.n_routed_experts} routed (top {t.num_experts_per_tok}) + 1 shared",
+            "reads": "the target's last-layer residual streams before hc_head"}
+
+
 # ----------------------------------------------------------------------------- declaration
 
 

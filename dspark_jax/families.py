@@ -25,10 +25,13 @@ Adding a family::
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Mapping
 
 from dspark_jax import params as params_lib
+from dspark_jax import runtime
 from dspark_jax.draft import deepseek_v4 as draft_deepseek_v4
+from dspark_jax.draft import deepseek_v4_mtp as draft_deepseek_v4_mtp
 from dspark_jax.draft import eagle3 as draft_eagle3
 from dspark_jax.draft import gemma4 as draft_gemma4
 from dspark_jax.draft import model as draft_model
@@ -43,7 +46,8 @@ _BUILTIN: tuple[Family, ...] = (
     draft_gemma4.FAMILY,
     deepseek_v4.FAMILY,
     draft_deepseek_v4.FAMILY,  # V4's in-checkpoint DSpark module (mtp.*)
-    draft_eagle3.QWEN3_FAMILY,  # Eagle3 (DeepSpec's format)
+    draft_deepseek_v4_mtp.FAMILY,  # V4's in-checkpoint MTP-1 module (mtp.0.*), a chain drafter
+    draft_eagle3.QWEN3_FAMILY,  # Eagle3 (DeepSpec's format), a chain drafter
     draft_eagle3.GEMMA4_FAMILY,
 )
 
@@ -181,6 +185,17 @@ def draft_ops(draft_config):
     if for_config(draft_config).kind != "draft":
         raise ConfigError(f"{type(draft_config).__name__} is not a drafter config")
     return runtime_of(draft_config)
+
+
+BLOCK_KIND = "dspark_jax.draft.decode"  # the module whose PROPOSER drafts blocks (every DraftRuntime family)
+
+
+def proposer(draft_config) -> runtime.Proposer:
+    """The drafter kind's record the decode round calls (``runtime.Proposer``): the family's own
+    when its runtime is one (a chain kind), else the block kind's (imported by name: it reads
+    this registry)."""
+    rt = draft_ops(draft_config)
+    return rt if isinstance(rt, runtime.Proposer) else importlib.import_module(BLOCK_KIND).PROPOSER
 
 
 def init_params(config, rng, dtype=None, **shared):

@@ -129,4 +129,8 @@ def _print_target(args) -> int:
               f"window {d['window']}, noise token {d['noise_token_id']}, experts {d['experts']}")
     else:
         print("  DSpark module: none (no dspark_* keys)")
+    m = info.get("mtp")
+    if m:
+        print(f"  MTP module (mtp.0.*): one V4 block, sliding window {m['window']}, {m['heads']} heads, "
+              f"experts {m['experts']}; reads {m['reads']} (decode: --draft this checkpoint, --draft-steps K)")
     return 0

@@ -321,22 +321,40 @@ def _load(kind: str, path, dtype, allow_pickle: bool):
 
 
 def load_draft(path, dtype=None, *, allow_pickle: bool = False,
-               target_params: Mapping | None = None) -> tuple[DraftConfig, dict]:
+               target_params: Mapping | None = None, steps: int | None = None) -> tuple[DraftConfig, dict]:
     """(config, params with jnp leaves) from a drafter directory (torch or jax format), or the
-    DSpark module inside a DeepSeek-V4 checkpoint (``mtp.*`` + ``dspark_*`` keys; it shares
-    ``target_params``' embedding and head when given, else reads the checkpoint's).
+    module inside a DeepSeek-V4 checkpoint: its DSpark module (``mtp.*`` + ``dspark_*`` keys) or
+    its MTP module (``mtp.0.*``, a chain drafter); either shares ``target_params``' embedding and
+    head when given, else reads the checkpoint's.
 
-    ``dtype`` None keeps the stored dtype; 'float32'/'bfloat16' casts.
+    ``dtype`` None keeps the stored dtype; 'float32'/'bfloat16' casts. ``steps`` (``--draft-steps``):
+    the drafts per round of a chain drafter (MTP-k); ConfigError for a drafter whose round is fixed
+    by its checkpoint (a block drafter), CheckpointError for a V4 checkpoint without a module.
     """
-    from dspark_jax.convert import dspark_v4  # it imports this module
-    if dspark_v4.holds_module(path):
-        cfg, params = dspark_v4.load_module(path, shared=target_params is None)
+    from dspark_jax.convert import dspark_v4, mtp_v4  # they import this module
+    if dspark_v4.holds_module(path) or mtp_v4.holds_module(path):
+        reader = dspark_v4 if dspark_v4.holds_module(path) else mtp_v4
+        cfg, params = reader.load_module(path, shared=target_params is None)
         params = _cast_tree(params, _np_dtype(dtype), cfg)
         if target_params is not None:
             params = dspark_v4.with_target(params, target_params)
-        return cfg, params
-    cfg, _, params = _load("draft", path, dtype, allow_pickle)
-    return cfg, params
+    elif mtp_v4.is_v4(path):
+        raise CheckpointError(f"{path}: a DeepSeek-V4 checkpoint without a drafter module (no dspark_* keys, "
+                              f"no {mtp_v4.MARK} tensor); pass a checkpoint holding one as --draft")
+    else:
+        cfg, _, params = _load("draft", path, dtype, allow_pickle)
+    return (cfg if steps is None else with_steps(cfg, steps, path)), params
+
+
+def with_steps(cfg, steps: int, path) -> DraftConfig:
+    """``cfg`` proposing ``steps`` drafts per round (``runtime.Proposer.with_steps``); ConfigError
+    (one line) for a drafter kind whose round its checkpoint fixes."""
+    kind = families.proposer(cfg)
+    if kind.with_steps is None:
+        raise ConfigError(f"--draft-steps {steps}: {path} holds a {families.for_config(cfg).name} drafter, which "
+                          f"proposes its checkpoint's block of {cfg.block_size} tokens; only a chain drafter "
+                          f"(an MTP module) takes steps")
+    return kind.with_steps(cfg, steps)
 
 
 def load_target(path, dtype=None, *, allow_pickle: bool = False) -> tuple[TargetConfig, dict]:

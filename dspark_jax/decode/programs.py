@@ -191,7 +191,7 @@ class Mode:
 
 def speculative(prog: DecodeProgram, static: DecodeStatic, dparams, conf_temps) -> Mode:
     """The speculative mode of ``prog`` for ``static`` (a drafter config and policy)."""
-    with_conf = static.draft.enable_confidence_head
+    with_conf = families.proposer(static.draft).confidence and static.draft.enable_confidence_head
     return Mode(prog.spec, dparams, conf_temps, static, static.policy, static.draft.block_size,
                 functools.partial(_result, requests.speculative_result, with_conf))
 

@@ -1,16 +1,21 @@
 """Eagle3 drafters in DeepSpec's format, one family per target family.
 
 ``config`` (``Qwen3Eagle3Config`` / ``Gemma4Eagle3Config``: config.json both ways), ``model``
-(declaration, the one decoder layer), ``ttt`` (test-time training forward and loss). Each
-family's runtime record gives the trainer its objective (``runtime.TrainObjective``).
+(declaration, the one decoder layer), ``ttt`` (test-time training forward and loss), ``chain``
+(the module as the chain round drives it). Each family's runtime record is the chain kind's
+``runtime.Proposer`` carrying the trainer's objective (``runtime.TrainObjective``).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax.numpy as jnp
 
 from dspark_jax import params as params_lib
 from dspark_jax import runtime
+from dspark_jax.draft import chain as chain_kind
+from dspark_jax.draft.eagle3 import chain as eagle3_chain
 from dspark_jax.draft.eagle3 import model, ttt
 from dspark_jax.draft.eagle3.config import KIND, Gemma4Eagle3Config, Qwen3Eagle3Config
 
@@ -27,9 +32,10 @@ def _denominator(cfg, input_ids, loss_mask):
 OBJECTIVE = runtime.TrainObjective(denominator=_denominator, sums=_sums, finalize=ttt.finalize)
 
 
-RUNTIME = runtime.DraftRuntime(
-    project_context=model.project_features, context_kv=None, embed_block=None, block_forward=None,
-    compute_logits=model.head, objective=OBJECTIVE)
+# decoding: the chain kind's record of the module (draft 1 from the last committed output, then
+# k - 1 module steps; ``--draft-steps`` sets k, default ttt_length); training: the TTT objective
+RUNTIME = dataclasses.replace(
+    chain_kind.proposer(eagle3_chain.MODULE, hidden_width=lambda cfg: cfg.hidden_size), objective=OBJECTIVE)
 
 QWEN3_FAMILY = params_lib.Family(
     name="qwen3_eagle3", kind="draft", architectures=(Qwen3Eagle3Config.ARCHITECTURE,), model_types=(),

@@ -132,3 +132,20 @@ def test_train_refuses_bad_eagle3_in_one_line(fields, expected, tmp_path, capsys
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and expected in err[0], err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("target,extra,expected", [
+    (FIXTURES.parent.parent / "dspark_jax/assets/default_target", [],
+     "Eagle3 drafter and target do not fit together: vocab_size 512 != target 264"),
+    (fixture("qwen3") / "target", ["--verify", "threshold"], "the qwen3_eagle3 drafter has no confidence head"),
+    (fixture("qwen3") / "target", ["--draft-steps", "0"], "--draft-steps must be a positive int"),
+])
+def test_generate_refuses_in_one_line(target, extra, expected, tmp_path, capsys):
+    (tmp_path / "p.jsonl").write_text('{"prompt_ids": [1, 2, 3]}\n')
+    argv = ["generate", "--target", str(target), "--draft", str(fixture("qwen3") / "draft"),
+            "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "o.jsonl"), *extra]
+    capsys.readouterr()
+    assert cli.main(argv) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and expected in err[0], err
+    assert not (tmp_path / "o.jsonl").exists()

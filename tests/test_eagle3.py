@@ -149,3 +149,20 @@ def test_generate_refuses_in_one_line(target, extra, expected, tmp_path, capsys)
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and expected in err[0], err
     assert not (tmp_path / "o.jsonl").exists()
+
+
+@pytest.mark.parametrize("name,target,taps", [
+    ("eagle3_qwen3_4b", "Qwen/Qwen3-4B", (1, 9, 17, 25, 33)), ("eagle3_qwen3_8b", "Qwen/Qwen3-8B", (1, 9, 17, 25, 33)),
+    ("eagle3_qwen3_14b", "Qwen/Qwen3-14B", (1, 10, 19, 28, 37)),
+    ("eagle3_gemma4_12b", "google/gemma-4-12B-it", (5, 17, 29, 41, 46))])
+def test_released_configs_build_the_deepspec_shape(name, target, taps):
+    from dspark_jax import families, presets
+    from dspark_jax.train.config import load_config
+    cfg = load_config(FIXTURES.parent.parent / "configs" / f"{name}.py")
+    draft = cfg.draft_config(presets.TARGETS[target])
+    assert families.for_config(draft).name.endswith("_eagle3")
+    assert draft.target_layer_ids == taps and draft.ttt_length == 7 and draft.step_loss_decay == 0.8
+    decl = families.declare(draft)
+    h = draft.hidden_size
+    assert decl[("fc",)].shape == (5 * h, h) and decl[("layers", "q_proj")].shape[:2] == (1, 2 * h)
+    assert {p for p, s in decl.items() if s.frozen} >= {("embed_tokens",), ("lm_head",)}

@@ -52,12 +52,13 @@ def accept_rates(results, k):
     return np.array([(acc > p).sum() / max((prop > p).sum(), 1) for p in range(k)]), len(acc)
 
 
-@pytest.mark.slow  # 96 prompts x 48 tokens per fixture
+@pytest.mark.slow  # 48 of the 96 prompts x 48 tokens per fixture
 @pytest.mark.parametrize("fam", ("qwen3", "gemma4"))
 def test_t1_acceptance_per_position_within_4_se(fam):
     ref = reference(fam, "sampling_T1.json")
-    res = speculative_generate(*pair(fam), ref["prompts"], max_new_tokens=ref["max_new_tokens"], temperature=1.0,
-                               batch_size=len(ref["prompts"]), max_cache_len=128, seed=1)
+    prompts = ref["prompts"][:48]
+    res = speculative_generate(*pair(fam), prompts, max_new_tokens=ref["max_new_tokens"], temperature=1.0,
+                               batch_size=len(prompts), max_cache_len=128, seed=1)
     ours, n = accept_rates(res, ref["draft_steps"])
     theirs = np.asarray(ref["accept_rates_by_position"])
     se = np.sqrt(ours * (1 - ours) / n + theirs * (1 - theirs) / ref["rounds"])
@@ -69,7 +70,7 @@ def test_t1_acceptance_per_position_within_4_se(fam):
 
 PROMPT = [1, 6, 2, 5]
 N_TOKENS = 3
-N = 4000
+N = 2000
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,7 +95,7 @@ def tiny_eagle3():
     return tcfg, tp, dcfg, dp
 
 
-@pytest.mark.slow  # one compile of the 4000-row round per policy
+@pytest.mark.slow  # one compile of the 2000-row round per policy
 @pytest.mark.parametrize("name", ["full", "fixed:1"])
 def test_sampling_at_t1_is_lossless(name):
     tc, tp, dc, dp = tiny_eagle3()

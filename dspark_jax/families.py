@@ -10,7 +10,7 @@ protocol is ``dspark_jax.runtime``).
 
 Adding a family::
 
-    # dspark_jax/target/gemma4.py
+    # dspark_jax/target/gemma4/__init__.py
     FAMILY = params.Family(name="gemma4", kind="target",
                            architectures=("Gemma4ForCausalLM", "Gemma4UnifiedForCausalLM"),
                            model_types=("gemma4_text", "gemma4_unified_text"),
@@ -25,11 +25,9 @@ Adding a family::
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, Mapping
 
 from dspark_jax import params as params_lib
-from dspark_jax import runtime
 from dspark_jax.draft import deepseek_v4 as draft_deepseek_v4
 from dspark_jax.draft import deepseek_v4_mtp as draft_deepseek_v4_mtp
 from dspark_jax.draft import eagle3 as draft_eagle3
@@ -185,17 +183,6 @@ def draft_ops(draft_config):
     if for_config(draft_config).kind != "draft":
         raise ConfigError(f"{type(draft_config).__name__} is not a drafter config")
     return runtime_of(draft_config)
-
-
-BLOCK_KIND = "dspark_jax.draft.decode"  # the module whose PROPOSER drafts blocks (every DraftRuntime family)
-
-
-def proposer(draft_config) -> runtime.Proposer:
-    """The drafter kind's record the decode round calls (``runtime.Proposer``): the family's own
-    when its runtime is one (a chain kind), else the block kind's (imported by name: it reads
-    this registry)."""
-    rt = draft_ops(draft_config)
-    return rt if isinstance(rt, runtime.Proposer) else importlib.import_module(BLOCK_KIND).PROPOSER
 
 
 def init_params(config, rng, dtype=None, **shared):

@@ -73,7 +73,7 @@ the expert dispatch over ``ctx.mesh``); ``on(ctx)`` gives it (the record itself 
 
 Drafter kinds (``Proposer``)
 ----------------------------
-The decode round reaches a drafter only through its kind's record (``families.proposer(cfg)``):
+The decode round reaches a drafter only through its kind's record (``draft.kinds.proposer(cfg)``):
 the *block* kind (``draft.decode``: every ``DraftRuntime`` family) or a family's own record
 registered as its ``runtime`` (a *chain* kind, ``draft.chain``: MTP, Eagle3). Shapes: G =
 ``cfg.block_size`` tokens proposed per round (every drafter config exposes it), P prompt

@@ -150,10 +150,11 @@ def test_the_chain_proposes_the_reference_drafts(pair):
     """Every round of mtp_greedy.json (MTP-1 and MTP-3), its committed tokens c_0..c_m given:
     the chain kind's ``init`` over positions 0..m-1 (target streams x_s with token s+1) then
     ``propose`` gives the round's drafts (MTP-3: steps 2 and 3 fed the module's own output)."""
-    from dspark_jax import families, runtime
+    from dspark_jax import runtime
+    from dspark_jax.draft import kinds
     tcfg, tparams, dcfg, dparams = pair
     ref = _greedy()
-    kind = families.proposer(dcfg)
+    kind = kinds.proposer(dcfg)
     ctx = runtime.Context(dtype=jnp.float32)
     for k, name in ((1, "mtp_1"), (3, "mtp_3")):
         seqs, lens, want = [], [], []

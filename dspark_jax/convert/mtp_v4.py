@@ -14,7 +14,7 @@ from pathlib import Path
 
 from dspark_jax import params as params_lib
 from dspark_jax.convert import safetensors_io
-from dspark_jax.convert.checkpoint import read_json_object
+from dspark_jax.convert.formats import read_json_object
 from dspark_jax.convert.dspark_v4 import read_module
 from dspark_jax.draft.deepseek_v4_mtp import DSPARK_KEYS, PREFIX, DeepseekV4MTPConfig, declare, module_specs
 from dspark_jax.target.deepseek_v4.config import ARCHITECTURE

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from dspark_jax import families, runtime
+from dspark_jax.draft import kinds
 from dspark_jax.errors import InputError
 
 GIB = float(1 << 30)
@@ -58,7 +59,7 @@ def decode_bytes(tcfg, tparams, dcfg, dparams, batch: int, max_len: int) -> dict
 def context_bytes_per_row(dcfg, max_len: int, dtype) -> int:
     """Bytes of one row's drafter state (its kind's ``runtime.Proposer.state_bytes``: a block
     drafter's context cache, a chain drafter's own cache and last output)."""
-    return families.proposer(dcfg).state_bytes(dcfg, max_len, dtype)
+    return kinds.proposer(dcfg).state_bytes(dcfg, max_len, dtype)
 
 
 def check_decode_memory(tcfg, tparams, dcfg, dparams, batch: int, max_len: int, mesh=None) -> None:

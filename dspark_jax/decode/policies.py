@@ -41,6 +41,7 @@ from typing import Any, Callable, Protocol
 import jax.numpy as jnp
 
 from dspark_jax import families
+from dspark_jax.draft import kinds
 from dspark_jax.errors import ConfigError
 
 
@@ -64,7 +65,7 @@ def require_confidence(policy, draft_cfg) -> None:
     """ConfigError (one line) when ``policy`` reads confidences (its lengths vary: no
     ``constant_length``) but the drafter's kind has no confidence head (a chain drafter: MTP,
     Eagle3), before anything compiles; ``full`` and ``fixed:K`` work for every kind."""
-    kind = families.proposer(draft_cfg)
+    kind = kinds.proposer(draft_cfg)
     if policy is None or kind.confidence or constant_length(policy, draft_cfg.block_size) is not None:
         return
     name = families.for_config(draft_cfg).name

@@ -7,7 +7,7 @@ and its cache only through ``commit`` / ``delta_axes``, so any family that imple
 protocol decodes here.
 
 One round (``speculative_round``): the drafter proposes G tokens after position p through its
-kind's record (``families.proposer``: ``runtime.Proposer``; a block or a chain) -> confidences ->
+kind's record (``draft.kinds.proposer``: ``runtime.Proposer``; a block or a chain) -> confidences ->
 policy lengths -> one target forward over [x0, x_1..x_{w-1}] at p..p+w-1 for the smallest
 compiled width w (``shapes.round_widths``, one ``lax.switch`` branch each; cache spans likewise)
 -> rejection sampling of each row's own l_b tokens -> after the switch: the target cache commits
@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from dspark_jax import families, runtime, sampling
 from dspark_jax import params as params_lib
+from dspark_jax.draft import kinds
 from dspark_jax.decode.shapes import by_span, compiled_spans, round_widths, span_index, width_index
 from dspark_jax.decode.state import ARState, DecodeState, DecodeStatic, insert
 from dspark_jax.decode.verify import rejection_sample
@@ -57,7 +58,7 @@ def _prefill(tparams, dparams, prompts, lens, valid, key, temperature, stop_ids,
     tcfg = static.target
     rt = families.target_runtime(tcfg)
     ctx = ctx.for_params(tparams)
-    kind = families.proposer(static.draft) if static.draft is not None else None
+    kind = kinds.proposer(static.draft) if static.draft is not None else None
     taps = kind.taps(static.draft) if kind is not None else ()
     extend = static.draft.block_size + 1 if static.draft is not None else 1
     apart = {"per_layer": True} if rt.per_layer and params_lib.per_layer(tparams, rt.stacks) else {}
@@ -132,7 +133,7 @@ def _verify_width(tparams, state: DecodeState, anchor, drafts, draft_logits, len
     verify_tokens = jnp.concatenate([anchor[:, None], drafts[:, :d]], axis=1)      # [B,w]
     rt = families.target_runtime(tcfg)
     hidden, taps, delta = rt.forward(tparams, tcfg, verify_tokens, state.cache, ctx=ctx,
-                                     taps=families.proposer(dcfg).taps(dcfg), span=span)
+                                     taps=kinds.proposer(dcfg).taps(dcfg), span=span)
     delta = runtime.pad_steps(delta, state.cache.delta_axes(), g + 1)
     t_logits = rt.logits(tparams, tcfg, hidden)
     verdict = rejection_sample(k_verify, t_logits, draft_logits[:, :d], drafts[:, :d],
@@ -148,7 +149,7 @@ def _draft(dparams, state: DecodeState, anchor, key, temperature, conf_temps,
     lengths [B] in [0, G], new policy state, the drafter state ``propose`` returns)."""
     dcfg = static.draft
     b, g = anchor.shape[0], dcfg.block_size
-    drafts, draft_logits, conf_logits, dstate = families.proposer(dcfg).propose(
+    drafts, draft_logits, conf_logits, dstate = kinds.proposer(dcfg).propose(
         dparams, dcfg, state.ctx, anchor, state.pos, key, temperature, static.greedy, ctx=ctx,
         spans=spans, span_index=s_index)
     if conf_logits is not None:
@@ -214,7 +215,7 @@ def speculative_round(tparams, dparams, state: DecodeState, temperature, stop_id
     new_pos = jnp.where(active, state.pos + acc_len, state.pos)
     # The drafter folds in the committed positions p..new_pos-1 (acc_len <= w): their features
     # and, for each, the token after it (the accepted drafts, then the bonus).
-    draft_ctx = families.proposer(dcfg).commit(
+    draft_ctx = kinds.proposer(dcfg).commit(
         dparams, dcfg, dstate, taps, new_tokens, state.pos[:, None] + k_idx, jnp.where(active, acc_len, 0),
         ctx=ctx)
 

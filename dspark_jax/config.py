@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any, Mapping
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+RELEASED_KINDS = ("dspark", "dflash", "eagle3")  # the released drafter shapes (``presets.released_drafter``)
 
 
 from dspark_jax.errors import ConfigError, require_positive_int  # noqa: E402  (ConfigError re-exported)

@@ -29,6 +29,8 @@ from typing import Any, Mapping
 
 from dspark_jax import params as params_lib
 from dspark_jax.draft import deepseek_v4 as draft_deepseek_v4
+from dspark_jax.draft import deepseek_v4_mtp as draft_deepseek_v4_mtp
+from dspark_jax.draft import eagle3 as draft_eagle3
 from dspark_jax.draft import gemma4 as draft_gemma4
 from dspark_jax.draft import model as draft_model
 from dspark_jax.errors import CheckpointError, ConfigError
@@ -42,6 +44,9 @@ _BUILTIN: tuple[Family, ...] = (
     draft_gemma4.FAMILY,
     deepseek_v4.FAMILY,
     draft_deepseek_v4.FAMILY,  # V4's in-checkpoint DSpark module (mtp.*)
+    draft_deepseek_v4_mtp.FAMILY,  # V4's in-checkpoint MTP-1 module (mtp.0.*), a chain drafter
+    draft_eagle3.QWEN3_FAMILY,  # Eagle3 (DeepSpec's format), a chain drafter
+    draft_eagle3.GEMMA4_FAMILY,
 )
 
 FAMILIES: dict[str, Family] = {}
@@ -145,12 +150,15 @@ def check_pair(draft_config, target_config) -> None:
                           f"{t.name!r} ({t.architectures[0]})")
 
 
-def drafter_family(target_config) -> Family:
-    """The drafter family that reads ``target_config``'s family (e.g. gemma4 -> gemma4_dspark)."""
+def drafter_family(target_config, kind: str = "dspark") -> Family:
+    """The drafter family of ``kind`` (``Family.draft_kind``) that reads ``target_config``'s
+    family (e.g. gemma4 -> gemma4_dspark; gemma4, "eagle3" -> gemma4_eagle3)."""
     t = for_config(target_config)
-    found = [f for f in FAMILIES.values() if f.kind == "draft" and f.pairs_with == t.name]
+    found = [f for f in FAMILIES.values() if f.kind == "draft" and f.pairs_with == t.name
+             and f.draft_kind == kind]
     if not found:
-        raise ConfigError(f"no registered drafter family reads {t.name!r} targets")
+        kinds = sorted({f.draft_kind for f in FAMILIES.values() if f.kind == "draft" and f.pairs_with == t.name})
+        raise ConfigError(f"no registered {kind!r} drafter family reads {t.name!r} targets (kinds: {kinds})")
     return found[0]
 
 

@@ -19,12 +19,17 @@ def stored_config(path, kind: str):
     """The config of checkpoint ``path`` read as a ``kind`` ("draft" / "target") from its config
     files only (``config.json`` or the project format's metadata; a DeepSeek-V4 checkpoint's
     in-checkpoint module as a drafter). ConfigError / CheckpointError naming the file."""
-    from dspark_jax.convert import dspark_v4, formats, module_io
+    from dspark_jax.convert import dspark_v4, formats, module_io, mtp_v4
 
     p = Path(path)
     module = module_io.module_dir(p) if kind == "draft" else None
     if module is not None:
         return dspark_v4.read_config(module)
+    if kind == "draft" and mtp_v4.holds_module(p):
+        return mtp_v4.read_config(p)
+    if kind == "draft" and mtp_v4.is_v4(p):
+        raise CheckpointError(f"{p}: a DeepSeek-V4 checkpoint without a drafter module (no dspark_* keys, "
+                              f"no {mtp_v4.MARK} tensor); pass a checkpoint holding one as --draft")
     if formats.detect_format(p) == "jax":
         meta = formats.read_meta(p)
         return formats.config_from_hf(kind, meta["config"], f"{p / formats.META_NAME} 'config'")

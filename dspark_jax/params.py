@@ -178,6 +178,8 @@ class Family:
                    (DeepSeek-V4's in-checkpoint DSpark module, ``mtp.*``).
     runtime:       the ``runtime.TargetRuntime`` / ``runtime.DraftRuntime`` record the decode
                    engine and the trainer call (``families.target_runtime`` / ``draft_runtime``).
+    draft_kind:    drafters: the drafter kind (``"dspark"``: anchored blocks, DSpark and DFlash;
+                   ``"eagle3"``: a TTT-trained chain), which a training run's ``draft.kind`` picks.
     shared_from_target: drafters: ``target params -> {name: array}``, the target arrays a fresh
                    drafter shares (``families.shared_with_target``); None: the target's
                    ``embed_tokens`` and LM head kernel (``lm_head``).
@@ -198,6 +200,7 @@ class Family:
     aside_tensors: tuple[str, ...] = ()
     runtime: Any = None
     shared_from_target: Any = None
+    draft_kind: str = "dspark"
 
     def __post_init__(self):
         if self.kind not in KINDS:

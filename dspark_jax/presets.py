@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from dspark_jax import families
+from dspark_jax.config import RELEASED_KINDS as KINDS
 from dspark_jax.config import TargetConfig
 from dspark_jax.errors import ConfigError
 from dspark_jax.target import deepseek_v4, gemma4
@@ -109,12 +110,16 @@ def released_drafter(target: str, *, kind: str = "dspark", block_size: int = 7,
     """The drafter shape of the released checkpoints for a preset target.
 
     kind "dspark": vanilla Markov head of rank 256 and a confidence head with
-    Markov features; kind "dflash": no Markov head, no confidence head.
+    Markov features; kind "dflash": no Markov head, no confidence head; kind "eagle3": DeepSpec's
+    Eagle3 (one layer, the same five taps, ``ttt_length`` = ``block_size``, step loss decay 0.8).
     """
     if target not in _LAYER_IDS:
         raise ConfigError(f"no released drafter for {target!r}; presets: {sorted(_LAYER_IDS)}")
-    if kind not in ("dspark", "dflash"):
-        raise ConfigError(f"kind={kind!r} must be 'dspark' or 'dflash'")
+    if kind not in KINDS:
+        raise ConfigError(f"kind={kind!r} must be one of {KINDS}")
+    if kind == "eagle3":
+        return families.drafter_family(TARGETS[target], kind).config_cls.for_target(
+            TARGETS[target], target_layer_ids=_LAYER_IDS[target], ttt_length=block_size, step_loss_decay=0.8)
     head = (dict(markov_rank=256, markov_head_type="vanilla", enable_confidence_head=True,
                  confidence_head_with_markov=True) if kind == "dspark"
             else dict(markov_rank=0, enable_confidence_head=False, confidence_head_with_markov=False))
@@ -152,7 +157,11 @@ def released_train_config(target: str, *, kind: str = "dspark", block_size: int 
     draft = released_drafter(target, kind=kind, block_size=block_size, num_layers=num_layers)
     fields = ("num_hidden_layers", "block_size", "target_layer_ids", "mask_token_id", "num_anchors",
               "markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
+    if kind == "eagle3":  # a TTT-trained chain: its own keys, the trainer's draft.kind picks its family
+        fields = ("target_layer_ids", "ttt_length", "step_loss_decay")
     draft_fields = {f: getattr(draft, f) for f in fields}
+    if kind == "eagle3":
+        draft_fields["kind"] = kind
     if target_layer_ids is not None:
         draft_fields["target_layer_ids"] = tuple(target_layer_ids)
     short = target.split("/")[-1].lower().replace("-", "_")

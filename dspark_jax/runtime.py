@@ -64,14 +64,44 @@ the signature of ``draft.model.block_heads`` without ``ops``) replaces the share
 family whose heads read other than the backbone's normed output (DeepSeek-V4's module);
 ``ring`` (optional, ``ContextRing``) makes the decode-time context cache a ring of the window's
 rows for a drafter whose blocks read only a sliding window of the context (DeepSeek-V4's module).
+``objective`` (optional, ``TrainObjective``): a drafter trained on its own objective instead of
+anchored blocks (Eagle3's test-time training); the trainer then calls only it and
+``compute_logits`` (the block functions may be None).
 ``bind`` (optional, ``Context -> DraftRuntime``): the record for a ``Context`` (its mesh), for a
 family whose backbone shards inside itself (DeepSeek-V4's module: its MoE stages ``shard_map``
 the expert dispatch over ``ctx.mesh``); ``on(ctx)`` gives it (the record itself without ``bind``).
+
+Drafter kinds (``Proposer``)
+----------------------------
+The decode round reaches a drafter only through its kind's record (``draft.kinds.proposer(cfg)``):
+the *block* kind (``draft.decode``: every ``DraftRuntime`` family) or a family's own record
+registered as its ``runtime`` (a *chain* kind, ``draft.chain``: MTP, Eagle3). Shapes: G =
+``cfg.block_size`` tokens proposed per round (every drafter config exposes it), P prompt
+positions, F = ``feature_dim(taps)``. ``dstate`` is the kind's own pytree with ``axes()`` (its
+logical axes, ``BATCH`` on every leaf: sharding and ``put_row``).
+
+- ``taps(cfg) -> tuple``: what the target's ``forward`` hands over as ``features`` (layer ids;
+  a family may accept tagged entries, e.g. ``("streams",)``; an unknown tag: ConfigError).
+- ``init(dparams, cfg, features [B, P, F], next_tokens [B, P], lens [B], max_len, *, ctx) ->
+  dstate``: after the prefill; position t's feature and token t + 1 (the last: the first
+  sampled token), row b's first ``lens[b]`` positions committed.
+- ``propose(dparams, cfg, dstate, anchor [B], pos [B], key, temperature, greedy, *, ctx, spans,
+  span_index) -> (drafts [B, G] int32, draft logits [B, G, V] float32 (the distribution each
+  draft was sampled from), confidence logits [B, G] or None, dstate)``: the returned dstate may
+  hold speculative writes past the committed positions, which ``commit`` overwrites.
+- ``commit(dparams, cfg, dstate, features [B, G+1, F], next_tokens [B, G+1], positions [B, G+1],
+  n_new [B], *, ctx) -> dstate``: fold in each row's first ``n_new`` verified positions (the
+  features of positions pos..pos+n_new-1 and, for each, the token after it).
+- ``confidence``: whether the kind can have a confidence head (policies that need one are
+  refused before compiling otherwise); ``state_bytes(cfg, max_len, dtype)``: one row's dstate;
+  ``with_steps(cfg, k)``: the config proposing k tokens per round (``--draft-steps``; None when
+  the checkpoint fixes G).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Mapping, Protocol
 
@@ -170,6 +200,21 @@ class ContextRing:
 
 
 @dataclasses.dataclass(frozen=True)
+class TrainObjective:
+    """A drafter family's own training objective (``DraftRuntime.objective``).
+
+    ``denominator(cfg, input_ids [N, S], loss_mask [N, S]) -> []``: the global batch's loss
+    denominator, computed before the gradient pass; ``sums(params, cfg, input_ids [Bm, S],
+    features [Bm, S, F], last_hidden [Bm, S, H], loss_mask [Bm, S], *, remat) -> dict``: additive
+    statistics of one micro-batch, ``"loss"`` the loss numerator; ``finalize(sums, denominator)
+    -> (loss, metrics)`` over the summed statistics."""
+
+    denominator: Callable[..., jax.Array]
+    sums: Callable[..., dict]
+    finalize: Callable[..., tuple]
+
+
+@dataclasses.dataclass(frozen=True)
 class DraftRuntime:
     """A drafter family's backbone functions (see the module docstring)."""
 
@@ -184,10 +229,36 @@ class DraftRuntime:
     per_layer: bool = False  # ``context_kv`` / ``block_forward`` also take per-layer ``params["layers"]``
     stacks: tuple[str, ...] = ("layers",)  # the params' stacked-layer subtrees ([L, ...] leaves)
     bind: Callable[[Context], "DraftRuntime"] | None = None  # the record on a Context (its mesh)
+    objective: TrainObjective | None = None  # a family's own training objective (Eagle3's TTT)
 
     def on(self, ctx: Context) -> "DraftRuntime":
         """This record for ``ctx`` (``bind(ctx)``; itself when the family has no ``bind``)."""
         return self.bind(ctx) if self.bind is not None else self
+
+
+@dataclasses.dataclass(frozen=True)
+class Proposer:
+    """A drafter kind's decode functions (see the module docstring, "Drafter kinds")."""
+
+    taps: Callable[[Any], tuple]
+    init: Callable[..., Any]
+    propose: Callable[..., tuple]
+    commit: Callable[..., Any]
+    state_bytes: Callable[[Any, int, Any], int]
+    confidence: bool = False
+    with_steps: Callable[[Any, int], Any] | None = None  # cfg -> cfg proposing k per round (None: fixed)
+    replicable: frozenset = frozenset()
+    per_layer: bool = False        # a chain family's params are plain trees (``params.for_platform`` skips them)
+    stacks: tuple[str, ...] = ()
+    objective: TrainObjective | None = None  # a chain family's training objective (Eagle3's TTT)
+
+
+def by_span(fn: Callable[[int], Any], spans, index: jax.Array):
+    """``fn(span)`` for the span at the traced ``index`` (one ``lax.switch`` branch per span;
+    no switch for one span)."""
+    if len(spans) == 1:
+        return fn(spans[0])
+    return jax.lax.switch(index, [functools.partial(fn, s) for s in spans])
 
 
 def concat_features(hidden_size: int, taps) -> int:

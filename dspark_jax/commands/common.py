@@ -44,6 +44,10 @@ DECODE_FLAGS = {
     "mesh": ("--mesh", dict(
         default=None, metavar="SPEC",
         help="shard decoding over devices, e.g. tensor=2 or data=2,tensor=2 (default: one device)")),
+    "draft_steps": ("--draft-steps", dict(
+        type=int, default=None, metavar="K",
+        help="drafts per round of a chain drafter (DeepSeek-V4's MTP module: MTP-K, the module "
+             "re-applied to its own output; default 1); a block drafter's round is its checkpoint's")),
     "thinking": ("--thinking", dict(
         action=argparse.BooleanOptionalAction, default=False,
         help="enable_thinking in the chat template (default off)")),

@@ -46,7 +46,7 @@ def describe_draft(path) -> dict:
             f"tensor {bad[0]!r} holds NaN/inf values ({len(bad)} tensor(s); `export` refuses it)" if bad else None)
         notes = [w for rule, w in engines.violations(cfg, engine, "warning")]
         per_engine[engine] = {"loadable": why is None, "why_not": why, "notes": notes,
-                              "checked": engines.checked_against(engine, f.family) or ["read"]}
+                              "checked": engines.checked_against(engine, f.family, f.kind) or ["read"]}
     arch = (cfg.to_hf().get("architectures") or ["?"])[0]
     return {"path": str(p), "format": formats.detect_format(p), "family": f.family, "architecture": arch,
             "head": f.head, "markov_rank": f.markov_rank, "confidence_head": f.enable_confidence_head,
@@ -54,6 +54,7 @@ def describe_draft(path) -> dict:
             "block_size": f.block_size, "mask_token_id": f.mask_token_id,
             "draft_layers": cfg.num_hidden_layers, "tensors": len(shapes), "bytes": nbytes,
             "nonfinite_tensors": bad,
+            "kind": f.kind, "kind_fields": dict(getattr(cfg, "describe", dict)()),
             "sidecars": sidecars, "engines": per_engine}
 
 
@@ -71,11 +72,13 @@ def run(args) -> int:
         print(json.dumps(info))
         return 0
     print(f"{info['path']}  ({info['format']} format)")
-    print(f"  family {info['family']} ({info['architecture']}), head {info['head']} (markov_rank {info['markov_rank']}), "
+    print(f"  {info['kind']} drafter, family {info['family']} ({info['architecture']}), head {info['head']} (markov_rank {info['markov_rank']}), "
           f"confidence head {'yes' if info['confidence_head'] else 'no'}")
+    mask = "" if info["mask_token_id"] is None else f", mask token {info['mask_token_id']}"
     print(f"  target layers {info['target_layer_ids']} of {info['num_target_layers']}, "
-          f"block size {info['block_size']}, mask token {info['mask_token_id']}, "
-          f"{info['draft_layers']} drafter layers")
+          f"block size {info['block_size']}{mask}, {info['draft_layers']} drafter layers")
+    for key, value in info["kind_fields"].items():
+        print(f"  {key} {value}")
     print(f"  {info['tensors']} tensors, {info['bytes']} bytes")
     if info["nonfinite_tensors"]:
         bad = info["nonfinite_tensors"]
@@ -137,6 +140,10 @@ def _print_target(args) -> int:
               f"window {d['window']}, noise token {d['noise_token_id']}, experts {d['experts']}")
     else:
         print("  DSpark module: none (no dspark_* keys)")
+    mtp = info.get("mtp")
+    if mtp:
+        print(f"  MTP module (mtp.0.*): one V4 block, sliding window {mtp['window']}, {mtp['heads']} heads, "
+              f"experts {mtp['experts']}; reads {mtp['reads']} (decode: --draft this checkpoint, --draft-steps K)")
     if m and m["problem"]:
         from dspark_jax.errors import CheckpointError
         raise CheckpointError(f"{args.ckpt}: its module is broken: {m['problem']}")

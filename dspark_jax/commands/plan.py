@@ -7,6 +7,8 @@ import dataclasses
 import math
 import sys
 
+from dspark_jax.config import RELEASED_KINDS
+
 
 def register(sub) -> None:
     p = sub.add_parser(
@@ -37,7 +39,7 @@ def register(sub) -> None:
                                       "deepseek-ai/DeepSeek-V4-Flash, -Pro; not a checkpoint "
                                       "directory: give that as a config's target with --config); the "
                                       "drafter is the released shape (--kind); DeepSeek-V4 has none yet")
-    p.add_argument("--kind", default="dspark", choices=["dspark", "dflash"],
+    p.add_argument("--kind", default="dspark", choices=list(RELEASED_KINDS),
                    help="released drafter shape with --target (default: dspark)")
     p.add_argument("--mesh", default=None, help="mesh axes, e.g. data=2,fsdp=4,tensor=1; a mixture-of-experts "
                                                 "target (DeepSeek-V4) may add expert=N (expert parallelism) "

@@ -22,7 +22,8 @@ import numpy as np
 from dspark_jax import families
 from dspark_jax import params as params_lib
 from dspark_jax.config import DraftConfig, TargetConfig
-from dspark_jax.convert import bounded, dspark_v4, foreign, mapping, module_io, quant, safetensors_io
+from dspark_jax.convert import bounded, dspark_v4, foreign, mapping, module_io, mtp_v4, quant, safetensors_io
+from dspark_jax.draft import kinds
 from dspark_jax.convert.formats import (FORMAT_VERSION, META_NAME, PARAMS_DIR, cast_tree, check_params,
                                         config_from_hf, detect_format, detect_kind, np_dtype, read_json_object,
                                         read_meta, text_config, tree_dtype, validated_torch)
@@ -117,18 +118,41 @@ def _load(kind: str, path, dtype, allow_pickle: bool):
 
 
 def load_draft(path, dtype=None, *, allow_pickle: bool = False,
-               target_params: Mapping | None = None) -> tuple[DraftConfig, dict]:
+               target_params: Mapping | None = None, steps: int | None = None) -> tuple[DraftConfig, dict]:
     """(config, params with jnp leaves) from a drafter directory (torch or jax format), or the
-    DSpark module inside a DeepSeek-V4 checkpoint (``mtp.*`` + ``dspark_*`` keys; it shares
-    ``target_params``' embedding and head when given, else reads the checkpoint's).
+    module inside a DeepSeek-V4 checkpoint: its DSpark module (``mtp.*`` + ``dspark_*`` keys) or
+    its MTP module (``mtp.0.*``, a chain drafter); either shares ``target_params``' embedding and
+    head when given, else reads the checkpoint's.
 
-    ``dtype`` None keeps the stored dtype; 'float32'/'bfloat16' casts.
+    ``dtype`` None keeps the stored dtype; 'float32'/'bfloat16' casts. ``steps`` (``--draft-steps``):
+    the drafts per round of a chain drafter (MTP-k); ConfigError for a drafter whose round is fixed
+    by its checkpoint (a block drafter), CheckpointError for a V4 checkpoint without a module.
     """
-    if module_io.module_dir(path) is not None:  # a checkpoint's own module (either format)
-        return module_io.load_module_draft(path, load_target, target_params,
-                                           cast=lambda p, c: cast_tree(p, np_dtype(dtype), c))
-    cfg, _, params = _load("draft", path, dtype, allow_pickle)
-    return cfg, params
+    if module_io.module_dir(path) is not None:  # a checkpoint's DSpark module (either format)
+        cfg, params = module_io.load_module_draft(path, load_target, target_params,
+                                                  cast=lambda p, c: cast_tree(p, np_dtype(dtype), c))
+    elif mtp_v4.holds_module(path):
+        cfg, params = mtp_v4.load_module(path, shared=target_params is None)
+        params = cast_tree(params, np_dtype(dtype), cfg)
+        if target_params is not None:
+            params = dspark_v4.with_target(params, target_params)
+    elif mtp_v4.is_v4(path):
+        raise CheckpointError(f"{path}: a DeepSeek-V4 checkpoint without a drafter module (no dspark_* keys, "
+                              f"no {mtp_v4.MARK} tensor); pass a checkpoint holding one as --draft")
+    else:
+        cfg, _, params = _load("draft", path, dtype, allow_pickle)
+    return (cfg if steps is None else with_steps(cfg, steps, path)), params
+
+
+def with_steps(cfg, steps: int, path) -> DraftConfig:
+    """``cfg`` proposing ``steps`` drafts per round (``runtime.Proposer.with_steps``); ConfigError
+    (one line) for a drafter kind whose round its checkpoint fixes."""
+    kind = kinds.proposer(cfg)
+    if kind.with_steps is None:
+        raise ConfigError(f"--draft-steps {steps}: {path} holds a {families.for_config(cfg).name} drafter, which "
+                          f"proposes its checkpoint's block of {cfg.block_size} tokens; only a chain drafter "
+                          f"(an MTP module) takes steps")
+    return kind.with_steps(cfg, steps)
 
 
 def load_target(path, dtype=None, *, allow_pickle: bool = False) -> tuple[TargetConfig, dict]:

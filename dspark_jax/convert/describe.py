@@ -34,20 +34,28 @@ def _param_counts(config) -> dict:
     return out
 
 
+def _aside(source, family) -> tuple[dict, list[str]]:
+    """(tensor infos, names of those kept aside) of a validated source: a torch checkpoint's
+    ``aside_tensors`` prefixes, a dspark-jax one's ``aside.safetensors``."""
+    if isinstance(source, bounded.TorchSource):
+        infos = source.reader.infos
+        return infos, [n for n in infos if family.aside_tensors and n.startswith(family.aside_tensors)]
+    file = source.params_dir.parent / formats.ASIDE_NAME
+    infos = safetensors_io.TensorReader._headers(file) if file.is_file() else {}
+    return infos, list(infos)
+
+
 def _stored(source, family) -> dict:
     """Tensor count, dtypes, quantized tensors found (by format and block, with their scales'
     dtypes) and the tensors kept aside, of a validated source (``bounded.open_source``)."""
+    infos, aside = _aside(source, family)
     if isinstance(source, bounded.TorchSource):
-        infos = source.reader.infos
-        aside = [n for n in infos if family.aside_tensors and n.startswith(family.aside_tensors)]
         dtypes = Counter(np.dtype(i.dtype).name for n, i in infos.items() if n not in aside)
         found = Counter(f"{s.quant.fmt} {'x'.join(map(str, s.quant.block))}" for s in source.stored.values())
         scales = {np.dtype(infos[source.names[s.scale]].dtype).name for s in source.stored.values()}
         n = len(infos)
     else:
-        file = source.params_dir.parent / formats.ASIDE_NAME
-        infos = safetensors_io.TensorReader._headers(file) if file.is_file() else {}
-        aside, found, scales = list(infos), {}, set()
+        found, scales = {}, set()
         dtypes, n = Counter(d.name for d in source.dtypes.values()), len(source.dtypes)
     stages = sorted({int(n.split(".")[1]) for n in aside if n.split(".")[1].isdigit()})
     nbytes = sum(int(np.prod(infos[n].shape)) * np.dtype(infos[n].dtype).itemsize for n in aside)
@@ -77,6 +85,9 @@ def describe_target(path) -> dict:
         from dspark_jax.draft import deepseek_v4 as dspark_v4
         module = dspark_v4.describe(source.hf)  # the in-checkpoint DSpark module (mtp.*, dspark_* keys)
         info["dspark"] = module if module["present"] else None
+        from dspark_jax.draft import deepseek_v4_mtp
+        info["mtp"] = deepseek_v4_mtp.describe(source.hf, _aside(source, family)[1])
+        info["drafter_module"] = "dspark" if module["present"] else "mtp" if info["mtp"] else None
     from dspark_jax.convert import module_io
     info["module"] = module_io.describe_module(p)
     return info

@@ -46,39 +46,48 @@ def load_module(path, *, shared: bool = False) -> tuple[DeepseekV4DSparkConfig, 
 
     Quantized tensors come back float (the checkpoint's widest plain float dtype) and the config
     unquantized, as the target's conversion does."""
-    p = Path(path)
-    cfg = read_config(p)
-    specs, reader, infos, stored = module_headers(p, cfg, shared=shared)
+    cfg = read_config(path)
+    specs = declare(cfg) if shared else module_specs(cfg)
+    tensors = read_module(path, specs, "DSpark module", "dspark_* keys")
+    cfg = dataclasses.replace(cfg, target=cfg.target.dequantized())
+    return cfg, params_lib.from_torch(declare(cfg) if shared else module_specs(cfg), tensors)
+
+
+def read_module(path, specs, what: str, marks: str) -> dict[str, np.ndarray]:
+    """{torch name: array} of the in-checkpoint module declared by ``specs`` (its ``mtp.*`` tensors
+    and the target's it shares) in V4 checkpoint ``path``, validated by ``module_headers`` before
+    any data is read, quantized ones dequantized as the target's are."""
+    reader, infos, stored = module_headers(path, specs, what, marks)
     tensors = {}
     for name in infos:
         tensors[name] = reader.get(name)
         if name in stored:
             scale = reader.get(stored[name].scale)
             tensors[name] = quant.dequantize(tensors[name], scale, stored[name].quant).astype(infos[name].dtype)
-    cfg = dataclasses.replace(cfg, target=cfg.target.dequantized())
-    return cfg, params_lib.from_torch(declare(cfg) if shared else module_specs(cfg), tensors)
+    return tensors
 
 
-def module_headers(p: Path, cfg: DeepseekV4DSparkConfig, *, shared: bool = False):
-    """(specs, reader, {name: logical TensorInfo}, {name: stored quantized}) of the module's tensors
-    in ``p``, every shape and dtype checked against the declaration from the headers alone
-    (CheckpointError naming the tensor: missing, wrong shape or dtype)."""
-    specs = declare(cfg) if shared else module_specs(cfg)
+def module_headers(path, specs, what: str = "DSpark module", marks: str = "dspark_* keys"):
+    """(reader, {name: logical TensorInfo}, {name: stored quantized}) of the module declared by
+    ``specs`` in ``path``, every name, shape, dtype and FP8 / MXFP4 scale shape checked against the
+    declaration from the headers alone (CheckpointError naming the tensor). ``what`` / ``marks``
+    name the module and the config keys that mark it in error messages."""
+    p = Path(path)
     reader = safetensors_io.TensorReader(p)
     if not any(n.startswith(PREFIX) for n in reader.infos):
-        raise CheckpointError(f"{p}: config.json has the dspark_* keys but no {PREFIX}* tensors")
+        raise CheckpointError(f"{p}: config.json has the {marks} but no {PREFIX}* tensors")
     shared_names = {s.torch for s in specs.values() if not s.torch.startswith(PREFIX)}
     missing = sorted(shared_names - set(reader.infos))
     if missing:
-        raise CheckpointError(f"{p}: tensor {missing[0]!r} (the target's, which the DSpark module shares) "
+        raise CheckpointError(f"{p}: tensor {missing[0]!r} (the target's, which the {what} shares) "
                               f"is missing; pass the target's params instead")
     infos = {n: i for n, i in reader.infos.items() if n.startswith(PREFIX) or n in shared_names}
     fixed = params_lib.fixed_dtypes(specs)
     infos, stored = quant.logical_infos(params_lib.quantized(specs), infos, str(p),
                                         lambda shape, dtype, info: dataclasses.replace(info, shape=shape, dtype=dtype),
                                         fixed)
-    mapping.check_tensors(infos, params_lib.torch_shapes(specs), f"{p} (DSpark module)", fixed=fixed)
-    return specs, reader, infos, stored
+    mapping.check_tensors(infos, params_lib.torch_shapes(specs), f"{p} ({what})", fixed=fixed)
+    return reader, infos, stored
 
 
 def holds_module(path) -> bool:

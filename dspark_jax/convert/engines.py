@@ -73,13 +73,16 @@ class DraftFacts:
     target_layer_ids: tuple[int, ...]
     num_target_layers: int
     block_size: int
-    mask_token_id: int
+    mask_token_id: int | None
     vocab_size: int
     attention_k_eq_v: bool | None = None  # Gemma4 only; None = unknown
+    kind: str = "dspark"  # the drafter kind (``Family.draft_kind``): "dspark" (DSpark / DFlash) or "eagle3"
 
     @property
     def head(self) -> str:
-        """'vanilla' | 'gated' | 'rnn' | 'dflash' (markov_rank 0)."""
+        """'vanilla' | 'gated' | 'rnn' | 'dflash' (markov_rank 0) | the kind of a non-DSpark drafter."""
+        if self.kind != "dspark":
+            return self.kind
         return self.markov_head_type if self.markov_rank > 0 else "dflash"
 
 
@@ -103,9 +106,10 @@ def facts(cfg) -> DraftFacts:
         target_layer_ids=tuple(int(i) for i in cfg.target_layer_ids),
         num_target_layers=int(cfg.num_target_layers),
         block_size=int(cfg.block_size),
-        mask_token_id=int(cfg.mask_token_id),
+        mask_token_id=None if getattr(cfg, "mask_token_id", None) is None else int(cfg.mask_token_id),
         vocab_size=int(cfg.vocab_size),
         attention_k_eq_v=_k_eq_v(cfg),
+        kind=str(getattr(cfg, "kind", "dspark")),
     )
 
 
@@ -127,6 +131,7 @@ class Rule:
     families: tuple[str, ...] = ("qwen3", "gemma4")
     severity: str = "error"  # "error": the engine refuses; "warning": loads but degrades
     checked: str = "read"  # the engine version whose own loader ran it (see CHECKED), else "read"
+    kinds: tuple[str, ...] = ("dspark",)  # the drafter kinds (``DraftFacts.kind``) it applies to
 
 
 def _family_supported(engine: str) -> Callable[[DraftFacts], str | None]:
@@ -228,6 +233,25 @@ def _ignored_confidence(engine: str):
     return test
 
 
+# Where each engine builds its Eagle3 drafter (the EAGLE / SpecForge layout).
+EAGLE3_LOADERS = {
+    "vllm": "vllm/model_executor/models/llama_eagle3.py (Eagle3LlamaForCausalLM)",
+    "sglang": "python/sglang/srt/models/llama_eagle3.py (LlamaForCausalLMEagle3)",
+    "sglang-jax": "python/sgl_jax/srt/models (its Llama Eagle3 model)",
+    "speculators": "src/speculators/models/eagle3 (Eagle3 speculator)",
+    "specforge": "specforge/modeling/draft/llama3_eagle.py (LlamaForCausalLMEagle3)",
+}
+
+
+def _deepspec_eagle3(engine: str) -> Callable[[DraftFacts], str | None]:
+    def test(f: DraftFacts):
+        return (f"{engine} loads Eagle3 drafters only in the EAGLE/SpecForge format (midlayer.*, Llama "
+                "attention without q/k norms, a reduced d2t/t2d vocabulary); this DeepSpec-format drafter "
+                f"has per-head q/k norms{' and Gemma4 layers' if f.family == 'gemma4' else ''} and a "
+                f"full {f.vocab_size}-token vocabulary")
+    return test
+
+
 RULES: tuple[Rule, ...] = (
     # ---------------------------------------------------------------- deepspec (reference)
     Rule("deepspec", "family", "deepspec/modeling/dspark/{qwen3,gemma4}/modeling.py",
@@ -313,6 +337,11 @@ RULES: tuple[Rule, ...] = (
          _family_supported("speculators"), checked=CHECKED["speculators"]),
     Rule("specforge", "family", "specforge/modeling/draft/dspark.py (DSparkDraftModel: Qwen3 layers)",
          _family_supported("specforge"), checked=CHECKED["specforge"]),
+    # ---------------------------------------------------------------- Eagle3 in DeepSpec's format
+    # DeepSpec's own evaluator (deepspec/eval/eagle3/evaluator.py) loads it: no deepspec rule.
+    # The serving engines and trainers build EAGLE / SpecForge-format Eagle3 drafters only.
+    *(Rule(engine, "eagle3-format", source, _deepspec_eagle3(engine), kinds=("eagle3",))
+      for engine, source in EAGLE3_LOADERS.items()),
 )
 
 
@@ -322,17 +351,18 @@ def _engine(engine: str) -> str:
     return engine
 
 
-def rules_for(engine: str, family: str | None = None) -> list[Rule]:
-    """The rules of ``engine`` (those that apply to ``family`` when given)."""
+def rules_for(engine: str, family: str | None = None, kind: str | None = None) -> list[Rule]:
+    """The rules of ``engine`` (those that apply to ``family`` / drafter ``kind`` when given)."""
     _engine(engine)
-    return [r for r in RULES if r.engine == engine and (family is None or family in r.families)]
+    return [r for r in RULES if r.engine == engine and (family is None or family in r.families)
+            and (kind is None or kind in r.kinds)]
 
 
 def violations(cfg, engine: str, severity: str = "error") -> list[tuple[Rule, str]]:
     """(rule, reason) for every ``severity`` rule of ``engine`` that ``cfg`` breaks."""
     f = cfg if isinstance(cfg, DraftFacts) else facts(cfg)
     out = []
-    for rule in rules_for(engine, f.family):
+    for rule in rules_for(engine, f.family, f.kind):
         if rule.severity != severity:
             continue
         why = rule.test(f)
@@ -341,11 +371,11 @@ def violations(cfg, engine: str, severity: str = "error") -> list[tuple[Rule, st
     return out
 
 
-def checked_against(engine: str, family: str | None = None) -> list[str]:
-    """The engine versions whose running code checked ``engine``'s rules (for ``family``)."""
+def checked_against(engine: str, family: str | None = None, kind: str | None = None) -> list[str]:
+    """The engine versions whose running code checked ``engine``'s rules (for ``family`` / ``kind``)."""
     if family is not None and family not in CHECKED_FAMILIES.get(engine, ()):
         return []
-    return sorted({r.checked for r in rules_for(engine, family) if r.checked != "read"})
+    return sorted({r.checked for r in rules_for(engine, family, kind) if r.checked != "read"})
 
 
 def check(cfg, engine: str) -> str | None:

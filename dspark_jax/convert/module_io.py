@@ -102,7 +102,7 @@ def describe_module(path) -> dict | None:
         return None
     out = {"where": str(d), "tensors": 0, "bytes": 0, "problem": None}
     try:
-        _, reader, infos, _ = dspark_v4.module_headers(d, dspark_v4.read_config(d))
+        reader, infos, _ = dspark_v4.module_headers(d, dspark_v4.module_specs(dspark_v4.read_config(d)))
     except CheckpointError as e:
         out["problem"] = str(e)
         return out

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from dspark_jax import families, sampling
 from dspark_jax.config import DraftConfig, TargetConfig
-from dspark_jax.decode import engine, programs, requests, sharded, static
+from dspark_jax.decode import engine, policies, programs, requests, sharded, static
 from dspark_jax.decode.memory import check_decode_memory
 from dspark_jax.decode.policies import FullPolicy, VerifyPolicy
 from dspark_jax.decode.requests import Result
@@ -71,6 +71,7 @@ def speculative_generate(
                            cache_spans=cache_spans)
     families.check_pair(draft_cfg, target_cfg)
     draft_cfg.check_compatible(target_cfg)
+    policies.require_confidence(policy, draft_cfg)
     sharded.check_mesh(mesh, target_cfg, draft_cfg, batch_size)
     budgets, prompts, stop_arr, stops = _common(target_cfg, prompts, max_new_tokens, temperature,
                                                 batch_size, stop_token_ids)

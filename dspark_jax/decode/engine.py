@@ -38,7 +38,7 @@ from dspark_jax import families, sampling
 from dspark_jax import sharding as sharding_lib
 from dspark_jax.decode import programs, requests, sharded
 from dspark_jax.decode.memory import check_decode_memory
-from dspark_jax.decode.policies import FullPolicy
+from dspark_jax.decode.policies import FullPolicy, require_confidence
 from dspark_jax.decode.requests import StreamResult
 from dspark_jax.decode.shapes import MIN_PROMPT_BUCKET, bucket_of, compiled_spans, plan_shapes
 from dspark_jax.decode.state import DecodeStatic, empty_state
@@ -88,6 +88,7 @@ def serve(
     if speculative:
         families.check_pair(draft_cfg, target_cfg)
         draft_cfg.check_compatible(target_cfg)
+        require_confidence(policy, draft_cfg)
     budgets = requests.per_request_budgets(
         max_new_tokens, len(prompts) if isinstance(prompts, (list, tuple)) else 0)
     r_cap = max(budgets) if budgets else 1

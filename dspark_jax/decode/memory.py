@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from dspark_jax import families, runtime
+from dspark_jax.draft import kinds
 from dspark_jax.errors import InputError
 
 GIB = float(1 << 30)
@@ -85,14 +86,9 @@ def decode_bytes(tcfg, tparams, dcfg, dparams, batch: int, max_len: int) -> dict
 
 
 def context_bytes_per_row(dcfg, max_len: int, dtype) -> int:
-    """Bytes of one row's drafter context cache (``draft.decode.ContextCache``): k and v of every
-    draft layer at ``max_len`` positions, or for a ring family (``runtime.ContextRing``) its
-    window's rows (k alone when K = V)."""
-    ring = families.draft_ops(dcfg).ring
-    rows = max_len if ring is None else min(ring.rows(dcfg), max_len)
-    arrays = 1 if ring is not None and ring.shared_kv else 2
-    return (arrays * dcfg.num_hidden_layers * rows * dcfg.num_key_value_heads * dcfg.head_dim
-            * np.dtype(dtype).itemsize)
+    """Bytes of one row's drafter state (its kind's ``runtime.Proposer.state_bytes``: a block
+    drafter's context cache, a chain drafter's own cache and last output)."""
+    return kinds.proposer(dcfg).state_bytes(dcfg, max_len, dtype)
 
 
 def check_decode_memory(tcfg, tparams, dcfg, dparams, batch: int, max_len: int, mesh=None,

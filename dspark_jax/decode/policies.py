@@ -40,6 +40,8 @@ from typing import Any, Callable, Protocol
 
 import jax.numpy as jnp
 
+from dspark_jax import families
+from dspark_jax.draft import kinds
 from dspark_jax.errors import ConfigError
 
 
@@ -57,6 +59,18 @@ def constant_length(policy, block_size: int) -> int | None:
         return None
     k = fn(block_size)
     return None if k is None else max(0, min(int(k), block_size))
+
+
+def require_confidence(policy, draft_cfg) -> None:
+    """ConfigError (one line) when ``policy`` reads confidences (its lengths vary: no
+    ``constant_length``) but the drafter's kind has no confidence head (a chain drafter: MTP,
+    Eagle3), before anything compiles; ``full`` and ``fixed:K`` work for every kind."""
+    kind = kinds.proposer(draft_cfg)
+    if policy is None or kind.confidence or constant_length(policy, draft_cfg.block_size) is not None:
+        return
+    name = families.for_config(draft_cfg).name
+    raise ConfigError(f"verification policy {type(policy).__name__}: the {name} drafter has no confidence "
+                      f"head, which this policy reads; use --verify full or fixed:K")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,6 +37,7 @@ from dspark_jax import sharding as sharding_lib
 from dspark_jax.decode import requests, sharded, step
 from dspark_jax.decode.shapes import MAX_STOP_IDS
 from dspark_jax.decode.state import DecodeStatic
+from dspark_jax.draft import kinds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +192,7 @@ class Mode:
 
 def speculative(prog: DecodeProgram, static: DecodeStatic, dparams, conf_temps) -> Mode:
     """The speculative mode of ``prog`` for ``static`` (a drafter config and policy)."""
-    with_conf = static.draft.enable_confidence_head
+    with_conf = kinds.proposer(static.draft).confidence and static.draft.enable_confidence_head
     return Mode(prog.spec, dparams, conf_temps, static, static.policy, static.draft.block_size,
                 functools.partial(_result, requests.speculative_result, with_conf))
 

@@ -36,9 +36,12 @@ class DecodeOptions:
     thinking: bool = False
     batching: str = "continuous"
     mesh: str | None = None
+    draft_steps: int | None = None   # drafts per round of a chain drafter (MTP-k); None: its default
 
     def __post_init__(self):
         require_positive_int(self.max_new_tokens, "max_new_tokens")
+        if self.draft_steps is not None:
+            require_positive_int(self.draft_steps, "--draft-steps")
         if self.batching not in BATCHING:
             raise InputError(f"batching must be one of {BATCHING}, got {self.batching!r}")
         require_positive_int(self.batch_size, "batch_size")

@@ -16,13 +16,13 @@ among a small compiled set:
 
 from __future__ import annotations
 
-import functools
 import math
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 
+from dspark_jax import runtime
 from dspark_jax.decode.policies import constant_length
 from dspark_jax.errors import ConfigError, InputError
 
@@ -102,12 +102,7 @@ def span_index(pos: jax.Array, active: jax.Array, spans: Sequence[int]) -> jax.A
     ss = jnp.asarray(spans, jnp.int32)
     return jnp.minimum(jnp.sum((ss < longest).astype(jnp.int32)), len(spans) - 1)
 
-def by_span(fn: Callable[[int], Any], spans: Sequence[int], index: jax.Array):
-    """``fn(span)`` for the span at the traced ``index`` (one ``lax.switch`` branch per span;
-    no switch for one span)."""
-    if len(spans) == 1:
-        return fn(spans[0])
-    return jax.lax.switch(index, [functools.partial(fn, s) for s in spans])
+by_span = runtime.by_span
 
 def round_up(x: int, m: int) -> int:
     return int(math.ceil(x / m) * m)

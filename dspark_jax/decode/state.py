@@ -21,7 +21,6 @@ from dspark_jax import runtime
 from dspark_jax import sharding as sharding_lib
 from dspark_jax.config import DraftConfig, TargetConfig
 from dspark_jax.decode import sharded
-from dspark_jax.draft import decode as draft_decode
 
 
 @flax.struct.dataclass
@@ -49,7 +48,7 @@ class DecodeState:
     drafts_rec: jax.Array
     conf_rec: jax.Array
     cache: Any  # the target family's ``runtime.Cache``
-    ctx: draft_decode.ContextCache
+    ctx: Any  # the drafter kind's state (``runtime.Proposer``), self-declaring (``axes()``)
     policy_state: Any
 
     def host_view(self) -> dict:

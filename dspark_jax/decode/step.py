@@ -6,14 +6,14 @@ V vocab. The target is reached only through its family's runtime record
 and its cache only through ``commit`` / ``delta_axes``, so any family that implements the
 protocol decodes here.
 
-One round (``speculative_round``): the drafter proposes a block at positions p..p+G-1
-(``draft.decode``: context rows < p and the whole block; Markov sampling) -> confidences ->
+One round (``speculative_round``): the drafter proposes G tokens after position p through its
+kind's record (``draft.kinds.proposer``: ``runtime.Proposer``; a block or a chain) -> confidences ->
 policy lengths -> one target forward over [x0, x_1..x_{w-1}] at p..p+w-1 for the smallest
 compiled width w (``shapes.round_widths``, one ``lax.switch`` branch each; cache spans likewise)
 -> rejection sampling of each row's own l_b tokens -> after the switch: the target cache commits
 each active row's accepted tokens only (``cache.commit``), the tokens and records are written,
-and the committed positions' features go into the draft context cache (only those: a ring
-family's slots are reused W positions later). Finished rows stay in the batch as masked no-ops.
+and the drafter commits the committed positions only (``Proposer.commit``: a ring's slots are
+reused W positions later). Finished rows stay in the batch as masked no-ops.
 
 Every program has one signature for both modes (``tparams, dparams, state, temperature,
 stop_ids, conf_temps``; the autoregressive step ignores the drafter's arguments), so a driver
@@ -30,10 +30,10 @@ import jax.numpy as jnp
 
 from dspark_jax import families, runtime, sampling
 from dspark_jax import params as params_lib
+from dspark_jax.draft import kinds
 from dspark_jax.decode.shapes import by_span, compiled_spans, round_widths, span_index, width_index
 from dspark_jax.decode.state import ARState, DecodeState, DecodeStatic, insert
 from dspark_jax.decode.verify import rejection_sample
-from dspark_jax.draft import decode as draft_decode
 
 LOCAL = runtime.LOCAL
 
@@ -47,18 +47,19 @@ def is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
 
 def _prefill(tparams, dparams, prompts, lens, valid, key, temperature, stop_ids,
              static: DecodeStatic, max_len: int, ctx: runtime.Context):
-    """Target prefill of padded prompts [B, P] (lengths ``lens``), first token, draft context.
+    """Target prefill of padded prompts [B, P] (lengths ``lens``), first token, drafter state.
 
     The target cache (``init_cache`` of capacity ``max_len``, sized for extends of G+1 tokens, 1
     without a drafter; per-layer buffers for per-layer params) commits each row's ``lens`` prompt
-    tokens. Returns (cache, seq [B, L],
-    active [B], draft context cache (None without a drafter), key).
+    tokens. Returns (cache, seq [B, L], active [B], the drafter kind's state after the prompt
+    (``Proposer.init``; None without a drafter), key).
     """
     b, p = prompts.shape
     tcfg = static.target
     rt = families.target_runtime(tcfg)
     ctx = ctx.for_params(tparams)
-    taps = tuple(static.draft.target_layer_ids) if static.draft is not None else ()
+    kind = kinds.proposer(static.draft) if static.draft is not None else None
+    taps = kind.taps(static.draft) if kind is not None else ()
     extend = static.draft.block_size + 1 if static.draft is not None else 1
     apart = {"per_layer": True} if rt.per_layer and params_lib.per_layer(tparams, rt.stacks) else {}
     cache = rt.init_cache(tcfg, b, max_len, ctx.dtype, extend, **apart)
@@ -72,12 +73,11 @@ def _prefill(tparams, dparams, prompts, lens, valid, key, temperature, stop_ids,
                                                   static.top_p), logits)
     seq = jnp.zeros((b, max_len), jnp.int32).at[:, :p].set(prompts).at[rows, lens].set(first)
     active = valid & ~is_stop(first, stop_ids)
-    draft_ctx = None
-    if static.draft is not None:
-        draft_ctx = draft_decode.init_context(dparams, static.draft, features, max_len, lens,
-                                              per_layer=params_lib.per_layer(
-                                                  dparams, families.draft_ops(static.draft).stacks))
-    return cache, seq, active, draft_ctx, key
+    dstate = None
+    if kind is not None:  # position t's feature with token t + 1 (the last committed: ``first``)
+        following = jnp.concatenate([prompts[:, 1:], prompts[:, :1]], axis=1).at[rows, lens - 1].set(first)
+        dstate = kind.init(dparams, static.draft, features, following, lens, max_len, ctx=ctx)
+    return cache, seq, active, dstate, key
 
 
 def _budgets(b: int, r: int, max_new):
@@ -133,7 +133,7 @@ def _verify_width(tparams, state: DecodeState, anchor, drafts, draft_logits, len
     verify_tokens = jnp.concatenate([anchor[:, None], drafts[:, :d]], axis=1)      # [B,w]
     rt = families.target_runtime(tcfg)
     hidden, taps, delta = rt.forward(tparams, tcfg, verify_tokens, state.cache, ctx=ctx,
-                                     taps=tuple(dcfg.target_layer_ids), span=span)
+                                     taps=kinds.proposer(dcfg).taps(dcfg), span=span)
     delta = runtime.pad_steps(delta, state.cache.delta_axes(), g + 1)
     t_logits = rt.logits(tparams, tcfg, hidden)
     verdict = rejection_sample(k_verify, t_logits, draft_logits[:, :d], drafts[:, :d],
@@ -143,21 +143,22 @@ def _verify_width(tparams, state: DecodeState, anchor, drafts, draft_logits, len
 
 
 def _draft(dparams, state: DecodeState, anchor, key, temperature, conf_temps,
-           static: DecodeStatic, spans, s_index):
-    """The drafter's block for every row and the policy's lengths: (drafts [B, G], draft logits
-    [B, G, V], confidence logits [B, G], lengths [B] in [0, G], new policy state)."""
+           static: DecodeStatic, spans, s_index, ctx: runtime.Context):
+    """The drafter kind's proposal for every row (``Proposer.propose``) and the policy's lengths:
+    (drafts [B, G], draft logits [B, G, V], confidence logits [B, G] (zeros without a head),
+    lengths [B] in [0, G], new policy state, the drafter state ``propose`` returns)."""
     dcfg = static.draft
     b, g = anchor.shape[0], dcfg.block_size
-    hidden = by_span(lambda s: draft_decode.block_hidden(dparams, dcfg, anchor, state.pos, state.ctx, s),
-                     (None,) if state.ctx.ring else spans, s_index)  # a ring has no spans
-    drafts, draft_logits, conf_logits = draft_decode.propose_from_hidden(
-        dparams, dcfg, hidden, anchor, key, temperature, static.greedy)
-    if dcfg.enable_confidence_head:
+    drafts, draft_logits, conf_logits, dstate = kinds.proposer(dcfg).propose(
+        dparams, dcfg, state.ctx, anchor, state.pos, key, temperature, static.greedy, ctx=ctx,
+        spans=spans, span_index=s_index)
+    if conf_logits is not None:
         conf = jax.nn.sigmoid(conf_logits / conf_temps)
     else:
-        conf = jnp.ones((b, g), jnp.float32)
+        conf, conf_logits = jnp.ones((b, g), jnp.float32), jnp.zeros((b, g), jnp.float32)
     lengths, policy_state = static.policy(state.policy_state, conf, state.active)
-    return drafts, draft_logits, conf_logits, jnp.clip(lengths.astype(jnp.int32), 0, g), policy_state
+    return (drafts, draft_logits, conf_logits, jnp.clip(lengths.astype(jnp.int32), 0, g),
+            policy_state, dstate)
 
 
 def _records(state: DecodeState, static: DecodeStatic, acc_len, verdict, conf_logits) -> dict:
@@ -188,8 +189,8 @@ def speculative_round(tparams, dparams, state: DecodeState, temperature, stop_id
     anchor = state.seq[rows, state.pos]
     spans = compiled_spans(static, max_len)
     s_index = span_index(state.pos, active, spans)
-    drafts, draft_logits, conf_logits, lengths, policy_state = _draft(
-        dparams, state, anchor, k_draft, temperature, conf_temps, static, spans, s_index)
+    drafts, draft_logits, conf_logits, lengths, policy_state, dstate = _draft(
+        dparams, state, anchor, k_draft, temperature, conf_temps, static, spans, s_index, ctx)
 
     widths = round_widths(static)
     branches = [functools.partial(_verify_width, tparams, state, anchor, drafts, draft_logits,
@@ -212,9 +213,11 @@ def speculative_round(tparams, dparams, state: DecodeState, temperature, stop_id
     slots = jnp.where(active[:, None] & in_width, state.pos[:, None] + 1 + k_idx, max_len)
     seq = state.seq.at[rows[:, None], slots].set(new_tokens, mode="drop")
     new_pos = jnp.where(active, state.pos + acc_len, state.pos)
-    # Draft context: features of the committed positions p..new_pos-1 (acc_len <= w).
-    draft_ctx = draft_decode.extend_context(
-        dparams, dcfg, state.ctx, taps, state.pos[:, None] + k_idx, active[:, None] & (k_idx < acc_len[:, None]))
+    # The drafter folds in the committed positions p..new_pos-1 (acc_len <= w): their features
+    # and, for each, the token after it (the accepted drafts, then the bonus).
+    draft_ctx = kinds.proposer(dcfg).commit(
+        dparams, dcfg, dstate, taps, new_tokens, state.pos[:, None] + k_idx, jnp.where(active, acc_len, 0),
+        ctx=ctx)
 
     next_stop = ~verdict.stopped & is_stop(verdict.next_token, stop_ids)
     still = (active & ~verdict.stopped & ~next_stop

@@ -10,6 +10,7 @@ position p at slot p mod W (memory O(W), not O(L)). Only committed positions are
 ring's slots always hold the W positions before the anchor. The backbone functions are the
 drafter family's (``families.draft_ops``: Qwen3 ``draft.backbone``, Gemma4 ``draft.gemma4.OPS``).
 A block at anchor position p reads context rows < p and the whole block (paper section 3).
+``PROPOSER`` is the block kind's ``runtime.Proposer`` (the context cache is its dstate).
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ import chex
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dspark_jax.config import DraftConfig
 from dspark_jax import families, runtime, sampling
+from dspark_jax import params as params_lib
 from dspark_jax.draft import confidence, markov
 
 
@@ -224,3 +227,47 @@ def propose_from_hidden(dparams: dict, dcfg: DraftConfig, hidden: jax.Array, anc
     else:
         conf_logits = jnp.zeros((b, g), jnp.float32)
     return Proposal(drafts, logits, conf_logits)
+
+
+# --------------------------------------------------------------------------- the block kind's record
+
+
+def _init(dparams, dcfg, features, next_tokens, lens, max_len, *, ctx):
+    """``runtime.Proposer.init``: the context cache of the prompt's features (tokens unused: a
+    block reads the anchor only)."""
+    del next_tokens, ctx
+    per_layer = params_lib.per_layer(dparams, families.draft_ops(dcfg).stacks)
+    return init_context(dparams, dcfg, features, max_len, lens, per_layer=per_layer)
+
+
+def _propose(dparams, dcfg, cache: ContextCache, anchor, pos, key, temperature, greedy, *, ctx,
+             spans, span_index):
+    """``runtime.Proposer.propose``: one block per row (``block_hidden`` at the round's compiled
+    context span; a ring reads its W slots) and its drafts (``propose_from_hidden``); the cache
+    unchanged."""
+    del ctx
+    hidden = runtime.by_span(lambda s: block_hidden(dparams, dcfg, anchor, pos, cache, s),
+                             (None,) if cache.ring else spans, span_index)
+    p = propose_from_hidden(dparams, dcfg, hidden, anchor, key, temperature, greedy)
+    return p.drafts, p.logits, p.conf_logits if dcfg.enable_confidence_head else None, cache
+
+
+def _commit(dparams, dcfg, cache: ContextCache, features, next_tokens, positions, n_new, *, ctx):
+    """``runtime.Proposer.commit``: the committed positions' context rows (``extend_context``)."""
+    del next_tokens, ctx
+    return extend_context(dparams, dcfg, cache, features, positions,
+                          runtime.step_mask(n_new, positions.shape[1]))
+
+
+def _state_bytes(dcfg, max_len: int, dtype) -> int:
+    """One row's context cache: k and v of every draft layer at ``max_len`` positions, or for a
+    ring family (``runtime.ContextRing``) its window's rows (k alone when K = V)."""
+    ring = families.draft_ops(dcfg).ring
+    rows = max_len if ring is None else min(ring.rows(dcfg), max_len)
+    arrays = 1 if ring is not None and ring.shared_kv else 2
+    return (arrays * dcfg.num_hidden_layers * rows * dcfg.num_key_value_heads * dcfg.head_dim
+            * np.dtype(dtype).itemsize)
+
+
+PROPOSER = runtime.Proposer(taps=lambda dcfg: tuple(dcfg.target_layer_ids), init=_init, propose=_propose,
+                            commit=_commit, state_bytes=_state_bytes, confidence=True)

@@ -423,7 +423,7 @@ def evaluate(target, draft, datasets=None, *, data_dir=None, max_samples: int | 
                for name, ps in prompts_by_ds.items()}
 
     tcfg, tparams = load_target(target)
-    dcfg, dparams = load_draft(draft, target_params=tparams)
+    dcfg, dparams = load_draft(draft, target_params=tparams, steps=options.draft_steps)
     dcfg.check_compatible(tcfg)
     config = {"target": str(target), "draft": str(draft), "datasets": list(prompts_by_ds),
               "data_dir": str(data_dir) if data_dir is not None else "(packaged)",

@@ -63,7 +63,7 @@ def generate(target, prompts_file, out, *, draft=None, options: DecodeOptions = 
     block = None
     try:
         if draft:
-            dcfg, dparams = load_draft(draft, dtype, target_params=tparams)
+            dcfg, dparams = load_draft(draft, dtype, target_params=tparams, steps=options.draft_steps)
             block = dcfg.block_size
             for message in advisories(options, settings.policy, block):
                 warn(message)

@@ -189,9 +189,11 @@ class TrainConfig:
 
     def draft_config(self, target: TargetConfig) -> DraftConfig:
         """The drafter for ``target`` from the ``draft`` overrides (not used with draft_init)."""
-        from dspark_jax import families  # the drafter family that reads this target's
+        from dspark_jax import families  # the drafter family of draft.kind that reads this target's
+        draft = dict(self.draft)
+        kind = draft.pop("kind", "dspark")
         try:
-            cfg = families.drafter_family(target).config_cls.for_target(target, **self.draft)
+            cfg = families.drafter_family(target, kind).config_cls.for_target(target, **draft)
         except TypeError as e:
             raise ConfigError(f"TrainConfig.draft: {e}") from None
         cfg.check_compatible(target)

@@ -220,6 +220,10 @@ def build_train_step(draft_cfg: DraftConfig, loss_cfg: LossConfig, optimizer: op
     + ``loss_sums`` exactly as before.
     """
     _check_memory_options(remat, loss_chunk)
+    own = families.draft_ops(draft_cfg).objective
+    if own is not None:  # a drafter trained on its own objective (runtime.TrainObjective)
+        return build_objective_step(draft_cfg, own, optimizer, schedule, target_cfg=target_cfg,
+                                    compute_dtype=compute_dtype, remat=remat, mesh=mesh)
     objective = make_loss_terms(loss_cfg)
     pin = activation_constraint(mesh)
     features = make_features(draft_cfg, target_cfg, compute_dtype, pin, mesh)
@@ -244,6 +248,41 @@ def build_train_step(draft_cfg: DraftConfig, loss_cfg: LossConfig, optimizer: op
         new_state, finite = apply_update(optimizer, state, grads, loss, rng)
         metrics = dict(metrics, grad_norm=optax.tree.norm(grads), learning_rate=schedule(state.step),
                        loss_weight=sums["weight"], tokens=tokens, finite=finite)
+        return new_state, metrics
+
+    return step
+
+
+def build_objective_step(draft_cfg, own: runtime.TrainObjective, optimizer: optax.GradientTransformation,
+                         schedule: Callable, *, target_cfg=None, compute_dtype=jnp.float32,
+                         remat: bool | str = False, mesh: Mesh | None = None) -> Callable:
+    """``build_train_step`` for a family's own objective: the same features (online or cached),
+    micro-batch accumulation and guarded update; the denominator is ``own.denominator`` of the
+    whole global batch, so the loss and gradient do not depend on ``grad_accum`` or the mesh."""
+    pin = activation_constraint(mesh)
+    features = make_features(draft_cfg, target_cfg, compute_dtype, pin, mesh)
+    remat = remat not in (False, None, "none")
+
+    def step(state: TrainState, frozen: dict, target_params, batch: dict):
+        check_batch(batch, draft_cfg, online=target_cfg is not None)
+        ids, mask = batch["input_ids"], batch["loss_mask"]
+        den = own.denominator(draft_cfg, ids.reshape(-1, ids.shape[-1]), mask.reshape(-1, mask.shape[-1]))
+
+        def one(mb):
+            feats, last = features(target_params, mb)
+
+            def loss_fn(tp):
+                p = draft_model.cast_params(merge_params(tp, frozen), compute_dtype)
+                sums = own.sums(p, draft_cfg, mb["input_ids"], feats, last, mb["loss_mask"], remat=remat)
+                return sums["loss"] / den, sums
+            (_, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+            return grads, sums
+
+        grads, sums = accumulate(one, ({k: v for k, v in batch.items() if k != "index"},))
+        loss, metrics = own.finalize(sums, den)
+        new_state, finite = apply_update(optimizer, state, grads, loss, state.rng)
+        metrics = dict(metrics, grad_norm=optax.tree.norm(grads), learning_rate=schedule(state.step),
+                       tokens=mask.sum(), finite=finite)
         return new_state, metrics
 
     return step

@@ -18,7 +18,7 @@ from dspark_jax import runtime
 from dspark_jax.target.deepseek_v4.cache import V4Cache, init_cache
 from dspark_jax.target.deepseek_v4.config import ARCHITECTURE, DeepseekV4Config
 from dspark_jax.target.deepseek_v4.declare import declare, hf_name, source_names
-from dspark_jax.target.deepseek_v4.model import compute_logits, forward
+from dspark_jax.target.deepseek_v4.model import STREAMS, compute_logits, forward, tap_width
 
 __all__ = ["DeepseekV4Config", "V4Cache", "declare", "forward", "compute_logits", "init_cache", "init_params",
            "hf_name", "FAMILY"]
@@ -40,5 +40,5 @@ FAMILY = params_lib.Family(
     ignored_tensors=("mtp.",), aside_tensors=("mtp.",), source_names=source_names,
     runtime=runtime.TargetRuntime(
         init_cache=init_cache, forward=forward, logits=compute_logits,
-        feature_dim=lambda cfg, taps: runtime.concat_features(cfg.hidden_size, taps),
+        feature_dim=tap_width,
         replicable=frozenset({"kv_heads"})))  # one shared K=V head: replicated under tensor parallelism

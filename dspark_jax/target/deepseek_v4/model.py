@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax import nn
+from dspark_jax.errors import ConfigError
 from dspark_jax.target.deepseek_v4 import moe as moe_lib
 from dspark_jax.target.deepseek_v4.cache import Compressor, V4Cache, V4Delta
 from dspark_jax.target.deepseek_v4.config import CSA, HASH_MOE, HCA, MOE, SLIDING, DeepseekV4Config
@@ -422,12 +423,12 @@ def layer(cfg: DeepseekV4Config, params: dict, i: int, streams: jax.Array, token
     return expand(post, comb, moe(cfg, lp, x, combine, ctx), streams), delta
 
 
-def _compute_dtype(params, ctx):
+def forward_dtype(params, ctx):
     dtype = getattr(ctx, "dtype", None) if ctx is not None else None
     return jnp.dtype(dtype) if dtype is not None else params["embed"].dtype
 
 
-def _stack_delta(cfg: DeepseekV4Config, cache: V4Cache, parts: list) -> V4Delta:
+def stack_delta(cfg: DeepseekV4Config, cache: V4Cache, parts: list) -> V4Delta:
     """The per-layer (window, compressor, indexer) deltas stacked into one ``V4Delta``."""
     def group(kind, pick, like):
         if like is None:
@@ -448,26 +449,47 @@ def forward(params: dict, cfg: DeepseekV4Config, tokens: jax.Array, cache: V4Cac
     token t of row b at position ``cache.lengths[b] + t``, seeing the committed positions and the
     new tokens causally; ``delta`` (``V4Delta``) is what ``cache.commit`` folds in; committed
     entries at or above ``span // ratio`` are not read (the caller guarantees lengths <= span).
-    ``features``: for each layer in ``taps`` the mean over its output's N streams (what V4's
-    DSpark reads), concatenated [B, T, len(taps) * H] (None without taps). ``ctx``
+    ``features``: for each layer id in ``taps`` the mean over its output's N streams (what V4's
+    DSpark reads), for the tag ``STREAMS`` the last layer's N streams before ``hc_head``
+    flattened [B, T, N * H] (what V4's MTP module reads), concatenated in ``taps`` order
+    (``tap_width``; None without taps). ``ctx``
     (``runtime.Context``) carries the compute dtype and ``mesh`` / ``rules`` (expert-parallel
     sharding constraints in the MoE).
     """
-    dtype = _compute_dtype(params, ctx)
+    dtype = forward_dtype(params, ctx)
     b, s = tokens.shape
     positions = jnp.arange(s) if cache is None else cache.lengths[:, None] + jnp.arange(s)[None]
     x = params["embed"][tokens].astype(dtype)
     streams = jnp.broadcast_to(x[:, :, None, :], (b, s, cfg.hc_mult, cfg.hidden_size))
     taps = tuple(taps)
+    tap_width(cfg, taps)  # ConfigError for a tag this family does not know
     tapped, parts = {}, []
     for i in range(cfg.num_hidden_layers):
         streams, part = layer(cfg, params, i, streams, tokens, positions, ctx, cache, span)
         parts.append(part)
         if i in taps:
             tapped[i] = streams.astype(jnp.float32).mean(axis=2).astype(dtype)
+    tapped[STREAMS] = streams.reshape(b, s, -1)
     hidden = rms_norm(hc_head(cfg, params, streams), params["norm"], cfg.rms_norm_eps)
     features = jnp.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
-    return hidden, features, None if cache is None else _stack_delta(cfg, cache, parts)
+    return hidden, features, None if cache is None else stack_delta(cfg, cache, parts)
+
+
+STREAMS = ("streams",)  # the tap of the last layer's residual streams before ``hc_head``
+
+
+def tap_width(cfg: DeepseekV4Config, taps) -> int:
+    """``runtime.TargetRuntime.feature_dim``: H per layer id, N * H for ``STREAMS``; ConfigError
+    for another tag (before anything compiles)."""
+    width = 0
+    for t in taps:
+        if isinstance(t, tuple):
+            if t != STREAMS:
+                raise ConfigError(f"DeepSeek-V4 target: unknown feature tap {t!r} (known: layer ids, {STREAMS!r})")
+            width += cfg.hc_mult * cfg.hidden_size
+        else:
+            width += cfg.hidden_size
+    return width
 
 
 def compute_logits(params: dict, cfg: DeepseekV4Config, hidden: jax.Array) -> jax.Array:

@@ -14,7 +14,7 @@ from dspark_jax.errors import DSparkError, os_error_line
 
 # Subcommand modules, in the order --help lists them.
 COMMANDS = (
-    "demo", "convert", "generate", "train", "cache", "eval", "calibrate", "profile_sps", "plan",
+    "demo", "convert", "generate", "train", "cache", "eval", "calibrate", "profile_sps", "plan", "bench",
     "export", "inspect", "data",
 )
 

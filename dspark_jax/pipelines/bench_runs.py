@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from dspark_jax.errors import InputError
-from dspark_jax.fileio import dumps, write_text
+from dspark_jax.fileio import dumps, write_json, write_text
 from dspark_jax.pipelines import bench_inputs as I
 from dspark_jax.pipelines import bench_project as P
 from dspark_jax.pipelines import bench_measure as M
@@ -37,6 +37,9 @@ def measure(target: Path, drafters: Sequence[I.Drafter], specs, concs, curves, m
     printer(f"bench: {len(prompts)} prompts ({prompt_source}); profiling costs at C = {concs}")
     ar = M.ar_costs((tc, tp), prompts, concs, max_new)
     tables = {I.AR: M.ar_table(tc, concs, ar)}
+    if out is not None:
+        (Path(out) / "round_tables").mkdir(parents=True, exist_ok=True)
+        write_json(Path(out) / "round_tables" / f"{I.AR}.json", tables[I.AR])
     logs, token_tables = {}, {}
     for d in drafters:
         pair, temps = pairs[d.name]
@@ -45,8 +48,6 @@ def measure(target: Path, drafters: Sequence[I.Drafter], specs, concs, curves, m
         obj.update(ar, draft_fingerprint=d.fingerprint, source="measured here by dspark-jax bench")
         tables[d.name] = obj
         if out is not None:
-            from dspark_jax.fileio import write_json
-            (Path(out) / "round_tables").mkdir(parents=True, exist_ok=True)
             write_json(Path(out) / "round_tables" / f"{d.name}.json", obj)
         res = engine.serve(*pair, prompts, max_new_tokens=max_new, policy=FullPolicy(),
                            slots=min(max(concs), len(prompts)), stop_token_ids=stops,

@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Callable, Sequence
 
-from dspark_jax.errors import InputError
+from dspark_jax.errors import DSparkError, InputError
 from dspark_jax.fileio import check_not_input, dumps, iter_jsonl, write_json, write_text
 from dspark_jax.pipelines import bench_inputs as I
 from dspark_jax.pipelines import bench_project as P
@@ -102,10 +102,15 @@ def bench(target, drafts: Sequence[str] = (), *, prompts=None, datasets=None, ve
     projected_only = bool(round_tables)
     if logs and not projected_only:
         raise InputError("--logs replays logged rounds in projected mode: give --round-table too")
+    target_name = str(target)
     target = Path(target)
-    if not target.is_dir():
+    if not target.is_dir() and not projected_only:
         raise InputError(f"--target {str(target)!r} is not a directory")
-    tmodel = read_json_object(target / "config.json", "--target config.json")
+    from dspark_jax.presets import resolve_target
+    try:
+        tcfg = resolve_target(target_name)  # projected mode: a preset name serves (no weights read)
+    except DSparkError as e:
+        raise InputError(f"--target: {e}") from None
     blocks = {d.name: int(read_json_object(d.path / "config.json", "--draft config.json")
                           .get("block_size", 0)) for d in drafters}
     tables, logged = {}, {}
@@ -114,7 +119,7 @@ def bench(target, drafts: Sequence[str] = (), *, prompts=None, datasets=None, ve
         for i, f in enumerate(files):
             d = drafters[i] if drafters else None
             obj = I.read_json(f, "--round-table")
-            I.check_round_table(obj, f, _Signature(tmodel), blocks.get(d.name) if d else None, d)
+            I.check_round_table(obj, f, tcfg, blocks.get(d.name) if d else None, d)
             tables[d.name if d else I.AR] = (obj, P.costs_from_json(obj, f"round table {f}"))
         if drafters:
             for d, f in zip(drafters, I.pair_files(logs, drafters, "--logs")):
@@ -175,16 +180,6 @@ def bench(target, drafts: Sequence[str] = (), *, prompts=None, datasets=None, ve
         min_requests, lambda d: "(AR: one token per step)" if d is None else logged[d.name][1],
         ar_lengths, policy_of)
     return _finish(rows, curves, baseline, slas, meta, projected_only, out, force, printer)
-
-
-class _Signature:
-    """A target config's model signature from its config.json (no weights needed)."""
-
-    def __init__(self, obj: dict):
-        text = obj.get("text_config", obj)
-        self.num_hidden_layers = text.get("num_hidden_layers")
-        self.hidden_size = text.get("hidden_size")
-        self.vocab_size = text.get("vocab_size")
 
 
 def _finish(rows, curves, baseline, slas, meta, projected_only, out, force, printer) -> dict:

@@ -169,3 +169,34 @@ def test_smoke_measured_and_projected(smoke, capsys):
     code = cli.main(["bench", "--target", str(FIXTURE / "target"), "--round-table",
                      str(out / "round_tables/ar.json"), "--out", str(tmp / "proj")])
     assert code == 2 and "already holds a bench" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_round_table_compiled_for_a_chip_feeds_the_projection():
+    """plan --round-table's table (tiny pair, one CPU device, H200's roofline numbers): one AR
+    step and one round per width, rounds/s = 1 / max(bytes / bandwidth, flops / peak); wider
+    rounds never cost less, and the projection reads it."""
+    import jax
+    import jax.numpy as jnp
+
+    from dspark_jax import hardware, sharding
+    from dspark_jax.convert.checkpoint import load_draft, load_target
+    from dspark_jax.pipelines.plan_rounds import compiled_round_table
+
+    tc, _ = load_target(FIXTURE / "target")
+    dc, _ = load_draft(FIXTURE / "draft")
+    mesh = sharding.make_mesh("data=1", jax.devices()[:1])
+    hw = hardware.parse("h200:1")
+    table = compiled_round_table(dc, tc, mesh, hw, [2], max_len=64, dtype=jnp.float32,
+                                 log=lambda s: None)
+    assert table["widths"] == [1, 2, 4, 8] and table["block_size"] == 7
+    rps = table["rps"][0]
+    assert all(a >= b for a, b in zip(rps, rps[1:])) and table["ar_rps"][0] > rps[-1]
+    progs = table["programs"]
+    assert [p["width"] for p in progs] == [None, 1, 2, 4, 8]
+    for p, r in zip(progs[1:], rps):
+        want = max(p["step_bytes"] / hw.chip.bandwidth, p["step_flops"] / hw.chip.peak_flops)
+        assert 1.0 / r == pytest.approx(want)
+    costs = P.costs_from_json(table, "compiled")
+    served = P.project([_log([3] * 4, 7, 9)], 2, costs, policy=FullPolicy(), block_size=7)
+    assert served.seconds == pytest.approx(2 / rps[-1])

@@ -62,6 +62,9 @@ def register(subparsers) -> None:
     p.add_argument("--logs", action="append", default=[], metavar="FILE",
                    help="projected mode: logged rounds of real decoding under --verify full (a "
                         "bench's logs/, or generate / eval result JSONL), one per --draft")
+    p.add_argument("--compare", metavar="BENCH.json",
+                   help="projected mode: a measured bench.json whose rows are set beside the "
+                        "projection (table, figures, and the per-concurrency agreement)")
     p.add_argument("--requests-per-slot", type=int, default=2,
                    help="requests per slot in a stream (default 2)")
     p.add_argument("--min-requests", type=int, default=8, help="least requests per stream (default 8)")
@@ -82,7 +85,7 @@ def run(args) -> int:
           sla=args.sla, baseline=args.baseline, round_tables=args.round_table, logs=args.logs,
           out=args.out, force=args.force, requests_per_slot=args.requests_per_slot,
           min_requests=args.min_requests, max_prompts=args.max_prompts,
-          max_prompt_tokens=args.max_prompt_tokens, quick=args.quick,
+          max_prompt_tokens=args.max_prompt_tokens, quick=args.quick, compare=args.compare,
           printer=lambda s: print(s, flush=True))
     if args.out:
         print(f"wrote {args.out}/bench.json, table.txt, frontier.png, budget.png", file=sys.stderr)

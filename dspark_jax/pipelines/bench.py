@@ -48,6 +48,19 @@ def read_logs(path, drafter: I.Drafter, block_size: int) -> list[P.RequestLog]:
     return out
 
 
+def measured_rows(path, curves, concurrencies) -> list[dict]:
+    """The measured rows of a bench.json (``--compare``) for ``curves`` x ``concurrencies``."""
+    obj = I.read_json(path, "--compare")
+    rows = obj.get("rows")
+    if not isinstance(rows, list):
+        raise InputError(f"--compare {str(path)!r}: not a bench.json (no 'rows')")
+    out = [r for r in rows if isinstance(r, dict) and r.get("source") == "measured"
+           and r.get("curve") in curves and r.get("concurrency") in concurrencies]
+    if not out:
+        raise InputError(f"--compare {str(path)!r}: no measured row for these curves and concurrencies")
+    return out
+
+
 def _project_curves(curves, requests, logs, costs_of, concurrencies, per_slot, minimum,
                     acceptance_of, ar_lengths, policy_of) -> list[dict]:
     """Projected rows of every curve at every concurrency."""
@@ -83,7 +96,7 @@ def bench(target, drafts: Sequence[str] = (), *, prompts=None, datasets=None, ve
           baseline: str = I.AR, round_tables: Sequence[str] = (), logs: Sequence[str] = (),
           out=None, force: bool = False, requests_per_slot: int = 2, min_requests: int = 8,
           max_prompts: int = 16, max_prompt_tokens: int = 64, quick: bool = False,
-          printer: Callable[[str], None] = print) -> dict:
+          compare=None, printer: Callable[[str], None] = print) -> dict:
     """Run the bench (measured, or projected when ``round_tables`` are given); returns the report
     (what bench.json holds). Every input is checked before a model is loaded or compiled."""
     from dspark_jax.convert.checkpoint import read_json_object
@@ -102,6 +115,11 @@ def bench(target, drafts: Sequence[str] = (), *, prompts=None, datasets=None, ve
     projected_only = bool(round_tables)
     if logs and not projected_only:
         raise InputError("--logs replays logged rounds in projected mode: give --round-table too")
+    beside = []
+    if compare is not None:
+        if not projected_only:
+            raise InputError("--compare sets a measurement beside a projection: give --round-table too")
+        beside = measured_rows(compare, [c for c, _, _ in curves], concs)
     target_name = str(target)
     target = Path(target)
     if not target.is_dir() and not projected_only:
@@ -126,9 +144,9 @@ def bench(target, drafts: Sequence[str] = (), *, prompts=None, datasets=None, ve
                 logged[d.name] = (read_logs(f, d, blocks[d.name]), f"logs {f}")
     if out is not None:
         out = Path(out)
-        check_not_input(out, {"--target": target, **{"--draft": d.path for d in drafters},
-                              **{"--round-table": f for f in round_tables},
-                              **{"--logs": f for f in logs}})
+        check_not_input(out, {"--target": target, "--draft": [d.path for d in drafters],
+                              "--round-table": list(round_tables), "--logs": list(logs),
+                              "--compare": compare})
         if (out / RESULT_FILE).exists() and not force:
             raise InputError(f"--out {str(out)!r} already holds a bench ({RESULT_FILE}); pass "
                              "--force to overwrite or choose another directory")
@@ -179,6 +197,7 @@ def bench(target, drafts: Sequence[str] = (), *, prompts=None, datasets=None, ve
         curves, requests, {k: v[0] for k, v in logged.items()}, costs_of, concs, requests_per_slot,
         min_requests, lambda d: "(AR: one token per step)" if d is None else logged[d.name][1],
         ar_lengths, policy_of)
+    rows = beside + rows
     return _finish(rows, curves, baseline, slas, meta, projected_only, out, force, printer)
 
 

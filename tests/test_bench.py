@@ -158,11 +158,12 @@ def test_smoke_measured_and_projected(smoke, capsys):
     code = cli.main(["bench", "--target", str(FIXTURE / "target"), "--draft", f"tiny={FIXTURE / 'draft'}",
                      "--round-table", str(out / "round_tables/tiny.json"), "--logs",
                      str(out / "logs/tiny.jsonl"), "--concurrency", "1,2", "--min-requests", "4",
-                     "--out", str(tmp / "proj")])
+                     "--compare", str(out / "bench.json"), "--out", str(tmp / "proj")])
     assert code == 0
     proj = json.loads((tmp / "proj" / "bench.json").read_text())
-    assert {r["source"] for r in proj["rows"]} == {"projected"}
-    again = {(r["curve"], r["concurrency"]): r["throughput"] for r in proj["rows"]}
+    assert proj["mode"] == "projected" and len(proj["agreement"]) == 4
+    again = {(r["curve"], r["concurrency"]): r["throughput"] for r in proj["rows"]
+             if r["source"] == "projected"}
     first = {(r["curve"], r["concurrency"]): r["throughput"] for r in rows if r["source"] == "projected"}
     assert again == pytest.approx(first)
     # A second run into the same --out is refused without --force.
@@ -185,18 +186,19 @@ def test_round_table_compiled_for_a_chip_feeds_the_projection():
 
     tc, _ = load_target(FIXTURE / "target")
     dc, _ = load_draft(FIXTURE / "draft")
+    dc = dc.replace(block_size=3)  # widths 1, 2, 4: three round programs
     mesh = sharding.make_mesh("data=1", jax.devices()[:1])
     hw = hardware.parse("h200:1")
     table = compiled_round_table(dc, tc, mesh, hw, [2], max_len=64, dtype=jnp.float32,
                                  log=lambda s: None)
-    assert table["widths"] == [1, 2, 4, 8] and table["block_size"] == 7
+    assert table["widths"] == [1, 2, 4] and table["block_size"] == 3
     rps = table["rps"][0]
     assert all(a >= b for a, b in zip(rps, rps[1:])) and table["ar_rps"][0] > rps[-1]
     progs = table["programs"]
-    assert [p["width"] for p in progs] == [None, 1, 2, 4, 8]
+    assert [p["width"] for p in progs] == [None, 1, 2, 4]
     for p, r in zip(progs[1:], rps):
         want = max(p["step_bytes"] / hw.chip.bandwidth, p["step_flops"] / hw.chip.peak_flops)
         assert 1.0 / r == pytest.approx(want)
     costs = P.costs_from_json(table, "compiled")
-    served = P.project([_log([3] * 4, 7, 9)], 2, costs, policy=FullPolicy(), block_size=7)
+    served = P.project([_log([3] * 2, 3, 9)], 2, costs, policy=FullPolicy(), block_size=3)
     assert served.seconds == pytest.approx(2 / rps[-1])

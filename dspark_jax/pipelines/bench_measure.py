@@ -121,16 +121,9 @@ def ar_costs(pair, prompts, concurrencies: Sequence[int], max_new: int) -> dict:
     """AR steps/s and per-request host seconds at each concurrency (round-table meta fields)."""
     prompt = max(prompts, key=len)
     ar = [stream_costs(pair[:2] + (None, None), prompt, c, max_new) for c in concurrencies]
-    return {"ar_rps": [1.0 / s for s in capped([s for s, _ in ar])],
-            "ar_request_seconds": capped([r for _, r in ar]),
+    return {"ar_rps": [1.0 / s for s in P.capped([s for s, _ in ar])],
+            "ar_request_seconds": P.capped([r for _, r in ar]),
             "ar_raw": [[s, r] for s, r in ar]}
-
-
-def capped(seconds: Sequence[float]) -> list[float]:
-    """Seconds per slot count [NB], each capped by every larger slot count's (reverse cumulative
-    min): more rows never cost less, and another process only ever slows a timing down, so a
-    time above a taller one's is noise (``decode.profile`` caps its round tables the same way)."""
-    return np.minimum.accumulate(np.asarray(seconds, np.float64)[::-1])[::-1].tolist()
 
 
 def round_table(pair, prompts, concurrencies: Sequence[int], max_new: int, *, meta=None,
@@ -148,7 +141,7 @@ def round_table(pair, prompts, concurrencies: Sequence[int], max_new: int, *, me
     obj = table.to_json()
     prompt = max(prompts, key=len)
     raw = [stream_costs(pair, prompt, c, max_new)[1] for c in concurrencies]
-    obj["request_seconds"], obj["request_raw"] = capped(raw), raw
+    obj["request_seconds"], obj["request_raw"] = P.capped(raw), raw
     return obj
 
 

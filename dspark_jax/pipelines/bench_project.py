@@ -72,21 +72,29 @@ class Costs:
         return self.source + (f" (+ {', '.join(extras)})" if extras else "")
 
 
+def capped(seconds: Sequence[float]) -> list[float]:
+    """Seconds per slot count [NB], each capped by every larger slot count's (reverse cumulative
+    min): more rows never cost less, and another process only ever slows a timing down, so a
+    time above a taller one's is noise (``decode.profile`` caps its round tables the same way)."""
+    return np.minimum.accumulate(np.asarray(seconds, np.float64)[::-1])[::-1].tolist()
+
+
 def costs_from_json(obj: dict, source: str) -> Costs:
-    """``Costs`` of a round table's JSON (its meta may add ``ar_rps`` and ``request_seconds``)."""
+    """``Costs`` of a round table's JSON (its meta may add ``ar_rps``, ``request_seconds`` and
+    ``ar_request_seconds``, each ``capped``: non-decreasing in the slot count)."""
     table = RoundTable.from_json(obj, where=source)
     bs = list(table.batch_sizes)
     ar = req = ar_req = None
     meta = dict(table.meta)
     if meta.get("ar_rps") is not None:
         ar_rps = _row(meta["ar_rps"], len(bs), f"{source}: ar_rps")
-        ar = RoundTable(tuple(bs), (1,), tuple((v,) for v in ar_rps))
+        ar = RoundTable(tuple(bs), (1,), tuple((1.0 / v,) for v in capped([1.0 / r for r in ar_rps])))
     if meta.get("request_seconds") is not None:
-        req = (tuple(bs), tuple(_row(meta["request_seconds"], len(bs), f"{source}: request_seconds",
-                                     positive=False)))
+        req = (tuple(bs), tuple(capped(_row(meta["request_seconds"], len(bs),
+                                            f"{source}: request_seconds", positive=False))))
     if meta.get("ar_request_seconds") is not None:
-        ar_req = (tuple(bs), tuple(_row(meta["ar_request_seconds"], len(bs),
-                                        f"{source}: ar_request_seconds", positive=False)))
+        ar_req = (tuple(bs), tuple(capped(_row(meta["ar_request_seconds"], len(bs),
+                                               f"{source}: ar_request_seconds", positive=False))))
     device = meta.get("device")
     return Costs(table, ar, req, source + (f" [{device}]" if device else ""), ar_req)
 

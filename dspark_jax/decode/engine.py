@@ -70,9 +70,10 @@ def open_stream(
     arrival order; nothing compiled yet (profilers time its pieces: ``_insert``, ``chunk``).
 
     ``draft_cfg`` None: the autoregressive baseline. ``max_new_tokens``: one budget or one per
-    prompt. ``order``: arrival order (default input order). ``request_keys`` (optional, ``uint32 [N, 2]``, one PRNG key per prompt): request i samples
-    from its own key only (per-row keys in the state), so its output does not depend on
-    ``slots``, ``order`` or the other requests; default: one shared key per step (as before).
+    prompt. ``order``: arrival order (default input order). ``request_keys`` (optional,
+    ``uint32 [N, 2]``, one PRNG key per prompt): request i samples from its own key only
+    (per-row keys in the state), so its output does not depend on ``slots``, ``order`` or the
+    other requests; default: one shared key per step.
     ``on_result(i, result)`` is called as request i finishes. ``top_p`` < 1: nucleus sampling
     (autoregressive only). ``cache_spans``: the compiled attention spans over the cache
     (``shapes.compiled_spans``; the longest live row picks one). Raises ConfigError / InputError

@@ -94,15 +94,16 @@ def _run(argv, capsys):
     (["--baseline", "nope"], "--baseline"),
 ])
 def test_bad_flags_one_line_exit_2(extra, needle, capsys):
-    code, err = _run(["--target", str(FIXTURE / "target"), "--draft", str(FIXTURE / "draft")] + extra,
-                     capsys)
+    code, err = _run(["--target", str(FIXTURE / "target"), "--draft", str(FIXTURE / "draft")]
+                     + extra, capsys)
     assert code == 2 and len(err) == 1 and needle in err[0], err
 
 
 def test_bad_round_tables_and_logs_one_line_exit_2(tmp_path, capsys):
     target, draft = str(FIXTURE / "target"), str(FIXTURE / "draft")
     good = {"batch_sizes": [1], "widths": [1, 2, 4, 8], "rps": [[4.0, 3.0, 2.0, 1.0]],
-            "block_size": 7, "model": {"num_hidden_layers": 6, "hidden_size": 64, "vocab_size": 512}}
+            "block_size": 7,
+            "model": {"num_hidden_layers": 6, "hidden_size": 64, "vocab_size": 512}}
     log = {"drafter": "x", "draft_fingerprint": "0123456789abcdef", "output_ids": [1],
            "confidence_logits": [[0.0] * 7], "accepted_drafts": [0], "proposal_lengths": [7]}
     logs = tmp_path / "logs.jsonl"
@@ -155,16 +156,19 @@ def test_smoke_measured_and_projected(smoke, capsys):
         assert (out / name).is_file(), name
     assert len(report["agreement"]) == 4
     # Projected mode from the files the measured run wrote: no model runs, same replay.
-    code = cli.main(["bench", "--target", str(FIXTURE / "target"), "--draft", f"tiny={FIXTURE / 'draft'}",
-                     "--round-table", str(out / "round_tables/tiny.json"), "--logs",
-                     str(out / "logs/tiny.jsonl"), "--concurrency", "1,2", "--min-requests", "4",
+    code = cli.main(["bench", "--target", str(FIXTURE / "target"),
+                     "--draft", f"tiny={FIXTURE / 'draft'}",
+                     "--round-table", str(out / "round_tables/tiny.json"),
+                     "--logs", str(out / "logs/tiny.jsonl"), "--concurrency", "1,2",
+                     "--min-requests", "4",
                      "--compare", str(out / "bench.json"), "--out", str(tmp / "proj")])
     assert code == 0
     proj = json.loads((tmp / "proj" / "bench.json").read_text())
     assert proj["mode"] == "projected" and len(proj["agreement"]) == 4
     again = {(r["curve"], r["concurrency"]): r["throughput"] for r in proj["rows"]
              if r["source"] == "projected"}
-    first = {(r["curve"], r["concurrency"]): r["throughput"] for r in rows if r["source"] == "projected"}
+    first = {(r["curve"], r["concurrency"]): r["throughput"] for r in rows
+             if r["source"] == "projected"}
     assert again == pytest.approx(first)
     # A second run into the same --out is refused without --force.
     code = cli.main(["bench", "--target", str(FIXTURE / "target"), "--round-table",
@@ -180,8 +184,9 @@ def test_round_table_compiled_for_a_chip_feeds_the_projection():
     import jax
     import jax.numpy as jnp
 
-    from dspark_jax import hardware, sharding
+    from dspark_jax import sharding
     from dspark_jax.convert.checkpoint import load_draft, load_target
+    from dspark_jax.costs import hardware
     from dspark_jax.pipelines.plan_rounds import compiled_round_table
 
     tc, _ = load_target(FIXTURE / "target")

@@ -41,7 +41,8 @@ def register(subparsers) -> None:
                         "generic 'export'); none: AR only")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompts", metavar="FILE.jsonl",
-                     help="prompts ({'prompt_ids': [...]} or {'text': ...} lines, text encoded raw)")
+                     help="prompts ({'prompt_ids': [...]} or {'text': ...} lines, text "
+                          "encoded raw)")
     src.add_argument("--datasets", metavar="NAMES",
                      help="comma-separated eval dataset names (default: eval's default datasets)")
     p.add_argument("--verify", default="full", metavar="LIST",
@@ -67,7 +68,8 @@ def register(subparsers) -> None:
                         "projection (table, figures, and the per-concurrency agreement)")
     p.add_argument("--requests-per-slot", type=int, default=2,
                    help="requests per slot in a stream (default 2)")
-    p.add_argument("--min-requests", type=int, default=8, help="least requests per stream (default 8)")
+    p.add_argument("--min-requests", type=int, default=8,
+                   help="least requests per stream (default 8)")
     p.add_argument("--max-prompts", type=int, default=16, help="distinct prompts used (default 16)")
     p.add_argument("--max-prompt-tokens", type=int, default=64,
                    help="a prompt keeps its last N tokens (default 64)")

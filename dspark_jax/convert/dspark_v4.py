@@ -13,7 +13,6 @@ head are the target's: neither is read nor written as part of the module.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import os
@@ -25,12 +24,12 @@ import numpy as np
 
 from dspark_jax import params as params_lib
 from dspark_jax.convert import mapping, quant, safetensors_io
-from dspark_jax.convert.checkpoint import read_extras, read_json_object, sts_temperatures
+from dspark_jax.convert.formats import read_json_object
 from dspark_jax.draft.deepseek_v4 import KEYS, DeepseekV4DSparkConfig, declare, module_specs
 from dspark_jax.draft.deepseek_v4 import with_target  # noqa: F401 (load_draft's, beside load_module)
 from dspark_jax.target import deepseek_v4 as v4
 from dspark_jax.target.deepseek_v4.config import DeepseekV4Config
-from dspark_jax.errors import CheckpointError, ConfigError
+from dspark_jax.errors import CheckpointError
 from dspark_jax.fileio import atomic_dir
 
 PREFIX = "mtp."
@@ -212,52 +211,3 @@ def _write(s: Path, dst, hf: Mapping, cfg: DeepseekV4DSparkConfig, tensors: Mapp
         for name, text in (sidecars or {}).items():
             (tmp / name).write_text(text)
     return Path(dst)
-
-
-def export(draft, dst, engine: str, *, target=None, force: bool = False, sps: Mapping | None = None) -> dict:
-    """``dspark-jax export`` of a V4 DSpark module: the V4 checkpoint ``target`` (default ``draft``
-    itself, when it is a whole V4 checkpoint) with its module replaced by ``draft``'s
-    (``write_checkpoint``), refused with the engine's rule (``engines.V4_RULES``) before anything is
-    written when the engine could not load the result. For SGLang, beside it the STS file (when
-    ``draft`` carries calibrated temperatures) and the SPS file of ``sps`` (a profile-sps table
-    {batch_sizes, sps}), as for the Qwen3 drafters; vLLM reads neither. Returns a summary."""
-    from dspark_jax.convert import engines
-
-    cfg, params = load_module(draft)
-    src = Path(target) if target is not None else Path(draft)
-    reader = safetensors_io.TensorReader(src)
-    shared = {s.torch for s in declare(cfg).values() if not s.torch.startswith(PREFIX)}
-    if all(n.startswith(PREFIX) or n in shared for n in reader.infos):
-        raise CheckpointError(f"{src}: holds the DSpark module but not its target's layers; pass --target "
-                              f"(the V4 checkpoint it is written into)")
-    src_hf = _target_config(src, cfg)
-    tensors = stored_module(cfg, params, src, reader.infos)
-    hf = {**src_hf, **cfg.hf_fields()}
-    names = {n: i.dtype for n, i in reader.infos.items() if not n.startswith(PREFIX)}
-    names.update({n: t.dtype for n, t in tensors.items()})
-    facts = engines.v4_facts(hf, names)
-    why = engines.v4_check(facts, engine)
-    if why:
-        raise ConfigError(f"{draft}: cannot export for {why}")
-    sidecars = {}
-    temps = sts_temperatures(draft)
-    if temps is not None and engine == "sglang":  # SGLang's STS calibration file, as for Qwen3 drafters
-        if len(temps) != cfg.block_size:
-            raise ConfigError(f"{draft}: extras['sts_temperatures'] has {len(temps)} entries, "
-                              f"dspark_block_size is {cfg.block_size}")
-        sidecars[engines.STS_FILE] = json.dumps(engines.sts_sidecar(temps, read_extras(draft).get("sts_report")),
-                                                indent=1) + "\n"
-    notes = []
-    if sps is not None:
-        table = engines.sps_sidecar(sps, cfg.block_size)  # validated for every engine
-        if engine == "sglang":  # its planner's cost table (dspark_components/dspark_sps.py)
-            sidecars[engines.SPS_FILE] = json.dumps(table, indent=1) + "\n"
-        else:
-            notes.append(f"{engine} reads no SPS file: --sps is not written")
-    _write(src, dst, src_hf, cfg, tensors, reader, force, sidecars)
-    return {"event": "export", "engine": engine, "src": str(draft), "target": str(src), "dst": str(dst),
-            "architecture": hf["architectures"][0], "tensors": len(tensors),
-            "bytes": int(sum(t.nbytes for t in tensors.values())), "dtype": str(params["main_norm"].dtype),
-            "stored_dtypes": dict(sorted(collections.Counter(np.dtype(t.dtype).name for t in tensors.values()).items())),
-            "sidecars": sorted(sidecars), "warnings": notes + [f"{engine} will load it with a limitation: {why} [{r.source}]"
-                                                 for r, why in engines.v4_violations(facts, engine, "warning")]}

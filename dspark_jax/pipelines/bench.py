@@ -57,7 +57,8 @@ def measured_rows(path, curves, concurrencies) -> list[dict]:
     out = [r for r in rows if isinstance(r, dict) and r.get("source") == "measured"
            and r.get("curve") in curves and r.get("concurrency") in concurrencies]
     if not out:
-        raise InputError(f"--compare {str(path)!r}: no measured row for these curves and concurrencies")
+        raise InputError(f"--compare {str(path)!r}: no measured row for these curves and "
+                         "concurrencies")
     return out
 
 
@@ -75,7 +76,8 @@ def _project_curves(curves, requests, logs, costs_of, concurrencies, per_slot, m
                 served = P.project([ar_lengths[i % len(ar_lengths)] for i in idx], c, costs)
             else:
                 lg = logs[drafter.name]
-                served = P.project([lg[i % len(lg)] for i in idx], c, costs, policy=policy_of(drafter, spec),
+                served = P.project([lg[i % len(lg)] for i in idx], c, costs,
+                                   policy=policy_of(drafter, spec),
                                    block_size=lg[0].logits.shape[1], temps=drafter_temps(drafter))
             row = dict(curve=curve, drafter=drafter.name if drafter else I.AR,
                        verify=spec if drafter else None, concurrency=c, source="projected",
@@ -87,7 +89,7 @@ def _project_curves(curves, requests, logs, costs_of, concurrencies, per_slot, m
 
 
 def drafter_temps(drafter: I.Drafter):
-    from dspark_jax.convert.checkpoint import sts_temperatures
+    from dspark_jax.convert.formats import sts_temperatures
     return sts_temperatures(drafter.path)
 
 
@@ -99,7 +101,7 @@ def bench(target, drafts: Sequence[str] = (), *, prompts=None, datasets=None, ve
           compare=None, printer: Callable[[str], None] = print) -> dict:
     """Run the bench (measured, or projected when ``round_tables`` are given); returns the report
     (what bench.json holds). Every input is checked before a model is loaded or compiled."""
-    from dspark_jax.convert.checkpoint import read_json_object
+    from dspark_jax.convert.formats import read_json_object
 
     drafters = I.parse_drafters(drafts)
     specs = I.parse_verify(verify)
@@ -107,9 +109,9 @@ def bench(target, drafts: Sequence[str] = (), *, prompts=None, datasets=None, ve
     slas = I.parse_floats(sla, "--sla")
     curves = [(I.AR, None, None)] + [(f"{d.name}/{v}", d, v) for d in drafters for v in specs]
     I.check_baseline(baseline, [c for c, _, _ in curves])
-    for flag, v in (("--max-new-tokens", max_new_tokens), ("--requests-per-slot", requests_per_slot),
-                    ("--min-requests", min_requests), ("--max-prompts", max_prompts),
-                    ("--max-prompt-tokens", max_prompt_tokens)):
+    for flag, v in (("--max-new-tokens", max_new_tokens),
+                    ("--requests-per-slot", requests_per_slot), ("--min-requests", min_requests),
+                    ("--max-prompts", max_prompts), ("--max-prompt-tokens", max_prompt_tokens)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise InputError(f"{flag} must be an int >= 1, got {v!r}")
     projected_only = bool(round_tables)
@@ -118,7 +120,8 @@ def bench(target, drafts: Sequence[str] = (), *, prompts=None, datasets=None, ve
     beside = []
     if compare is not None:
         if not projected_only:
-            raise InputError("--compare sets a measurement beside a projection: give --round-table too")
+            raise InputError("--compare sets a measurement beside a projection: "
+                             "give --round-table too")
         beside = measured_rows(compare, [c for c, _, _ in curves], concs)
     target_name = str(target)
     target = Path(target)
@@ -169,7 +172,8 @@ def bench(target, drafts: Sequence[str] = (), *, prompts=None, datasets=None, ve
         meta.update(measured["meta"])
         tables = {k: (v, P.costs_from_json(v, f"round table measured here ({k})"))
                   for k, v in measured["tables"].items()}
-        logged = {k: (v, "logs of this run (full verification)") for k, v in measured["logs"].items()}
+        logged = {k: (v, "logs of this run (full verification)")
+                  for k, v in measured["logs"].items()}
         ar_lengths = measured["ar_lengths"]
     else:
         first = next(iter(logged.values()), None)
@@ -227,8 +231,9 @@ def _finish(rows, curves, baseline, slas, meta, projected_only, out, force, prin
               if pairs else None}
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        title = (f"{Path(meta['target']).name}: " + ("projected" if projected_only else
-                 "measured (solid) and projected (dashed)") + f", max_new_tokens {meta['max_new_tokens']}")
+        title = (f"{Path(meta['target']).name}: "
+                 + ("projected" if projected_only else "measured (solid) and projected (dashed)")
+                 + f", max_new_tokens {meta['max_new_tokens']}")
         files = {"table": str(write_text(out / "table.txt", "\n".join(R.table(rows)) + "\n"))}
         for name, fn in (("frontier", R.plot_frontier), ("budget", R.plot_budget)):
             p = fn(rows, out / f"{name}.png", title)

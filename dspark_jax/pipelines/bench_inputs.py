@@ -55,7 +55,8 @@ def parse_drafters(specs: Sequence[str]) -> list[Drafter]:
             raise InputError(f"--draft {spec!r}: the name {name!r} is reserved or empty; "
                              "give --draft NAME=DIR")
         if any(d.name == name for d in out):
-            raise InputError(f"--draft {spec!r}: two drafters named {name!r}; give --draft NAME=DIR")
+            raise InputError(f"--draft {spec!r}: two drafters named {name!r}; "
+                             "give --draft NAME=DIR")
         out.append(Drafter(name, path, fingerprint(path)))
     return out
 
@@ -112,7 +113,8 @@ def curve_names(drafters: Sequence[Drafter], verify: Sequence[str]) -> list[str]
 
 def check_baseline(baseline: str, names: Sequence[str]) -> str:
     if baseline not in names:
-        raise InputError(f"--baseline {baseline!r} is not a curve of this run; curves: {list(names)}")
+        raise InputError(f"--baseline {baseline!r} is not a curve of this run; "
+                         f"curves: {list(names)}")
     return baseline
 
 
@@ -167,5 +169,6 @@ def pair_files(files: Sequence[str], drafters: Sequence[Drafter], flag: str) -> 
     runs take one file for the AR cost)."""
     n = max(len(drafters), 1)
     if len(files) != n:
-        raise InputError(f"{flag}: give one file per --draft ({n}), in the same order; got {len(files)}")
+        raise InputError(f"{flag}: give one file per --draft ({n}), in the same order; "
+                         f"got {len(files)}")
     return list(files)

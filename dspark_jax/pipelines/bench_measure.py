@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from dspark_jax import sharding as sharding_lib
-from dspark_jax.compiles import COMPILES
+from dspark_jax.costs.compiles import COMPILES
 from dspark_jax.decode import engine, shapes
 from dspark_jax.pipelines import bench_project as P
 
@@ -147,7 +147,7 @@ def round_table(pair, prompts, concurrencies: Sequence[int], max_new: int, *, me
 
 def ar_table(target_cfg, concurrencies: Sequence[int], ar: dict) -> dict:
     """A one-width table holding only the AR costs (an AR-only run's cost file)."""
-    from dspark_jax.decode.scheduler import ROUND_FORMAT
+    from dspark_jax.decode.tables import ROUND_FORMAT
     from dspark_jax.pipelines.bench_inputs import model_signature
 
     return {"format": ROUND_FORMAT, "model": model_signature(target_cfg),

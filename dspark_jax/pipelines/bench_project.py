@@ -1,6 +1,7 @@
-"""Projected serving: the continuous engine replayed on a clock from a round table and logged rounds.
+"""Projected serving: the continuous engine replayed on a clock from a round table and logged
+rounds.
 
-Cost source (``Costs``): a round table (``scheduler.RoundTable``: whole rounds/s of the decode
+Cost source (``Costs``): a round table (``tables.RoundTable``: whole rounds/s of the decode
 program at slot count B and verification width w; ``profile-sps --draft``, ``plan --hardware``
 or ``bench``'s own profile) plus, where the table carries them in its meta, ``ar_rps`` [NB] (AR
 steps/s of the AR program at each B) and ``request_seconds`` [NB] (per-request host work at each
@@ -31,7 +32,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from dspark_jax.decode import shapes
-from dspark_jax.decode.scheduler import RoundTable
+from dspark_jax.decode.tables import RoundTable
 from dspark_jax.errors import InputError
 
 
@@ -88,7 +89,8 @@ def costs_from_json(obj: dict, source: str) -> Costs:
     meta = dict(table.meta)
     if meta.get("ar_rps") is not None:
         ar_rps = _row(meta["ar_rps"], len(bs), f"{source}: ar_rps")
-        ar = RoundTable(tuple(bs), (1,), tuple((1.0 / v,) for v in capped([1.0 / r for r in ar_rps])))
+        ar = RoundTable(tuple(bs), (1,),
+                        tuple((1.0 / v,) for v in capped([1.0 / r for r in ar_rps])))
     if meta.get("request_seconds") is not None:
         req = (tuple(bs), tuple(capped(_row(meta["request_seconds"], len(bs),
                                             f"{source}: request_seconds", positive=False))))
@@ -137,7 +139,8 @@ def request_log(rec: dict, block_size: int, where: str) -> RequestLog:
         acc = np.asarray(rec["accepted_drafts"], np.int64)
         z = rec.get("confidence_logits")
         # No confidence head: the engine's confidences are all ones (logit +inf, clipped here).
-        z = np.full((len(acc), block_size), NO_HEAD_LOGIT) if z is None else np.asarray(z, np.float64)
+        z = (np.full((len(acc), block_size), NO_HEAD_LOGIT) if z is None
+             else np.asarray(z, np.float64))
         prop = np.asarray(rec["proposal_lengths"], np.int64)
         n_out = len(rec["output_ids"])
     except (KeyError, TypeError, ValueError):
@@ -183,7 +186,7 @@ def policy_for(spec: str, table_obj: dict | None, token_table=None):
     """The policy ``spec`` as the engine runs it: ``scheduler`` plans with the round table
     (``table_obj``), ``scheduler-async`` with a token table."""
     from dspark_jax.decode.policies import parse_policy
-    from dspark_jax.decode.scheduler import RoundTable
+    from dspark_jax.decode.tables import RoundTable
 
     name = spec.partition(":")[0]
     if name == "scheduler":
@@ -266,7 +269,8 @@ def served_row(served: Served, speculative: bool) -> dict:
     pu = served.per_user
     return dict(throughput=float(served.tokens.sum() / served.seconds),
                 per_user_tokens_per_second=float(pu.mean()),
-                per_user_p50=float(np.percentile(pu, 50)), per_user_p90=float(np.percentile(pu, 90)),
+                per_user_p50=float(np.percentile(pu, 50)),
+                per_user_p90=float(np.percentile(pu, 90)),
                 tau=float(np.mean(served.round_tokens)) if speculative else 1.0,
                 verification_budget=float(np.mean(served.round_budget)) if speculative else 1.0,
                 ttft_s=float(served.ttft.mean()), output_tokens=int(served.tokens.sum()),

@@ -9,7 +9,8 @@ from typing import Sequence
 
 # (header, row key, width, format); text columns left-aligned.
 COLUMNS = (("curve", "curve", 24, "s"), ("source", "source", 9, "s"), ("C", "concurrency", 4, "d"),
-           ("tok/s", "throughput", 9, ".1f"), ("user tok/s", "per_user_tokens_per_second", 10, ".1f"),
+           ("tok/s", "throughput", 9, ".1f"),
+           ("user tok/s", "per_user_tokens_per_second", 10, ".1f"),
            ("p50", "per_user_p50", 8, ".1f"), ("p90", "per_user_p90", 8, ".1f"),
            ("tau", "tau", 5, ".2f"), ("budget", "verification_budget", 6, ".2f"),
            ("TTFT s", "ttft_s", 7, ".3f"), ("compiles", "timed_compiles", 8, "d"))
@@ -42,8 +43,9 @@ def sla_lines(report: dict) -> list[str]:
         if name == report["baseline"]:
             continue
         for s in c["sla"]:
-            lines.append(f"  {name}: at {s['per_user']:g} tok/s/user throughput {num(s['throughput'])} "
-                         f"vs {num(s['baseline'])} tok/s ({pct(s['gain'])})")
+            lines.append(f"  {name}: at {s['per_user']:g} tok/s/user "
+                         f"throughput {num(s['throughput'])} vs {num(s['baseline'])} tok/s "
+                         f"({pct(s['gain'])})")
         for m in c["matched"]:
             lines.append(f"  {name}: at {m['throughput']:.1f} tok/s aggregate per-user "
                          f"{num(m['per_user'])} vs {num(m['baseline'])} tok/s ({pct(m['gain'])})")
@@ -79,7 +81,8 @@ def _curves(rows):
 
 
 def _style(source: str) -> dict:
-    return dict(linestyle="-" if source == "measured" else "--", marker="o" if source == "measured" else "s")
+    measured = source == "measured"
+    return dict(linestyle="-" if measured else "--", marker="o" if measured else "s")
 
 
 def plot_frontier(rows: Sequence[dict], path: Path, title: str) -> Path | None:

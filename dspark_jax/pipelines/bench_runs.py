@@ -21,7 +21,8 @@ def measure(target: Path, drafters: Sequence[I.Drafter], specs, concs, curves, m
     RequestLogs}), AR output lengths per prompt and token tables for scheduler-async."""
     import jax
 
-    from dspark_jax.convert.checkpoint import default_stop_ids, load_draft, load_target, sts_temperatures
+    from dspark_jax.convert.checkpoint import default_stop_ids, load_draft, load_target
+    from dspark_jax.convert.formats import sts_temperatures
     from dspark_jax.decode import engine, profile
     from dspark_jax.decode.policies import FullPolicy
     from dspark_jax.pipelines.bench_project import policy_for
@@ -52,8 +53,8 @@ def measure(target: Path, drafters: Sequence[I.Drafter], specs, concs, curves, m
         res = engine.serve(*pair, prompts, max_new_tokens=max_new, policy=FullPolicy(),
                            slots=min(max(concs), len(prompts)), stop_token_ids=stops,
                            confidence_temperatures=temps)
-        logs[d.name] = write_logs(Path(out) / "logs" / f"{d.name}.jsonl" if out is not None else None,
-                                  d, res, pair[2].block_size)
+        log_path = Path(out) / "logs" / f"{d.name}.jsonl" if out is not None else None
+        logs[d.name] = write_logs(log_path, d, res, pair[2].block_size)
         if any(s.startswith("scheduler-async") for s in specs):
             g = pair[2].block_size
             token_tables[d.name] = profile.measure_sps(
@@ -71,7 +72,8 @@ def measure(target: Path, drafters: Sequence[I.Drafter], specs, concs, curves, m
             if d is None:
                 ar_lengths.update({i: len(r.output_ids) for i, r in zip(idx, res)})
             row = dict(curve=curve, drafter=d.name if d else I.AR, verify=spec, concurrency=c,
-                       source="measured", requests=len(idx), **M.measured_row(res, st, d is not None))
+                       source="measured", requests=len(idx),
+                       **M.measured_row(res, st, d is not None))
             rows.append(row)
             printer(f"  {curve} C={c}: {row['throughput']:.1f} tok/s, "
                     f"{row['per_user_tokens_per_second']:.1f} tok/s/user, "
@@ -102,7 +104,8 @@ def load_prompts(target, prompts_file, datasets, max_prompts: int, max_prompt_to
 
         names = datasets or default_datasets(target)
         if tok is None:
-            raise InputError(f"--datasets needs a tokenizer in --target {str(target)!r}; give --prompts")
+            raise InputError(f"--datasets needs a tokenizer in --target {str(target)!r}; "
+                             "give --prompts")
         ds = load_datasets(names, max_samples=max_prompts)
         ids = [encode(p.text) for ps in ds.values() for p in ps]
         source = f"datasets {','.join(ds)}"
@@ -112,7 +115,8 @@ def load_prompts(target, prompts_file, datasets, max_prompts: int, max_prompt_to
     return ids, source
 
 
-def write_logs(path: Path | None, drafter: I.Drafter, results, block_size: int) -> list[P.RequestLog]:
+def write_logs(path: Path | None, drafter: I.Drafter, results,
+               block_size: int) -> list[P.RequestLog]:
     """Write ``results`` (full verification) as a bench log and return their RequestLogs."""
     lines = []
     for r in results:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from dspark_jax import hardware
+from dspark_jax.costs import hardware
 from dspark_jax.pipelines import plan as plan_lib
 
 
@@ -24,7 +24,7 @@ def compiled_round_table(draft_cfg, target_cfg, mesh, hw, batches: Sequence[int]
     ``hardware.Hardware``) at slot counts ``batches`` and cache capacity ``max_len``."""
     from dspark_jax.decode import shapes
     from dspark_jax.decode.policies import FixedPolicy
-    from dspark_jax.decode.scheduler import ROUND_FORMAT
+    from dspark_jax.decode.tables import ROUND_FORMAT
     from dspark_jax.pipelines.bench_inputs import model_signature
 
     g = draft_cfg.block_size
@@ -58,7 +58,7 @@ def _seconds(plan, hw, programs: list, name: str, batch: int, width, sizes: dict
                      "fits": hardware.fits(plan.peak_bytes, hw.chip),
                      "collectives": plan.collectives, "kv_cache_bytes": sizes.get("kv_cache_bytes"),
                      "compile_seconds": plan.compile_seconds})
-    log(f"{name} B={batch}" + (f" w={width}" if width else "") + f": {1e3 * proj['seconds']:.3f} ms "
-        f"({proj['bound']}-bound), peak {plan.peak_bytes / 2**30:.2f} GiB/chip, compiled in "
-        f"{plan.compile_seconds:.0f} s")
+    log(f"{name} B={batch}" + (f" w={width}" if width else "")
+        + f": {1e3 * proj['seconds']:.3f} ms ({proj['bound']}-bound), "
+        f"peak {plan.peak_bytes / 2**30:.2f} GiB/chip, compiled in {plan.compile_seconds:.0f} s")
     return proj["seconds"]

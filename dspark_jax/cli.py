@@ -15,7 +15,7 @@ from dspark_jax.errors import DSparkError, os_error_line
 # Subcommand modules, in the order --help lists them.
 COMMANDS = (
     "demo", "convert", "generate", "train", "cache", "eval", "calibrate", "profile_sps", "plan",
-    "export", "inspect", "data",
+    "bench", "export", "inspect", "data",
 )
 
 

@@ -74,6 +74,13 @@ def register(sub) -> None:
     p.add_argument("--shard-activations", default=None, action=argparse.BooleanOptionalAction,
                    help="pin train-step activations batch-sharded so fsdp weights are all-gathered "
                         "instead of whole-batch activations all-reduced (default: the config's value, else off)")
+    p.add_argument("--round-table", default=None, metavar="FILE",
+                   help="with --hardware and a drafter: instead of --modes, compile the AR step and the "
+                        "decode round at every verification width for each --decode-batches slot count "
+                        "and write a round table (rounds/s = 1 / max(bytes / bandwidth, flops / peak) "
+                        "per program on one chip; projected) that `bench --round-table` reads")
+    p.add_argument("--decode-batches", default="1,8,64", metavar="LIST",
+                   help="slot counts of --round-table (default 1,8,64)")
     p.add_argument("--json", dest="json_out", default=None, metavar="FILE",
                    help="also write the plan as JSON to this file (refused if it exists unless --force)")
     p.add_argument("--force", action="store_true", help="overwrite the --json file")
@@ -218,6 +225,15 @@ def _check_args(args) -> None:
     if args.json_out:
         check_output(args.json_out, force=args.force, flag="--json",
                      inputs={"--config": args.config})
+    if args.round_table:
+        if not args.hardware:
+            raise InputError("--round-table compiles for a chip: give --hardware CHIP:GRID")
+        if args.kind is None and args.config is None:
+            raise InputError("--round-table needs a drafter (--kind or a --config with one)")
+        check_output(args.round_table, force=args.force, flag="--round-table",
+                     inputs={"--config": args.config})
+        from dspark_jax.pipelines.bench_inputs import parse_ints
+        parse_ints(args.decode_batches, "--decode-batches")
 
 
 def _modes(args, draft_cfg, target_cfg) -> list[str]:
@@ -247,6 +263,24 @@ def _taps(args, target_cfg) -> tuple[int, ...]:
     return presets.target_layer_ids(args.target) or (target_cfg.num_hidden_layers - 1,)
 
 
+def _round_table(args, hw, mesh, draft_cfg, target_cfg, dtype) -> int:
+    """``--round-table``: the compiled round table (``pipelines.plan_rounds``), written atomically."""
+    import json
+
+    from dspark_jax.fileio import write_json
+    from dspark_jax.pipelines.bench_inputs import parse_ints
+    from dspark_jax.pipelines.plan_rounds import compiled_round_table
+
+    table = compiled_round_table(draft_cfg, target_cfg, mesh, hw,
+                                 parse_ints(args.decode_batches, "--decode-batches"),
+                                 max_len=args.decode_len, dtype=dtype,
+                                 log=lambda s: print(s, file=sys.stderr, flush=True))
+    write_json(args.round_table, table, force=args.force)
+    print(json.dumps({"out": args.round_table, "batch_sizes": table["batch_sizes"],
+                      "widths": table["widths"], "rps": table["rps"], "ar_rps": table["ar_rps"]}))
+    return 0
+
+
 def run(args) -> int:
     from dspark_jax.errors import InputError
 
@@ -269,6 +303,8 @@ def run(args) -> int:
         if -1 not in sizes.values() and math.prod(sizes.values()) != hw.num_devices:
             mesh_spec = None  # the config's mesh is for another device count: fsdp over the chips
     mesh = _mesh(args, mesh_spec, devices)
+    if args.round_table:
+        return _round_table(args, hw, mesh, draft_cfg, target_cfg, plan_lib.compute_dtype(tcfg))
     modes = _modes(args, draft_cfg, target_cfg)
     micro = args.micro_batch or mesh.shape["data"] * mesh.shape["fsdp"]
     report = plan_lib.target_param_report(target_cfg)

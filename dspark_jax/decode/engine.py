@@ -44,7 +44,7 @@ from dspark_jax.decode.shapes import MIN_PROMPT_BUCKET, bucket_of, compiled_span
 from dspark_jax.decode.state import DecodeStatic, empty_state
 
 
-def serve(
+def open_stream(
     target_cfg,
     target_params: dict,
     draft_cfg,
@@ -61,23 +61,20 @@ def serve(
     max_cache_len: int | None = None,
     mesh=None,
     order: Sequence[int] | None = None,
-    max_rounds_per_chunk: int = 1 << 20,
-    progress: Callable[[int], None] | None = None,
-    stats: dict | None = None,
     request_keys=None,
     on_result: Callable[[int, StreamResult], None] | None = None,
     top_p: float = 1.0,
     cache_spans: Sequence[int] | None = None,
     slots_flag: str = "--batch-size",
-) -> list[StreamResult]:
-    """Serve ``prompts`` through ``slots`` rows with continuous batching; results in input order.
+) -> tuple["_Stream", list[int]]:
+    """The validated stream of ``serve`` (its programs, params placed, the empty state) and the
+    arrival order; nothing compiled yet (profilers time its pieces: ``_insert``, ``chunk``).
 
     ``draft_cfg`` None: the autoregressive baseline. ``max_new_tokens``: one budget or one per
-    prompt. ``order``: arrival order (default input order). ``stats`` (a dict) receives
-    ``seconds``, ``output_tokens``, ``tokens_per_second``, ``chunks``, ``prefills``, ``buckets``.
-    ``request_keys`` (optional, ``uint32 [N, 2]``, one PRNG key per prompt): request i samples
-    from its own key only (per-row keys in the state), so its output does not depend on
-    ``slots``, ``order`` or the other requests; default: one shared key per step (as before).
+    prompt. ``order``: arrival order (default input order). ``request_keys`` (optional,
+    ``uint32 [N, 2]``, one PRNG key per prompt): request i samples from its own key only
+    (per-row keys in the state), so its output does not depend on ``slots``, ``order`` or the
+    other requests; default: one shared key per step.
     ``on_result(i, result)`` is called as request i finishes. ``top_p`` < 1: nucleus sampling
     (autoregressive only). ``cache_spans``: the compiled attention spans over the cache
     (``shapes.compiled_spans``; the longest live row picks one). ``slots_flag``: the caller's flag
@@ -118,6 +115,20 @@ def serve(
                      stops, prog.replicate(stop_arr),
                      prog.replicate(jnp.float32(max(float(temperature), sampling.GREEDY_EPS))),
                      slots, max_len, seed, request_keys, on_result)
+    return stream, order
+
+
+def serve(target_cfg, target_params: dict, draft_cfg, draft_params: dict | None,
+          prompts: Sequence[Sequence[int]], *, max_rounds_per_chunk: int = 1 << 20,
+          progress: Callable[[int], None] | None = None, stats: dict | None = None,
+          **kw) -> list[StreamResult]:
+    """Serve ``prompts`` through ``slots`` rows with continuous batching; results in input order.
+
+    Keyword arguments: those of ``open_stream``. ``stats`` (a dict) receives ``seconds``,
+    ``output_tokens``, ``tokens_per_second``, ``chunks``, ``prefills``, ``buckets``.
+    Raises ConfigError / InputError before compiling anything.
+    """
+    stream, order = open_stream(target_cfg, target_params, draft_cfg, draft_params, prompts, **kw)
     results = stream.run(order, max_rounds_per_chunk, progress)
     if stats is not None:
         stats.update(stream.stats(results))

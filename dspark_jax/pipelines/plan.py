@@ -280,7 +280,8 @@ def sharding_summary(tree) -> dict[str, str]:
 
 def plan_decode_round(draft_cfg: DraftConfig | None, target_cfg: TargetConfig, mesh: Mesh, *, batch: int,
                       max_len: int, dtype=jnp.bfloat16, max_new_tokens: int = 1024,
-                      spans: tuple[int, ...] | None = None, per_layer: bool | None = None) -> tuple[ProgramPlan, dict]:
+                      spans: tuple[int, ...] | None = None, per_layer: bool | None = None,
+                      policy=None) -> tuple[ProgramPlan, dict]:
     """Compile one speculative decode round (draft, Markov sampling, verify, commit) on ``mesh``
     for abstract state: the very jitted round (``spec.step``) of ``decode.build_decode(mesh)`` that
     ``generate --mesh`` runs, with params and state placed by their declared logical axes.
@@ -289,7 +290,8 @@ def plan_decode_round(draft_cfg: DraftConfig | None, target_cfg: TargetConfig, m
     ``per_layer``: the target's layer weights as separate per-layer buffers
     (``params.unstack_layers``; the target forward then loops over layers unrolled), or stacked
     (False); default: as ``generate`` places them on the mesh's platform (per-layer on GPUs,
-    ``DecodeProgram.platform_layers``)."""
+    ``DecodeProgram.platform_layers``). ``policy``: the round's verification policy (default full:
+    width G+1; ``FixedPolicy(w - 1)`` compiles the round at width w)."""
     import types
 
     from dspark_jax.decode import programs, shapes
@@ -323,7 +325,8 @@ def plan_decode_round(draft_cfg: DraftConfig | None, target_cfg: TargetConfig, m
         d_abs, _ = families.abstract_params(draft_cfg, mesh, dtype, prog.rules)
         if per_layer is None:
             d_abs = prog.platform_layers(d_abs, draft_cfg)  # per-layer drafter layers on GPUs
-        static = DecodeStatic(target_cfg, draft_cfg, FullPolicy(), False, max_new_tokens, spans=spans)
+        static = DecodeStatic(target_cfg, draft_cfg, policy or FullPolicy(), False, max_new_tokens,
+                              spans=spans)
         state_shapes = programs.abstract_decode_state(t_abs, d_abs, static, batch, max_len)
         args = (t_abs, d_abs, abstract(state_shapes, prog.state_sharding(state_shapes)), *temp_stop,
                 jax.ShapeDtypeStruct((draft_cfg.block_size,), jnp.float32, sharding=rep))

@@ -1,0 +1,209 @@
+"""`dspark-jax bench`: the replay clock, the frontier / SLA reading, bad input, and a smoke run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dspark_jax import cli
+from dspark_jax.decode.policies import FixedPolicy, FullPolicy
+from dspark_jax.errors import InputError
+from dspark_jax.pipelines import bench_project as P
+
+FIXTURE = Path(__file__).parent / "fixtures" / "dspark_qwen3_tiny"
+
+
+def _costs(rps_ar=100.0, round_rps=((50.0, 40.0),), widths=(2, 4), request=None, batch=(1,)):
+    obj = {"batch_sizes": list(batch), "widths": list(widths), "rps": [list(r) for r in round_rps],
+           "ar_rps": [rps_ar] * len(batch)}
+    if request is not None:
+        obj["request_seconds"] = obj["ar_request_seconds"] = [request] * len(batch)
+    return P.costs_from_json(obj, "test table")
+
+
+def _log(accepted, g, length):
+    rec = {"output_ids": [0] * length, "confidence_logits": [[0.0] * g for _ in accepted],
+           "accepted_drafts": list(accepted), "proposal_lengths": [g] * len(accepted)}
+    return P.request_log(rec, g, "test")
+
+
+def test_ar_replay_is_the_engine_clock():
+    # 4 requests of 5 tokens through 2 slots: the first token comes from the prefill, then 4
+    # steps per wave, 2 waves; a request pays 0.01 s on entry.
+    costs = _costs(rps_ar=100.0, request=0.01, batch=(1, 2), round_rps=((50.0, 40.0),) * 2)
+    s = P.project([5, 5, 5, 5], 2, costs)
+    assert s.seconds == pytest.approx(2 * (2 * 0.01 + 4 / 100.0))
+    row = P.served_row(s, speculative=False)
+    assert row["throughput"] == pytest.approx(20 / s.seconds)
+    assert row["per_user_tokens_per_second"] == pytest.approx(
+        np.mean([5 / 0.05, 5 / 0.06, 5 / 0.05, 5 / 0.06]))
+    assert row["tau"] == 1.0 and row["verification_budget"] == 1.0
+
+
+def test_speculative_replay_charges_the_policy_width():
+    # G = 3, every round accepts 2 drafts: full verification (width 4) emits 3 per round at
+    # 40 rounds/s; fixed:1 (width 2) emits 2 per round at 50 rounds/s.
+    log = _log([2] * 10, 3, 13)
+    full = P.served_row(P.project([log], 1, _costs(), policy=FullPolicy(), block_size=3), True)
+    assert full["tau"] == pytest.approx(3.0) and full["verification_budget"] == 4.0
+    assert full["seconds"] == pytest.approx(4 / 40.0)  # 12 tokens after the prefill
+    one = P.served_row(P.project([log], 1, _costs(), policy=FixedPolicy(1), block_size=3), True)
+    assert one["tau"] == pytest.approx(2.0) and one["verification_budget"] == 2.0
+    assert one["seconds"] == pytest.approx(6 / 50.0)
+
+
+def test_logs_of_another_drafter_or_policy_are_refused():
+    rec = {"output_ids": [1, 2], "confidence_logits": [[0.0] * 4], "accepted_drafts": [1],
+           "proposal_lengths": [4]}
+    with pytest.raises(InputError, match="another drafter"):
+        P.request_log(rec, 7, "f:1")
+    with pytest.raises(InputError, match="verify full"):
+        P.request_log(dict(rec, proposal_lengths=[2]), 4, "f:1")
+
+
+def test_frontier_and_sla_read_between_points():
+    base = [dict(per_user_tokens_per_second=x, throughput=y) for x, y in ((100, 100), (50, 400))]
+    fast = [dict(per_user_tokens_per_second=x, throughput=y) for x, y in ((200, 200), (100, 800))]
+    front = P.frontier([(1, 1), (2, 0.5), (0.5, 0.5)])
+    assert front.tolist() == [[1.0, 1.0], [2.0, 0.5]]   # (0.5, 0.5) is dominated
+    rep = P.sla_report({"ar": base, "x": fast}, "ar", [100.0, 75.0])
+    sla = rep["curves"]["x"]["sla"]
+    assert sla[0]["throughput"] == pytest.approx(800) and sla[0]["gain"] == pytest.approx(7.0)
+    assert sla[1]["throughput"] is None            # below x's slowest point: not extrapolated
+    matched = {m["throughput"]: m for m in rep["curves"]["x"]["matched"]}
+    assert matched[400.0]["per_user"] == pytest.approx(
+        np.exp(np.interp(np.log(400), np.log([200, 800]), np.log([200, 100]))))
+
+
+def _write(path: Path, obj) -> str:
+    path.write_text(json.dumps(obj))
+    return str(path)
+
+
+def _run(argv, capsys):
+    code = cli.main(["bench"] + argv)
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--verify", "full,bogus"], "unknown verification policy"),
+    (["--concurrency", "0,2"], "--concurrency"),
+    (["--baseline", "nope"], "--baseline"),
+])
+def test_bad_flags_one_line_exit_2(extra, needle, capsys):
+    code, err = _run(["--target", str(FIXTURE / "target"), "--draft", str(FIXTURE / "draft")]
+                     + extra, capsys)
+    assert code == 2 and len(err) == 1 and needle in err[0], err
+
+
+def test_bad_round_tables_and_logs_one_line_exit_2(tmp_path, capsys):
+    target, draft = str(FIXTURE / "target"), str(FIXTURE / "draft")
+    good = {"batch_sizes": [1], "widths": [1, 2, 4, 8], "rps": [[4.0, 3.0, 2.0, 1.0]],
+            "block_size": 7,
+            "model": {"num_hidden_layers": 6, "hidden_size": 64, "vocab_size": 512}}
+    log = {"drafter": "x", "draft_fingerprint": "0123456789abcdef", "output_ids": [1],
+           "confidence_logits": [[0.0] * 7], "accepted_drafts": [0], "proposal_lengths": [7]}
+    logs = tmp_path / "logs.jsonl"
+    logs.write_text(json.dumps(log) + "\n")
+    cases = [
+        (dict(good, model=dict(good["model"], hidden_size=4096)), "another target"),
+        (dict(good, widths=[1, 2, 4]), "width set"),
+        (good, "logs of another drafter"),
+    ]
+    for i, (table, needle) in enumerate(cases):
+        code, err = _run(["--target", target, "--draft", draft, "--round-table",
+                          _write(tmp_path / f"t{i}.json", table), "--logs", str(logs)], capsys)
+        assert code == 2 and len(err) == 1 and needle in err[0], err
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """One measured bench of the tiny pair: AR and full verification at C = 1, 2."""
+    from dspark_jax.pipelines.bench import bench
+
+    tmp = tmp_path_factory.mktemp("bench")
+    prompts = json.loads((FIXTURE / "decode_greedy.json").read_text())["prompts"][:4]
+    (tmp / "p.jsonl").write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in prompts))
+    lines = []
+    report = bench(FIXTURE / "target", [f"tiny={FIXTURE / 'draft'}"], prompts=tmp / "p.jsonl",
+                   verify="full", concurrency="1,2", max_new_tokens=8, min_requests=4,
+                   requests_per_slot=2, quick=True, out=tmp / "out", printer=lines.append)
+    return tmp, report, lines
+
+
+@pytest.mark.slow
+def test_smoke_measured_and_projected(smoke, capsys):
+    tmp, report, lines = smoke
+    rows = report["rows"]
+    keys = {(r["curve"], r["source"], r["concurrency"]) for r in rows}
+    assert keys == {(c, s, n) for c in ("ar", "tiny/full") for s in ("measured", "projected")
+                    for n in (1, 2)}
+    for r in rows:
+        assert r["throughput"] > 0 and r["per_user_tokens_per_second"] > 0
+        assert r["drafter"] in ("ar", "tiny") and r["verify"] in (None, "full")
+        if r["source"] == "measured":
+            assert r["timed_compiles"] == 0
+        else:
+            assert "round table" in r["cost_source"] and r["acceptance_source"]
+    spec = [r for r in rows if r["curve"] == "tiny/full"]
+    assert all(r["verification_budget"] == 8.0 and 1.0 <= r["tau"] <= 8.0 for r in spec)
+    out = tmp / "out"
+    for name in ("bench.json", "table.txt", "frontier.png", "budget.png",
+                 "round_tables/tiny.json", "logs/tiny.jsonl"):
+        assert (out / name).is_file(), name
+    assert len(report["agreement"]) == 4
+    # Projected mode from the files the measured run wrote: no model runs, same replay.
+    code = cli.main(["bench", "--target", str(FIXTURE / "target"),
+                     "--draft", f"tiny={FIXTURE / 'draft'}",
+                     "--round-table", str(out / "round_tables/tiny.json"),
+                     "--logs", str(out / "logs/tiny.jsonl"), "--concurrency", "1,2",
+                     "--min-requests", "4",
+                     "--compare", str(out / "bench.json"), "--out", str(tmp / "proj")])
+    assert code == 0
+    proj = json.loads((tmp / "proj" / "bench.json").read_text())
+    assert proj["mode"] == "projected" and len(proj["agreement"]) == 4
+    again = {(r["curve"], r["concurrency"]): r["throughput"] for r in proj["rows"]
+             if r["source"] == "projected"}
+    first = {(r["curve"], r["concurrency"]): r["throughput"] for r in rows
+             if r["source"] == "projected"}
+    assert again == pytest.approx(first)
+    # A second run into the same --out is refused without --force.
+    code = cli.main(["bench", "--target", str(FIXTURE / "target"), "--round-table",
+                     str(out / "round_tables/ar.json"), "--out", str(tmp / "proj")])
+    assert code == 2 and "already holds a bench" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_round_table_compiled_for_a_chip_feeds_the_projection():
+    """plan --round-table's table (tiny pair, one CPU device, H200's roofline numbers): one AR
+    step and one round per width, rounds/s = 1 / max(bytes / bandwidth, flops / peak); wider
+    rounds never cost less, and the projection reads it."""
+    import jax
+    import jax.numpy as jnp
+
+    from dspark_jax import sharding
+    from dspark_jax.convert.checkpoint import load_draft, load_target
+    from dspark_jax.costs import hardware
+    from dspark_jax.pipelines.plan_rounds import compiled_round_table
+
+    tc, _ = load_target(FIXTURE / "target")
+    dc, _ = load_draft(FIXTURE / "draft")
+    dc = dc.replace(block_size=3)  # widths 1, 2, 4: three round programs
+    mesh = sharding.make_mesh("data=1", jax.devices()[:1])
+    hw = hardware.parse("h200:1")
+    table = compiled_round_table(dc, tc, mesh, hw, [2], max_len=64, dtype=jnp.float32,
+                                 log=lambda s: None)
+    assert table["widths"] == [1, 2, 4] and table["block_size"] == 3
+    rps = table["rps"][0]
+    assert all(a >= b for a, b in zip(rps, rps[1:])) and table["ar_rps"][0] > rps[-1]
+    progs = table["programs"]
+    assert [p["width"] for p in progs] == [None, 1, 2, 4]
+    for p, r in zip(progs[1:], rps):
+        want = max(p["step_bytes"] / hw.chip.bandwidth, p["step_flops"] / hw.chip.peak_flops)
+        assert 1.0 / r == pytest.approx(want)
+    costs = P.costs_from_json(table, "compiled")
+    served = P.project([_log([3] * 2, 3, 9)], 2, costs, policy=FullPolicy(), block_size=3)
+    assert served.seconds == pytest.approx(2 / rps[-1])

@@ -33,7 +33,7 @@ from dspark_jax.draft import gemma4 as draft_gemma4
 from dspark_jax.draft import model as draft_model
 from dspark_jax.errors import CheckpointError, ConfigError
 from dspark_jax.params import Family
-from dspark_jax.target import deepseek_v4, gemma4, qwen3
+from dspark_jax.target import deepseek_v4, deepseek_v41, gemma4, qwen3
 
 _BUILTIN: tuple[Family, ...] = (
     qwen3.FAMILY,
@@ -42,6 +42,7 @@ _BUILTIN: tuple[Family, ...] = (
     draft_gemma4.FAMILY,
     deepseek_v4.FAMILY,
     draft_deepseek_v4.FAMILY,  # V4's in-checkpoint DSpark module (mtp.*)
+    deepseek_v41.FAMILY,
 )
 
 FAMILIES: dict[str, Family] = {}

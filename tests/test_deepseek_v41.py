@@ -176,6 +176,7 @@ def test_prefix_logits_do_not_depend_on_later_tokens(noqat_run):
     assert np.abs(other[:, 91:] - np.asarray(logits)[:, 91:]).max() > 1e-2
 
 
+@pytest.mark.slow
 def test_forward_with_quantizers_matches_within_the_reference_spread(loaded):
     """With the fake quantizers a float-noise rounding flip moves later logits (golden README), so
     a position agrees within 1e-4 + its own spread under a 1e-6 weight perturbation; nearly all

@@ -65,13 +65,12 @@ def latent(cfg: DeepseekV41Config, params: dict, i: int, x: jax.Array) -> jax.Ar
     return rms_norm(pooled.astype(x.dtype), kp["norm"], cfg.rms_norm_eps)
 
 
-def source_outputs(cfg, params, i: int, lat: jax.Array, first: jax.Array | int = 0):
-    """(entries [B, T, D], index keys [B, T, d_i]) of KV source ``i``'s latents [B, T, D], the
-    first at position ``first`` (entry t at ``first + ratio * t``; ``first`` scalar or [B])."""
-    ratio = cfg.compress_ratios[i]
+def source_outputs(cfg, params, i: int, lat: jax.Array, positions: jax.Array):
+    """(entries [B, T, D], index keys [B, T, d_i]) of KV source ``i``'s latents [B, T, D] whose
+    groups start at ``positions`` ([T] or [B, T]): rotated there (compress rope), then stored-
+    quantized; the keys are k_norm(wk(latent)), rotated, indexer-quantized."""
     kp = _take(params["kv_source"], cfg.kv_source_layer_ids.index(i))
-    pos = jnp.asarray(first)[..., None] + ratio * jnp.arange(lat.shape[1])
-    cos, sin = v4.rope_table(cfg, pos, compressed=True)
+    cos, sin = v4.rope_table(cfg, positions, compressed=True)
     keys = rms_norm(lat @ kp["index_wk"], kp["index_k_norm"], cfg.rms_norm_eps)
     keys = qat.indexer(cfg, v4.apply_rope(keys, cos, sin))
     return qat.entries(cfg, v4.apply_rope(lat, cos, sin)), keys
@@ -145,7 +144,9 @@ def attention(cfg, params, lp: dict, i: int, x: jax.Array, positions: jax.Array,
     mask = jnp.broadcast_to(((rel >= 0) & (rel < cfg.sliding_window))[None], (b, s, s))
     if ratio:
         if i in cfg.kv_source_layer_ids:
-            shared["entries"], shared["index_keys"] = source_outputs(cfg, params, i, latent(cfg, params, i, x))
+            lat = latent(cfg, params, i, x)
+            shared["entries"], shared["index_keys"] = source_outputs(cfg, params, i, lat,
+                                                                     ratio * jnp.arange(lat.shape[1]))
         if i in cfg.index_source_layer_ids:
             select(cfg, params, i, x, q_residual, positions, shared, cos, sin)
         kv = jnp.concatenate([kv, shared["entries"].astype(kv.dtype)], axis=1)
@@ -199,11 +200,29 @@ def tap_key(tap) -> tuple[str, int]:
     raise ValueError(f"unknown DeepSeek-V4.1 tap {tap!r}: a layer id or ('attn_in', layer id)")
 
 
+def layer(cfg, params, i: int, streams, pre, hashes, want: set, tapped: dict, attend_fn, ctx: Any = None):
+    """Layer ``i`` (Engram, then the block with ``attend_fn(normed x, lp, i)``), recording the
+    wanted taps (``tap_key``) in ``tapped``: (streams, pre_out)."""
+    dtype = streams.dtype
+    if ("attn_in", i) in want:
+        tapped[("attn_in", i)] = streams.astype(jnp.float32).mean(axis=2).astype(dtype)
+    if i in cfg.engram_layer_ids:
+        k = cfg.engram_layer_ids.index(i)
+        streams = engram_lib.inject(cfg, _take(params["engram"], k), params["engram_table"][str(k)], streams,
+                                    hashes[:, :, k])
+    lp = _take(params["layers"], i)
+    streams, pre = block(cfg, lp, streams, pre, lambda h: attend_fn(h, lp, i), ctx)
+    if ("out", i) in want:
+        tapped[("out", i)] = streams.astype(jnp.float32).mean(axis=2).astype(dtype)
+    return streams, pre
+
+
 def forward(params: dict, cfg: DeepseekV41Config, tokens: jax.Array, cache=None, *, ctx: Any = None,
             taps: Sequence = (), span=None):
-    """The runtime protocol's forward (whole sequence; ``cache`` must be None here): tokens [B, S]
-    -> (hidden [B,S,H] after the final collapse and norm, features [B, S, len(taps) * H] (each tap
-    the mean over the N streams, ``tap_key``) or None, None)."""
+    """The runtime protocol's forward: tokens [B, T] -> (hidden [B,T,H] after the final collapse
+    and norm, features [B, T, len(taps) * H] (each tap the mean over the N streams, ``tap_key``) or
+    None, delta). Without ``cache``: a causal pass over positions 0..T-1, delta None; with one:
+    ``cache.forward_cached`` (the ``V41Delta`` of the T tokens)."""
     if cache is not None:
         from dspark_jax.target.deepseek_v41 import cache as cache_lib
         return cache_lib.forward_cached(params, cfg, tokens, cache, ctx=ctx, taps=taps, span=span)
@@ -217,17 +236,8 @@ def forward(params: dict, cfg: DeepseekV41Config, tokens: jax.Array, cache=None,
     want = {tap_key(t) for t in taps}
     tapped, shared = {}, {}
     for i in range(cfg.num_hidden_layers):
-        if ("attn_in", i) in want:
-            tapped[("attn_in", i)] = streams.astype(jnp.float32).mean(axis=2).astype(dtype)
-        if i in cfg.engram_layer_ids:
-            k = cfg.engram_layer_ids.index(i)
-            streams = engram_lib.inject(cfg, _take(params["engram"], k), params["engram_table"][str(k)],
-                                        streams, hashes[:, :, k])
-        lp = _take(params["layers"], i)
-        streams, pre = block(cfg, lp, streams, pre,
-                             lambda h, lp=lp, i=i: attention(cfg, params, lp, i, h, positions, shared), ctx)
-        if ("out", i) in want:
-            tapped[("out", i)] = streams.astype(jnp.float32).mean(axis=2).astype(dtype)
+        streams, pre = layer(cfg, params, i, streams, pre, hashes, want, tapped,
+                             lambda h, lp, i: attention(cfg, params, lp, i, h, positions, shared), ctx)
     hidden = rms_norm(v4.collapse(pre, streams), params["norm"], cfg.rms_norm_eps)
     features = jnp.concatenate([tapped[tap_key(t)] for t in taps], axis=-1) if taps else None
     return hidden, features, None

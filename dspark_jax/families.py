@@ -29,6 +29,7 @@ from typing import Any, Mapping
 
 from dspark_jax import params as params_lib
 from dspark_jax.draft import deepseek_v4 as draft_deepseek_v4
+from dspark_jax.draft import deepseek_v41 as draft_deepseek_v41
 from dspark_jax.draft import gemma4 as draft_gemma4
 from dspark_jax.draft import model as draft_model
 from dspark_jax.errors import CheckpointError, ConfigError
@@ -43,6 +44,7 @@ _BUILTIN: tuple[Family, ...] = (
     deepseek_v4.FAMILY,
     draft_deepseek_v4.FAMILY,  # V4's in-checkpoint DSpark module (mtp.*)
     deepseek_v41.FAMILY,
+    draft_deepseek_v41.FAMILY,  # V4.1's in-checkpoint DSpark module (mtp.*, attention-input taps)
 )
 
 FAMILIES: dict[str, Family] = {}

@@ -189,3 +189,20 @@ def test_forward_with_quantizers_matches_within_the_reference_spread(loaded):
     assert within.mean() >= 0.95, (err.max(), np.argwhere(~within)[:10])
     assert err[:, :20].max() < 1e-4  # before any flip can build up
     assert (logits.argmax(-1) == ref["logits"].argmax(-1)).mean() >= 0.95
+
+
+def test_dspark_taps_are_attention_inputs(noqat_run):
+    """The features the V4.1 DSpark module asks the target for (its ``target_layer_ids``) are the
+    stream means ENTERING layers 5, 6, 7 (dspark_round_noqat.npz's taps, prompt 0 = row 0's first
+    60 tokens); read at those layers' outputs they would differ by ~0.8: this test then fails."""
+    from dspark_jax.draft.deepseek_v41 import DeepseekV41DSparkConfig
+    cfg, _, taps, (_, _, features) = noqat_run
+    dcfg = DeepseekV41DSparkConfig.from_hf(_hf("target"))
+    by_tap = {t: np.asarray(features)[0, :, k * 64:(k + 1) * 64] for k, t in enumerate(taps)}
+    by_tap.update({i: by_tap[("attn_in", i + 1)] for i in range(N_LAYERS - 1)})  # layer i's output
+    assert np.abs(by_tap[N_LAYERS - 1] - by_tap[("attn_in", 7)]).max() > 0.1   # the real output tap
+    got = np.concatenate([by_tap[t][:60] for t in dcfg.target_layer_ids], axis=-1)
+    want = _ref("dspark_round_noqat.npz")["taps"]
+    assert np.abs(got - want).max() < 1e-4
+    outputs = np.concatenate([by_tap[i][:60] for i in (5, 6, 7)], axis=-1)
+    assert np.abs(outputs - want).max() > 0.1

@@ -26,6 +26,7 @@ import numpy as np
 from dspark_jax import params as params_lib
 from dspark_jax.convert import mapping, quant, safetensors_io
 from dspark_jax.convert.checkpoint import read_extras, read_json_object, sts_temperatures
+from dspark_jax.draft import deepseek_v4 as _dv4
 from dspark_jax.draft.deepseek_v4 import KEYS, DeepseekV4DSparkConfig, declare, module_specs
 from dspark_jax.draft.deepseek_v4 import with_target  # noqa: F401 (load_draft's, beside load_module)
 from dspark_jax.target import deepseek_v4 as v4
@@ -36,9 +37,28 @@ from dspark_jax.fileio import atomic_dir
 PREFIX = "mtp."
 
 
+def _kind(hf: Mapping):
+    """The draft module (``draft.deepseek_v4`` or ``draft.deepseek_v41``) whose DSpark keys ``hf``
+    carries (V4: top level; V4.1: in ``text_config``), None when it carries none."""
+    from dspark_jax.draft import deepseek_v41 as dv41
+    text = hf.get("text_config")
+    if isinstance(text, Mapping) or hf.get("model_type") == "deepseek_v41_text":
+        return dv41 if all((text or hf).get(k) is not None for k in dv41.KEYS) else None
+    return _dv4 if all(hf.get(k) is not None for k in KEYS) else None
+
+
 def read_config(path) -> DeepseekV4DSparkConfig:
-    """The module's config from ``path/config.json`` (ConfigError when it has no DSpark keys)."""
-    return DeepseekV4DSparkConfig.from_hf(read_json_object(Path(path) / "config.json", "config.json"))
+    """The module's config from ``path/config.json`` (V4's or V4.1's; ConfigError when it has no
+    DSpark keys)."""
+    hf = read_json_object(Path(path) / "config.json", "config.json")
+    return (_kind(hf) or _dv4).FAMILY.config_cls.from_hf(hf)
+
+
+def _specs(cfg, shared: bool):
+    """``declare`` (with the shared embed / head) or ``module_specs`` of ``cfg``'s module."""
+    from dspark_jax.draft import deepseek_v41 as dv41
+    mod = dv41 if isinstance(cfg, dv41.DeepseekV41DSparkConfig) else _dv4
+    return mod.declare(cfg) if shared else mod.module_specs(cfg)
 
 
 def load_module(path, *, shared: bool = False) -> tuple[DeepseekV4DSparkConfig, dict]:
@@ -49,7 +69,7 @@ def load_module(path, *, shared: bool = False) -> tuple[DeepseekV4DSparkConfig, 
     unquantized, as the target's conversion does."""
     p = Path(path)
     cfg = read_config(p)
-    specs = declare(cfg) if shared else module_specs(cfg)
+    specs = _specs(cfg, shared)
     reader = safetensors_io.TensorReader(p)
     if not any(n.startswith(PREFIX) for n in reader.infos):
         raise CheckpointError(f"{p}: config.json has the dspark_* keys but no {PREFIX}* tensors")
@@ -71,16 +91,15 @@ def load_module(path, *, shared: bool = False) -> tuple[DeepseekV4DSparkConfig, 
             scale = reader.get(stored[name].scale)
             tensors[name] = quant.dequantize(tensors[name], scale, stored[name].quant).astype(infos[name].dtype)
     cfg = dataclasses.replace(cfg, target=cfg.target.dequantized())
-    return cfg, params_lib.from_torch(declare(cfg) if shared else module_specs(cfg), tensors)
+    return cfg, params_lib.from_torch(_specs(cfg, shared), tensors)
 
 
 def holds_module(path) -> bool:
-    """Whether ``path`` is a V4 checkpoint (safetensors) whose config.json has the ``dspark_*`` keys."""
+    """Whether ``path`` is a V4 / V4.1 checkpoint whose config.json has the ``dspark_*`` keys."""
     p = Path(path) / "config.json"
     if not p.is_file():
         return False
-    hf = read_json_object(p, "config.json")
-    return all(hf.get(k) is not None for k in KEYS)
+    return _kind(read_json_object(p, "config.json")) is not None
 
 
 def module_tensors(cfg: DeepseekV4DSparkConfig, params: Mapping) -> dict[str, np.ndarray]:

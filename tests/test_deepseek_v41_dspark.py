@@ -110,25 +110,37 @@ def test_one_round_equals_the_reference_round():
 @pytest.mark.slow  # one compile of the V4.1 speculative round per variant (~1.5 min on 2 shared cores)
 @pytest.mark.parametrize("variant", ["noqat", "qat"])
 def test_greedy_speculative_decoding_equals_the_reference_round_by_round(variant):
-    """dspark_greedy{_noqat}.json: the three prompts in one batch give the reference's tokens (the
+    """dspark_greedy{_noqat}.json, the three prompts in one batch: the reference's tokens (the
     target's greedy ones), round for round the same acceptance lengths and accepted drafts, and
-    (without the quantizers, where the target's features are smooth) confidence logits within 1e-4."""
+    confidence logits within 1e-4. With the quantizers the target's features are chaotic at float
+    noise (golden README: prompts 1 and 2's greedy tokens change under a 1e-6 weight perturbation,
+    decode_greedy.json ``perturb_1e-6_greedy_unchanged``), so there only the robust prompt 0 is
+    held to its tokens and rounds, and its confidence logits to 5e-2 (its taps move by ~0.07)."""
     tcfg, tparams, dcfg, dparams = _pair(qat=variant == "qat")
     ref = json.loads((FIX / f"dspark_greedy{'_noqat' if variant == 'noqat' else ''}.json").read_text())
     rows = ref["rows"]
     res = speculative_generate(tcfg, tparams, dcfg, dparams, [r["prompt"] for r in rows], max_new_tokens=24,
                                cache_spans=(256,), max_cache_len=256, batch_size=3)
-    for got, want in zip(res, rows):
+    robust = json.loads((FIX / "decode_greedy.json").read_text())["diagnostics"]["perturb_1e-6_greedy_unchanged"]
+    checked = 0
+    for got, want, ok in zip(res, rows, robust):
+        if variant == "qat" and not ok:
+            continue
         assert got.output_ids == want["output_ids"]
         rounds = want["rounds"]
-        n = len(got.acceptance_lengths)
-        assert got.acceptance_lengths == [r["acceptance_length"] for r in rounds][:n]
-        accepted = [d for r in rounds[:n] for d in r["drafts"][:r["acceptance_length"] - 1]]
-        assert got.accepted_drafts[:len(accepted)] == accepted[:len(got.accepted_drafts)]
-        conf = np.asarray(got.confidence_logits)
-        want_conf = np.asarray([r["confidence_logits"] for r in rounds[:n]])
-        tol = 1e-4 if variant == "noqat" else 5e-2
-        assert np.abs(conf - want_conf).max() < tol
+        m = min(len(got.acceptance_lengths), len(rounds))
+        assert m >= len(rounds) - 1   # the engine may close with one more round (its last token)
+        assert got.acceptance_lengths[:m] == [r["acceptance_length"] for r in rounds[:m]]
+        assert got.accepted_drafts[:m] == [r["acceptance_length"] - 1 for r in rounds[:m]]
+        tokens = [t for r in rounds[:m] for t in r["drafts"][:r["acceptance_length"] - 1]]
+        produced = [t for k, r in enumerate(rounds[:m]) for t in got.output_ids[
+            1 + sum(x["acceptance_length"] for x in rounds[:k]):][:r["acceptance_length"] - 1]]
+        assert produced == tokens   # the accepted drafts are the reference's drafts
+        conf = np.asarray(got.confidence_logits[:m])
+        want_conf = np.asarray([r["confidence_logits"] for r in rounds[:m]])
+        assert np.abs(conf - want_conf).max() < (1e-4 if variant == "noqat" else 5e-2)
+        checked += 1
+    assert checked == (3 if variant == "noqat" else 1)
 
 
 # ----------------------------------------------------------------------------- losslessness at T = 1

@@ -154,6 +154,18 @@ class DeepseekV41DSparkConfig:
         return hf
 
 
+def describe(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """What ``inspect`` shows of a V4.1 config.json's DSpark module (``present`` False when absent)."""
+    text = hf.get("text_config") if isinstance(hf.get("text_config"), Mapping) else hf
+    if any(text.get(k) is None for k in KEYS):
+        return {"present": False}
+    cfg = DeepseekV41DSparkConfig.from_hf(hf)
+    return {"present": True, "block_size": cfg.block_size, "target_layer_ids": list(cfg.tap_layers),
+            "taps": "attention inputs", "stages": cfg.num_hidden_layers, "markov_rank": cfg.markov_rank,
+            "heads": cfg.num_attention_heads, "window": cfg.window, "noise_token_id": cfg.noise_token_id,
+            "experts": f"{cfg.n_routed_experts} routed (top {cfg.num_experts_per_tok}) + 1 shared"}
+
+
 # ----------------------------------------------------------------------------- declaration
 
 

@@ -95,7 +95,7 @@ def test_declaration_names_every_fixture_tensor_once():
         assert sorted(v41.source_names(_hf(layout), stored)) == sorted(names)
     assert specs[("gated_source", "wgate")].torch_names() == ["layers.2.attn.compressor.wgate.weight",
                                                               "layers.4.attn.compressor.wgate.weight"]
-    assert specs[("engram_table", "1", "embed")].shape == (152, 32)
+    assert specs[("engram_table", "1", "rows")].shape == (152, 32)
     assert v41.hf_name("head.weight") == "lm_head.weight"
 
 

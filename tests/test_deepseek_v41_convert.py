@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dspark_jax import cli
+from dspark_jax import cli, families
 
 FIX = Path(__file__).parent / "fixtures" / "deepseek_v41_tiny"
 
@@ -63,3 +63,24 @@ def test_bad_v41_input_is_one_line_exit_2(tmp_path, capsys, case, match):
         err = capsys.readouterr().err.strip()
         assert "\n" not in err and match in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_v41_flash_preset_parameter_counts():
+    """DeepSeek-V4.1-Flash from the declarations: the Engram tables hold 196.6 B rows (transformers'
+    docstring: "~196B of the released checkpoint's 763B parameters"), trunk + DSpark module ~763 B
+    without the tables' FP8 block scales; 384 experts of width 2304 on 40 layers."""
+    from dspark_jax import presets
+    from dspark_jax.convert import describe
+    from dspark_jax.draft import deepseek_v41 as dv41
+    cfg = presets.TARGETS[presets.V41_FLASH]
+    specs = families.declare(cfg)
+    rows = sum(int(np.prod(s.shape)) for p, s in specs.items() if p[0] == "engram_table" and p[-1] == "rows")
+    scales = sum(int(np.prod(s.shape)) for p, s in specs.items() if p[0] == "engram_table" and p[-1] == "scale")
+    assert rows == (384006168 + 384016682) * 256
+    counts = describe._param_counts(cfg)
+    assert counts["routed_experts"] == 40 * 384 * 3 * 5120 * 2304
+    assert counts["embedding_and_head"] == 2 * 129280 * 5120
+    module = dv41.DeepseekV41DSparkConfig.from_hf(cfg.to_hf())
+    assert module.target_layer_ids == (("attn_in", 37), ("attn_in", 38), ("attn_in", 39))
+    stage = sum(int(np.prod(s.shape)) for s in dv41.module_specs(module).values())
+    assert 762e9 < counts["total"] - scales + stage < 764e9

@@ -11,7 +11,7 @@ Params tree (kernels ``[in, out]``; L layers, E routed experts)::
     gated_source/wgate [Lg, H, D]  the pooling gate of the ratio > 1 sources
     index_source/...  [Li, ...] the indexer's query (wq_b) and head weights (weights_proj)
     engram/...        [Le, ...] wkv, q_weight, k_weight of ``engram_layer_ids``;
-    engram_table/{k}  {embed [N_k, d], scale [N_k, d / 32]}: layer k's hash table (sizes differ)
+    engram_table/{k}  {rows [N_k, d], scale [N_k, d / 32]}: layer k's hash table (sizes differ)
 
 Declared torch names are the upstream (released) ones; transformers' ``save_pretrained`` layout
 is them under ``model.`` with ``lm_head.weight`` for ``head.weight`` (``source_names``).
@@ -67,7 +67,7 @@ def declare(cfg: DeepseekV41Config) -> dict[tuple, ParamSpec]:
         decl[("engram", "q_weight")] = stack(eng, (hc, h), (None, None), "engram.q_weight", init="ones", dtype=F32)
         decl[("engram", "k_weight")] = stack(eng, (hc, h), (None, None), "engram.k_weight", init="ones", dtype=F32)
         for k, (i, rows) in enumerate(zip(eng, cfg.engram_num_embeddings)):
-            decl[("engram_table", str(k), "embed")] = ParamSpec(
+            decl[("engram_table", str(k), "rows")] = ParamSpec(
                 (rows, cfg.engram_head_dim), (None, None), f"layers.{i}.engram.embed.weight")
             decl[("engram_table", str(k), "scale")] = ParamSpec(
                 (rows, max(1, cfg.engram_head_dim // 32)), (None, None), f"layers.{i}.engram.embed.scale",

@@ -148,10 +148,10 @@ def hash_ids(cfg, tokens: jax.Array, history: jax.Array | None = None) -> jax.Ar
 
 def inject(cfg, p: dict, table: dict, streams: jax.Array, ids: jax.Array) -> jax.Array:
     """One Engram layer: streams [B, S, N, H] plus a gated value, from hash rows ``ids`` [B, S, cols]
-    of ``table`` (embed [R, d], scale [R, d / 32]); ``p``: this layer's wkv, q_weight, k_weight.
+    of ``table`` (rows [R, d], scale [R, d / 32]); ``p``: this layer's wkv, q_weight, k_weight.
     gate = sigmoid(signed sqrt of the per-stream normalised product stream . key)."""
     h = cfg.hidden_size
-    rows = table["embed"][ids].astype(jnp.float32)                     # [B, S, cols, d]
+    rows = table["rows"][ids].astype(jnp.float32)                     # [B, S, cols, d]
     scale = table["scale"][ids].astype(jnp.float32)
     rows = (rows.reshape(*rows.shape[:-1], scale.shape[-1], -1) * scale[..., None]).reshape(rows.shape)
     kv = rows.reshape(*rows.shape[:-2], -1).astype(p["wkv"].dtype) @ p["wkv"]

@@ -190,3 +190,18 @@ def test_sampling_at_t1_is_lossless(name):
     s = summarize(res, dc.block_size)
     assert p > 1e-4, f"{name}: chi-square p={p:.2e}"
     assert 0.05 < s["accept_rate"][0] < 0.95, s
+
+
+def test_module_written_back_into_the_v41_checkpoint_is_byte_exact(tmp_path):
+    """The fixture's module written into the plain target checkpoint (``write_checkpoint``: the
+    module's keys into ``text_config``, its tensors beside the target's) gives target_dspark's
+    tensors byte for byte and reads back as the same module."""
+    from dspark_jax.convert import dspark_v4, safetensors_io
+    tcfg, tparams, dcfg, dparams = _pair()
+    dspark_v4.write_checkpoint(FIX / "target", tmp_path / "out", dcfg, dparams)
+    assert checkpoint.load_draft(tmp_path / "out", target_params=tparams)[0] == dcfg
+    a, b = safetensors_io.TensorReader(PAIR), safetensors_io.TensorReader(tmp_path / "out")
+    assert sorted(a.infos) == sorted(b.infos)
+    assert all(a.get(n).tobytes() == b.get(n).tobytes() for n in a.infos)
+    hf = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert hf["text_config"]["dspark_target_layer_ids"] == [5, 6, 7] and "dspark_block_size" not in hf

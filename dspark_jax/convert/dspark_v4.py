@@ -27,10 +27,8 @@ from dspark_jax import params as params_lib
 from dspark_jax.convert import mapping, quant, safetensors_io
 from dspark_jax.convert.checkpoint import read_extras, read_json_object, sts_temperatures
 from dspark_jax.draft import deepseek_v4 as _dv4
-from dspark_jax.draft.deepseek_v4 import KEYS, DeepseekV4DSparkConfig, declare, module_specs
+from dspark_jax.draft.deepseek_v4 import KEYS, DeepseekV4DSparkConfig
 from dspark_jax.draft.deepseek_v4 import with_target  # noqa: F401 (load_draft's, beside load_module)
-from dspark_jax.target import deepseek_v4 as v4
-from dspark_jax.target.deepseek_v4.config import DeepseekV4Config
 from dspark_jax.errors import CheckpointError, ConfigError
 from dspark_jax.fileio import atomic_dir
 
@@ -52,6 +50,13 @@ def read_config(path) -> DeepseekV4DSparkConfig:
     DSpark keys)."""
     hf = read_json_object(Path(path) / "config.json", "config.json")
     return (_kind(hf) or _dv4).FAMILY.config_cls.from_hf(hf)
+
+
+def _with_module(hf: Mapping, cfg) -> dict:
+    """config.json ``hf`` carrying ``cfg``'s module keys (V4: top level; V4.1: in ``text_config``)."""
+    if isinstance(hf.get("text_config"), Mapping):
+        return {**hf, "text_config": {**hf["text_config"], **cfg.hf_fields()}}
+    return {**hf, **cfg.hf_fields()}
 
 
 def _specs(cfg, shared: bool):
@@ -105,7 +110,7 @@ def holds_module(path) -> bool:
 def module_tensors(cfg: DeepseekV4DSparkConfig, params: Mapping) -> dict[str, np.ndarray]:
     """The module's ``mtp.*`` tensors (torch layout, upstream names) of ``params`` (a tree with or
     without the target's ``embed`` / ``head``; they are not written)."""
-    specs = module_specs(cfg)
+    specs = _specs(cfg, False)
     host = {k: v for k, v in params.items() if k not in ("embed", "head")}
     out = params_lib.to_torch(specs, host)
     mapping.check_tensors(out, params_lib.torch_shapes(specs), "DSpark module params",
@@ -145,8 +150,9 @@ def storage_plan(src, infos: Mapping, names) -> dict[str, quant.Quant]:
     target's expert dtype, e.g. MXFP4); not in the plan (float) where the target's are float or
     it has no such tensor. CheckpointError when the target's layers store one tensor in more than
     one format (then no format is the target's)."""
-    tcfg = DeepseekV4Config.from_hf(read_json_object(Path(src) / "config.json", "config.json"))
-    declared = params_lib.quantized(v4.declare(tcfg))
+    from dspark_jax import families
+    hf = read_json_object(Path(src) / "config.json", "config.json")
+    declared = params_lib.quantized(families.declare(families.for_hf(hf).config_from_hf(hf)))
     formats: dict[str, set] = {}
     for name, info in infos.items():
         if name.startswith("layers."):
@@ -193,7 +199,7 @@ def write_checkpoint(src, dst, cfg: DeepseekV4DSparkConfig, params: Mapping, *, 
 def _target_config(src: Path, cfg: DeepseekV4DSparkConfig) -> dict:
     """``src``'s config.json; CheckpointError unless it is the model ``cfg``'s module was built on."""
     hf = read_json_object(src / "config.json", "config.json")
-    if _model(DeepseekV4DSparkConfig.from_hf({**hf, **cfg.hf_fields()}).target) != _model(cfg.target):
+    if _model(type(cfg).from_hf(_with_module(hf, cfg)).target) != _model(cfg.target):
         raise CheckpointError(f"{src}: the module's target config differs from this checkpoint's")
     return hf
 
@@ -223,7 +229,7 @@ def _write(s: Path, dst, hf: Mapping, cfg: DeepseekV4DSparkConfig, tensors: Mapp
         total = sum((tmp / f).stat().st_size for f in set(weight_map.values()))
         (tmp / safetensors_io.INDEX_NAME).write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
-        (tmp / "config.json").write_text(json.dumps({**hf, **cfg.hf_fields()}, indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(_with_module(hf, cfg), indent=2) + "\n")
         for other in s.iterdir():
             if other.is_file() and other.suffix != ".safetensors" and other.name not in (
                     "config.json", safetensors_io.INDEX_NAME):
@@ -245,7 +251,7 @@ def export(draft, dst, engine: str, *, target=None, force: bool = False, sps: Ma
     cfg, params = load_module(draft)
     src = Path(target) if target is not None else Path(draft)
     reader = safetensors_io.TensorReader(src)
-    shared = {s.torch for s in declare(cfg).values() if not s.torch.startswith(PREFIX)}
+    shared = {s.torch for s in _specs(cfg, True).values() if not s.torch.startswith(PREFIX)}
     if all(n.startswith(PREFIX) or n in shared for n in reader.infos):
         raise CheckpointError(f"{src}: holds the DSpark module but not its target's layers; pass --target "
                               f"(the V4 checkpoint it is written into)")

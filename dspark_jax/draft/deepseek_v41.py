@@ -122,6 +122,29 @@ class DeepseekV41DSparkConfig:
         return dataclasses.replace(self, **changes)
 
     @classmethod
+    def for_target(cls, target: DeepseekV41Config, **fields) -> "DeepseekV41DSparkConfig":
+        """A module on ``target`` from a train config's ``draft`` fields: ``target_layer_ids`` (the
+        layer ids whose attention inputs it reads) required; ``block_size``, ``markov_rank``,
+        ``mask_token_id`` (the noise token), ``n_routed_experts``, ``num_experts_per_tok``,
+        ``num_anchors``, ``enable_confidence_head``; one stage per tapped layer, V4's heads."""
+        f = dict(fields)
+        if "target_layer_ids" not in f:
+            raise ConfigError("draft.target_layer_ids is required for a DeepSeek-V4.1 DSpark module")
+        ids = tuple(i[1] if isinstance(i, (tuple, list)) else i for i in f.pop("target_layer_ids"))
+        for key, want in {"num_hidden_layers": len(ids), "markov_head_type": cls.markov_head_type,
+                          "confidence_head_with_markov": True}.items():
+            if key in f and f.pop(key) != want:
+                raise ConfigError(f"draft.{key} must be {want!r} for V4.1's DSpark module")
+        if "mask_token_id" in f:
+            f["noise_token_id"] = f.pop("mask_token_id")
+        known = {"block_size", "markov_rank", "noise_token_id", "n_routed_experts", "num_experts_per_tok",
+                 "num_anchors", "enable_confidence_head"}
+        unknown = sorted(set(f) - known)
+        if unknown:
+            raise ConfigError(f"draft.{unknown[0]} is not a field of V4.1's DSpark module; known {sorted(known)}")
+        return cls(target=target, tap_layers=ids, **f)
+
+    @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> "DeepseekV41DSparkConfig":
         """From a V4.1 config.json (the keys in ``text_config``; ConfigError naming a missing one)."""
         text = hf.get("text_config") if isinstance(hf.get("text_config"), Mapping) else hf

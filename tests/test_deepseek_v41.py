@@ -2,7 +2,8 @@
 parity and causality.
 
 Fixture: tests/fixtures/deepseek_v41_tiny (transformers main's DeepseekV41ForCausalLM; see its
-README section in the golden set): ``target/`` upstream layout, ``target_hf/`` transformers',
+README section in the golden set): ``target/`` upstream layout, ``target_hf/`` transformers' (its
+config and tensor names),
 ``forward.npz`` (with the fake quantizers) / ``forward_noqat.npz`` (without), ``qat_ops.npz``.
 """
 
@@ -89,10 +90,12 @@ def test_declaration_names_every_fixture_tensor_once():
     specs = v41.declare(cfg)
     names = [n for s in specs.values() for n in s.torch_names()]
     assert len(names) == len(set(names))
+    with safe_open(str(FIX / "target" / "model.safetensors"), "np") as f:
+        stored = {"target": list(f.keys())}
+    # transformers' save_pretrained layout: its tensor names (the weights are target/'s)
+    stored["target_hf"] = json.loads((FIX / "target_hf" / "tensor_names.json").read_text())
     for layout in LAYOUTS:
-        with safe_open(str(FIX / layout / "model.safetensors"), "np") as f:
-            stored = list(f.keys())
-        assert sorted(v41.source_names(_hf(layout), stored)) == sorted(names)
+        assert sorted(v41.source_names(_hf(layout), stored[layout])) == sorted(names)
     assert specs[("gated_source", "wgate")].torch_names() == ["layers.2.attn.compressor.wgate.weight",
                                                               "layers.4.attn.compressor.wgate.weight"]
     assert specs[("engram_table", "1", "rows")].shape == (152, 32)

@@ -68,6 +68,7 @@ def test_cached_greedy_decoding_equals_the_reference(loaded):
     assert _greedy(cfg, params, ref["prompts"], ref["new_tokens"]) == ref["output_ids"]
 
 
+@pytest.mark.slow  # a second compile of the cached step (without the quantizers); ~15 s quiet
 def test_cached_path_equals_the_whole_sequence_with_rejected_drafts(loaded):
     """Without the quantizers (smooth): chunks of 1..K accepted tokens followed by rejected junk,
     crossing every ratio-2 group boundary and the candidate blocks; logits within 1e-4 of the

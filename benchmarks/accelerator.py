@@ -54,7 +54,7 @@ import roofline  # noqa: E402  (model FLOPs)
 from dspark_jax.config import DraftConfig, TargetConfig  # noqa: E402
 from dspark_jax.draft import model as draft_model  # noqa: E402
 from dspark_jax.target import qwen3  # noqa: E402
-from dspark_jax.compiles import COMPILES
+from dspark_jax.costs.compiles import COMPILES
 
 # device_kind substring -> peak dense bf16 FLOP/s per chip (for MFU)
 PEAKS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12, "TPU v5 lite": 197e12,

@@ -44,7 +44,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dspark_jax.compiles import COMPILES  # noqa: E402
+from dspark_jax.costs.compiles import COMPILES  # noqa: E402
 from dspark_jax.data.sources import reply_record  # noqa: E402
 from dspark_jax.fileio import write_json, write_jsonl, write_text  # noqa: E402
 from dspark_jax.pipelines import demo  # noqa: E402
@@ -70,9 +70,9 @@ def following_text(root: Path, record: dict) -> str:
 def policy_prompts(cfg: demo.DemoConfig, tok, root: Path | None = None) -> list[dict]:
     """``cfg.num_train_prompts`` demo training prompts whose file continues for at least
     ``cfg.continuation_tokens`` tokens: ``[{"text", "source", "following_ids"}]``."""
-    from dspark_jax.embedded import pretrain
+    from dspark_jax.embedded import corpus
 
-    root = Path(root) if root is not None else pretrain.stdlib_dir()
+    root = Path(root) if root is not None else corpus.stdlib_dir()
     need = cfg.num_train_prompts
     for factor in (2, 4, 8):
         recs = demo.train_prompt_texts(factor * need, min_bytes=cfg.prompt_min_bytes,

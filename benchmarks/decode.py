@@ -27,7 +27,7 @@ from dspark_jax.convert.checkpoint import load_draft, load_target
 from dspark_jax.decode import autoregressive_generate, speculative_generate, summarize
 from dspark_jax.decode.shapes import default_spans, plan_shapes
 from dspark_jax.fileio import write_json
-from dspark_jax.compiles import COMPILES
+from dspark_jax.costs.compiles import COMPILES
 
 ROOT = Path(__file__).resolve().parents[1]
 def main(argv=None) -> int:

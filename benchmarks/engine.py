@@ -40,7 +40,7 @@ from dspark_jax.convert.checkpoint import load_draft, load_target
 from dspark_jax.decode import FixedPolicy, ThresholdPolicy, decode_requests, profile, shapes, summarize
 from dspark_jax.decode import scheduler as S
 from dspark_jax.fileio import write_json
-from dspark_jax.compiles import COMPILES
+from dspark_jax.costs.compiles import COMPILES
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests/fixtures/dspark_qwen3_tiny"

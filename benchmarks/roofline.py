@@ -58,12 +58,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import round_cost  # noqa: E402  (the decode adapter lives there, once)
 
-from dspark_jax import families, hardware  # noqa: E402
+from dspark_jax import families  # noqa: E402
+from dspark_jax.costs import hardware  # noqa: E402
 from dspark_jax.config import DraftConfig, TargetConfig  # noqa: E402
 from dspark_jax.draft import model as draft_model  # noqa: E402
 from dspark_jax.target import gemma4, qwen3  # noqa: E402
-from dspark_jax.compiles import COMPILES
-from dspark_jax.flops import model_flops, target_attention_flops  # noqa: E402,F401  (accelerator.py reads them here)
+from dspark_jax.costs.compiles import COMPILES
+from dspark_jax.costs.flops import model_flops, target_attention_flops  # noqa: E402,F401  (accelerator.py reads them here)
 
 ROOT = Path(__file__).resolve().parents[1]
 

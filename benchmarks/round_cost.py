@@ -71,7 +71,7 @@ from dspark_jax.draft import backbone, confidence, markov  # noqa: E402
 from dspark_jax.draft import decode as draft_decode  # noqa: E402
 from dspark_jax.draft import model as draft_model  # noqa: E402
 from dspark_jax.target import qwen3  # noqa: E402
-from dspark_jax.compiles import COMPILES
+from dspark_jax.costs.compiles import COMPILES
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests/fixtures/dspark_qwen3_tiny"
@@ -615,7 +615,8 @@ def compile_only(sizes, batches, hw_spec: str, cache_len: int, unrolled: bool, p
     loop's body counted once). Sizes: ``presets.TARGETS`` names (released DSpark drafter) or
     tiny / mid / large. ``per_layer``: the target's weights as per-layer buffers (True,
     ``--per-layer``), stacked (False, ``--stacked``) or as the decode places them (None)."""
-    from dspark_jax import families, hardware, presets, sharding
+    from dspark_jax import families, presets, sharding
+    from dspark_jax.costs import hardware
     from dspark_jax import params as params_lib
     from dspark_jax.errors import InputError
     from dspark_jax.pipelines import plan as plan_lib

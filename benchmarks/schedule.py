@@ -56,7 +56,7 @@ sys.path.insert(0, str(ROOT))
 from dspark_jax.pipelines import calibrate as C  # noqa: E402
 from dspark_jax.convert import checkpoint  # noqa: E402
 from dspark_jax.decode import policies, profile  # noqa: E402
-from dspark_jax.decode import scheduler as S  # noqa: E402
+from dspark_jax.decode import scheduler as S, tables  # noqa: E402
 from dspark_jax.draft import model as draft_model  # noqa: E402
 from dspark_jax.commands.common import add_decode_flags  # noqa: E402
 from dspark_jax.errors import InputError  # noqa: E402
@@ -212,7 +212,7 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", default="1,2,4,8,16,32,64")
     ap.add_argument("--cache-length", type=int, default=64)
     ap.add_argument("--threshold", type=float, default=0.5)
-    ap.add_argument("--fit", choices=S.FITS, default=S.DEFAULT_FIT,
+    ap.add_argument("--fit", choices=tables.FITS, default=tables.DEFAULT_FIT,
                     help="SPS fit the scheduler plans with and the simulated clock uses (default convex)")
     ap.add_argument("--raw-sps", action="store_true", help="same as --fit none")
     ap.add_argument("--repeats", type=int, default=15, help="interleaved timing passes per size")
@@ -276,7 +276,7 @@ def main(argv=None) -> int:
 
     fit_name = "none" if args.raw_sps else args.fit
     if args.sps:
-        table = S.SPSTable.load(args.sps, fit=fit_name)
+        table = tables.SPSTable.load(args.sps, fit=fit_name)
     else:
         tcfg, tparams = checkpoint.load_target(target_dir)
         sizes = profile.default_batch_sizes(max(levels) * (g + 1), dense_up_to=16, growth=1.3)

@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     from dspark_jax import interrupt
-    from dspark_jax.hardware import quiet_cpu_host, set_gpu_flags
+    from dspark_jax.costs.hardware import quiet_cpu_host, set_gpu_flags
 
     quiet_cpu_host()  # libtpu installed on a host without a TPU: JAX stays on the CPU
     set_gpu_flags()  # the XLA:GPU flags our programs are compiled with (hardware.GPU_XLA_FLAGS)

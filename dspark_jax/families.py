@@ -10,7 +10,7 @@ protocol is ``dspark_jax.runtime``).
 
 Adding a family::
 
-    # dspark_jax/target/gemma4.py
+    # dspark_jax/target/gemma4/__init__.py
     FAMILY = params.Family(name="gemma4", kind="target",
                            architectures=("Gemma4ForCausalLM", "Gemma4UnifiedForCausalLM"),
                            model_types=("gemma4_text", "gemma4_unified_text"),

@@ -14,9 +14,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from dspark_jax import flash, flash_tpu
-
-NEG_INF = -1e30  # large finite negative, so fully masked rows stay NaN-free
+from dspark_jax.kernels import flash, flash_tpu, partials
+from dspark_jax.kernels.partials import NEG_INF, SMALL_QUERY
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -92,8 +91,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     sees keys <= t; Q = K; with ``window``: only keys > t - window, a sliding window): without a
     prefix, on CUDA, that is cuDNN's fused flash attention (``causal_fused``), which never writes
     the [Q, K] scores to memory. With a prefix, on CUDA, a few queries (``flash.applies``: a
-    decode step's) read it in the fused flash-decoding kernel (``dspark_jax.flash``); a stacked
-    prefix on TPU, in ``dspark_jax.flash_tpu``'s.
+    decode step's) read it in the fused flash-decoding kernel (``kernels.flash``); a stacked
+    prefix on TPU, in ``kernels.flash_tpu``'s.
     Returns [B, Q, Hq, D].
     """
     b, nq, hq, d = q.shape
@@ -111,14 +110,14 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     if len(prefix) == 4:  # a stacked cache: on TPU the flash-decoding kernel reads layer ``index`` in place
         k_all, v_all, pre_mask, layer = prefix
         where = dataclasses.replace(layer, index=None)
-        out = flash.dispatch(functools.partial(_joint_stacked_xla, scale=scale),
-                             functools.partial(_joint_stacked_tpu, scale=scale, where=where),
-                             qg, scores, mask, v, k_all, v_all, pre_mask, layer.index, platform="tpu")
+        out = partials.dispatch(functools.partial(_joint_stacked_xla, scale=scale),
+                                functools.partial(_joint_stacked_tpu, scale=scale, where=where),
+                                qg, scores, mask, v, k_all, v_all, pre_mask, layer.index, platform="tpu")
         return out.reshape(b, nq, hq, d)
     args = (qg, scores, mask, v, *prefix)
-    if flash.applies(nq, d, hq // hkv):  # a few queries: on CUDA the fused kernel (dspark_jax.flash)
-        out = flash.dispatch(functools.partial(_joint_xla, scale=scale),
-                             functools.partial(_joint_flash, scale=scale), *args)
+    if flash.applies(nq, d, hq // hkv):  # a few queries: on CUDA the fused kernel (kernels.flash)
+        out = partials.dispatch(functools.partial(_joint_xla, scale=scale),
+                                functools.partial(_joint_flash, scale=scale), *args)
     else:
         out = _joint_xla(*args, scale=scale)
     return out.reshape(b, nq, hq, d)
@@ -147,14 +146,14 @@ def _joint_flash(qg, scores, mask, v, k_pre, v_pre, pre_mask, scale):
 
 def _joint_stacked_tpu(qg, scores, mask, v, k_all, v_all, pre_mask, layer, scale, where):
     """``_joint_stacked_xla`` with the cache part in the TPU kernel, which reads the stacks in place."""
-    partials = flash_tpu.cache_partials(qg, k_all, v_all, layer, pre_mask, scale, where)
-    return _merge_block(partials, scores, mask, v, scale)
+    parts = flash_tpu.cache_partials(qg, k_all, v_all, layer, pre_mask, scale, where)
+    return _merge_block(parts, scores, mask, v, scale)
 
 
-def _merge_block(partials, scores, mask, v, scale):
+def _merge_block(parts, scores, mask, v, scale):
     """The cache's softmax partials (o, m, l) [B, Hkv, G, Q, ..] merged with the block's own raw
-    scores [B, Hkv, G, Q, K] (``flash.merge``) and its values v [B, K, Hkv, D]: [B, Q, Hkv, G, D]."""
-    out_pre, probs = flash.merge(*partials, scores, mask[:, None, None], scale)
+    scores [B, Hkv, G, Q, K] (``partials.merge``) and its values v [B, K, Hkv, D]: [B, Q, Hkv, G, D]."""
+    out_pre, probs = partials.merge(*parts, scores, mask[:, None, None], scale)
     return (out_pre.astype(v.dtype).transpose(0, 3, 1, 2, 4)
             + jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v))
 
@@ -198,9 +197,8 @@ def _has_cudnn() -> bool:
 # (<= SMALL_QUERY per row) the scores on CUDA are therefore a multiply fused into a reduction
 # over D (f32, like the dot's accumulation), which reads K in place. Other backends, and long
 # query blocks (prefill, training), use the dot. (On CUDA, ``attention`` and the drafter's block
-# attention hand a decode step's few queries to ``dspark_jax.flash`` instead, which reads K and V
+# attention hand a decode step's few queries to ``kernels.flash`` instead, which reads K and V
 # in place and keeps the scores on chip; these XLA ops remain for shapes it does not take.)
-SMALL_QUERY = 16
 
 
 def head_major(x: jax.Array) -> jax.Array:

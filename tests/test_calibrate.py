@@ -103,7 +103,7 @@ def test_calibrate_command(tmp_path):
 
 def test_calibrate_writes_draft_with_extras(tmp_path, tiny_dir):
     from dspark_jax.cli import main
-    from dspark_jax.convert import checkpoint
+    from dspark_jax.convert import checkpoint, formats
 
     r = synthetic_rounds(800, 5, block=7)
     logs = tmp_path / "decode.jsonl"
@@ -114,7 +114,7 @@ def test_calibrate_writes_draft_with_extras(tmp_path, tiny_dir):
     assert main(["calibrate", "--logs", str(logs), "--out", str(out), "--draft",
                  str(tiny_dir / "draft"), "--write-draft"]) == 0
     temps = json.loads((out / "sts.json").read_text())["temperatures"]
-    assert checkpoint.read_extras(out / "draft")["sts_temperatures"] == temps
+    assert formats.read_extras(out / "draft")["sts_temperatures"] == temps
     cfg, _ = checkpoint.load_draft(out / "draft")
     assert cfg.block_size == 7 and len(temps) == 7
 

@@ -243,6 +243,22 @@ def test_data_inspect_chat_file(tok, tok_dir, tmp_path, capsys):
     assert "<|im_start|>assistant\n<think>\n\n</think>\n\n«The answer" in out
 
 
+def test_data_inspect_token_ids_with_a_target_without_tokenizer(tmp_path, capsys):
+    """Token-id rows need no tokenizer: a --target that has none reads them (ids shown as numbers);
+    chat rows with that target are one line naming the file."""
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"], "vocab_size": 64}))
+    path = _write(tmp_path / "t.jsonl", [{"input_ids": [7, 8, 9], "loss_mask": [0, 1, 1]}])
+    rc, out, err = _run(capsys, path, "--target", target)
+    assert rc == 0, err
+    assert "7 «8 9»" in out and "trained (loss_mask > 0): 2" in out
+    chat_path = _write(tmp_path / "c.jsonl", [{"messages": [U1, A1]}])
+    rc, _, err = _run(capsys, chat_path, "--target", target)
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    assert f"{chat_path}: chat data needs a tokenizer" in err
+
+
 @pytest.mark.parametrize("rows, extra, match", [
     (['{"messages": [{"role": "user", "content": "hi"}]}'], ["--tokenizer"], ":1: no assistant turn"),
     (['{"text": "hi"}'], [], ":1: a 'prompt' row holds a prompt but no reply"),

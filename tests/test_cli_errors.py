@@ -453,7 +453,7 @@ def test_train_help_documents_force_resume(capsys):
 
 def test_advisories():
     from dspark_jax.decode.policies import parse_policy
-    from dspark_jax.decode.scheduler import SPSTable
+    from dspark_jax.decode.tables import SPSTable
     from dspark_jax.decode.settings import DecodeOptions, advisories
 
     o = DecodeOptions(verify="full", confidence_threshold=0.3)

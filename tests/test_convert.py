@@ -15,8 +15,9 @@ from safetensors.numpy import load_file, save_file
 
 from dspark_jax.cli import main as cli_main
 from dspark_jax.config import DraftConfig, TargetConfig
-from dspark_jax.convert import checkpoint, safetensors_io
-from dspark_jax.convert.checkpoint import convert, load_draft, load_target, read_extras, save_draft, save_target
+from dspark_jax.convert import checkpoint, formats, safetensors_io
+from dspark_jax.convert.checkpoint import convert, load_draft, load_target, save_draft, save_target
+from dspark_jax.convert.formats import read_extras
 from dspark_jax.draft import model as draft_model
 from dspark_jax.errors import CheckpointError, ConfigError, InputError
 from dspark_jax.target import qwen3
@@ -104,7 +105,7 @@ def test_fixture_drafter_round_trip_bit_exact(draft_src, tmp_path, dtype):
     original = safetensors_io.read_tensors(src)
     assert {t.dtype for t in original.values()} == {np.dtype(dtype)}
     assert convert(src, tmp_path / "j") == "jax"
-    assert checkpoint.detect_format(tmp_path / "j") == "jax"
+    assert formats.detect_format(tmp_path / "j") == "jax"
     assert convert(tmp_path / "j", tmp_path / "t") == "torch"
     assert_same_tensors(original, safetensors_io.read_tensors(tmp_path / "t"))
     # configs survive, including fields our dataclass does not model
@@ -395,7 +396,7 @@ def test_existing_destination_refused(draft_src, tmp_path):
         convert(draft_src, dst)
     assert (dst / "keep.txt").read_text() == "precious" and len(list(dst.iterdir())) == 1
     convert(draft_src, dst, force=True)
-    assert not (dst / "keep.txt").exists() and checkpoint.detect_format(dst) == "jax"
+    assert not (dst / "keep.txt").exists() and formats.detect_format(dst) == "jax"
     assert no_leftovers(tmp_path, "dst")
 
 
@@ -430,7 +431,7 @@ def test_save_validates_params(tmp_path):
 
 def test_jax_format_checked_against_config(draft_src, tmp_path):
     convert(draft_src, tmp_path / "j")
-    meta_path = tmp_path / "j" / checkpoint.META_NAME
+    meta_path = tmp_path / "j" / formats.META_NAME
     meta = json.loads(meta_path.read_text())
     meta["config"]["intermediate_size"] = 96
     meta_path.write_text(json.dumps(meta))
@@ -476,7 +477,7 @@ def test_cli_convert_end_to_end(draft_src, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "destination exists" in err[0]
     assert cli_main(["convert", str(draft_src), str(tmp_path / "j"), "--force", "--to", "torch"]) == 0
-    assert checkpoint.detect_format(tmp_path / "j") == "torch"
+    assert formats.detect_format(tmp_path / "j") == "torch"
 
 
 def test_cli_help(capsys):
@@ -491,13 +492,13 @@ def test_cli_help(capsys):
 def test_decode_defaults_from_checkpoint_dirs(tmp_path, tiny_dir):
     """generate and eval share these: saved STS temperatures and the stop-token fallback chain."""
     cfg, params = load_draft(tiny_dir / "draft")
-    assert checkpoint.sts_temperatures(tiny_dir / "draft") is None
+    assert formats.sts_temperatures(tiny_dir / "draft") is None
     save_draft(tmp_path / "d", cfg, params, extras={"sts_temperatures": [1.5] * cfg.block_size})
-    assert checkpoint.sts_temperatures(tmp_path / "d") == [1.5] * cfg.block_size
-    assert checkpoint.sts_temperatures(tmp_path / "d", [2.0] * 3) == [2.0] * 3  # the flag wins
+    assert formats.sts_temperatures(tmp_path / "d") == [1.5] * cfg.block_size
+    assert formats.sts_temperatures(tmp_path / "d", [2.0] * 3) == [2.0] * 3  # the flag wins
     save_draft(tmp_path / "bad", cfg, params, extras={"sts_temperatures": "hot"})
     with pytest.raises(CheckpointError, match="sts_temperatures.*list of numbers"):
-        checkpoint.sts_temperatures(tmp_path / "bad")
+        formats.sts_temperatures(tmp_path / "bad")
 
     t = tmp_path / "t"
     t.mkdir()

@@ -11,7 +11,7 @@ import pytest
 import decode_pairs as testing
 from dspark_jax.cli import main
 from dspark_jax.config import DraftConfig
-from dspark_jax.compiles import COMPILES
+from dspark_jax.costs.compiles import COMPILES
 from dspark_jax.decode import (FixedPolicy, FullPolicy, ThresholdPolicy, autoregressive_generate,
                                parse_policy, speculative_generate)
 from dspark_jax.decode import programs as decode_programs

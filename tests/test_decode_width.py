@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dspark_jax.compiles import COMPILES
+from dspark_jax.costs.compiles import COMPILES
 from dspark_jax.decode import shapes as L
 from dspark_jax.decode.state import DecodeStatic
-from dspark_jax.decode import scheduler as S
+from dspark_jax.decode import scheduler as S, tables, widths
 from dspark_jax.decode import speculative_generate
 from dspark_jax.decode.policies import FixedPolicy, FullPolicy, ThresholdPolicy
 from dspark_jax.errors import ConfigError, InputError
@@ -149,7 +149,7 @@ def test_sampled_run_is_the_same_at_any_width(tiny_reference):
 
 
 def _table(rps_rows, batch_sizes=(1, 8), widths=(1, 2, 4, 8)):
-    return S.RoundTable(batch_sizes, widths, rps_rows)
+    return tables.RoundTable(batch_sizes, widths, rps_rows)
 
 
 FLAT = _table([[100.0] * 4, [100.0] * 4])
@@ -166,8 +166,8 @@ def test_round_table_interp_json_and_errors(tmp_path):
     assert ws == (1, 2, 4, 6) and rs[-1] == pytest.approx(2.0)
     path = tmp_path / "rt.json"
     t.save(path)
-    back = S.load_table(path)
-    assert isinstance(back, S.RoundTable) and back == t
+    back = tables.load_table(path)
+    assert isinstance(back, tables.RoundTable) and back == t
     with pytest.raises(Exception):
         t.save(path)
     assert isinstance(S.make_policy("scheduler", str(path)), S.PrefixScheduler)
@@ -175,15 +175,15 @@ def test_round_table_interp_json_and_errors(tmp_path):
     with pytest.raises(ConfigError, match="token SPS table"):
         S.make_policy("scheduler-async", t)
     with pytest.raises(ConfigError):
-        S.RoundTable((1, 2), (1, 2), ((1.0, 1.0),))
+        tables.RoundTable((1, 2), (1, 2), ((1.0, 1.0),))
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"format": S.ROUND_FORMAT, "batch_sizes": [1], "widths": [1],
+    bad.write_text(json.dumps({"format": tables.ROUND_FORMAT, "batch_sizes": [1], "widths": [1],
                                "rps": [[-1.0]]}))
     with pytest.raises(InputError, match="bad.json"):
-        S.load_table(bad)
+        tables.load_table(bad)
 
 
-_sched = jax.jit(S.schedule_widths, static_argnums=2)
+_sched = jax.jit(widths.schedule_widths, static_argnums=2)
 
 
 def test_width_scheduler_extremes():
@@ -210,9 +210,9 @@ def test_width_scheduler_is_close_to_the_best_width():
             act[0] = True
             lengths = np.asarray(_sched(jnp.asarray(conf, jnp.float32), jnp.asarray(act), MIXED))
             assert np.all(lengths[~act] == 0) and len(set(lengths[act].tolist())) == 1
-            oracle = max(S.expected_round_throughput(conf, act, np.where(act, n, 0), MIXED)
+            oracle = max(widths.expected_round_throughput(conf, act, np.where(act, n, 0), MIXED)
                          for n in range(8))
-            ratios.append(S.expected_round_throughput(conf, act, lengths, MIXED) / oracle)
+            ratios.append(widths.expected_round_throughput(conf, act, lengths, MIXED) / oracle)
         assert min(ratios) > 0.9 and np.mean(ratios) > 0.98, (rows, min(ratios), np.mean(ratios))
 
 
@@ -223,12 +223,12 @@ def test_width_scheduler_goes_narrow_at_many_rows_when_narrow_pays():
     (1.515 x 1900 > 1.35 x 1925, 1.538 x 1657). The completion bound this rule replaced (every
     slot of a wider width filled with the best candidate's survival, so the room grows with
     the rows) opened width 4 at B=64."""
-    table = S.RoundTable((1, 64), (1, 2, 4, 8), ((2433.0, 1925.0, 1900.0, 1657.0),
+    table = tables.RoundTable((1, 64), (1, 2, 4, 8), ((2433.0, 1925.0, 1900.0, 1657.0),
                                                  (92.0, 84.0, 72.0, 53.0)))
     for rows, want in ((64, 1), (1, 3)):
         conf = jnp.full((rows, 7), 0.35, jnp.float32)
         np.testing.assert_array_equal(_sched(conf, jnp.ones(rows, bool), table), want)
-        best = max(range(8), key=lambda n: S.expected_round_throughput(
+        best = max(range(8), key=lambda n: widths.expected_round_throughput(
             np.full((rows, 7), 0.35), np.ones(rows, bool), np.full(rows, n), table))
         assert best == want
 
@@ -273,8 +273,8 @@ def test_profile_sps_rounds_command(tmp_path, tiny_dir):
     assert main(["profile-sps", "--target", str(tiny_dir / "target"), "--draft", str(tiny_dir / "draft"),
                  "--out", str(out), "--batch-sizes", "1,2", "--widths", "2,8", "--cache-length", "8",
                  "--rounds", "2", "--repeats", "1", "--min-seconds", "0", "--warmup", "1"]) == 0
-    table = S.load_table(out)
-    assert isinstance(table, S.RoundTable)
+    table = tables.load_table(out)
+    assert isinstance(table, tables.RoundTable)
     assert table.batch_sizes == (1, 2) and table.widths == (2, 8)
     lat = 1 / np.asarray(table.rps)
     assert np.all(np.diff(lat, axis=0) >= 0) and np.all(np.diff(lat, axis=1) >= 0)

@@ -23,7 +23,7 @@ import decode_pairs as testing
 from dspark_jax import families
 from dspark_jax.convert import checkpoint
 from dspark_jax.decode import FullPolicy, speculative_generate, summarize
-from dspark_jax.decode import scheduler as S
+from dspark_jax.decode import scheduler as S, tables
 from dspark_jax.draft import deepseek_v4 as dv4
 from dspark_jax.draft import deepseek_v41 as dv41
 from dspark_jax.errors import ConfigError
@@ -180,7 +180,7 @@ def tiny_v41_pair():
 @pytest.mark.parametrize("name", ["full", "scheduler"])
 def test_sampling_at_t1_is_lossless(name):
     tc, tp, dc, dp = tiny_v41_pair()
-    policy = FullPolicy() if name == "full" else S.make_policy("scheduler", S.SPSTable((1, N, 3 * N), (1.0, 1.0, 0.4)))
+    policy = FullPolicy() if name == "full" else S.make_policy("scheduler", tables.SPSTable((1, N, 3 * N), (1.0, 1.0, 0.4)))
     res = speculative_generate(tc, tp, dc, dp, [PROMPT] * N, max_new_tokens=N_TOKENS, temperature=1.0,
                                policy=policy, batch_size=N, seed=7)
     out = np.array([r.output_ids for r in res])

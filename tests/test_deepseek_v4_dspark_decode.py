@@ -23,7 +23,7 @@ import pytest
 import decode_pairs as testing
 from dspark_jax.convert import checkpoint
 from dspark_jax.decode import FullPolicy, ThresholdPolicy, speculative_generate, summarize
-from dspark_jax.decode import scheduler as S
+from dspark_jax.decode import scheduler as S, tables
 from dspark_jax.draft import deepseek_v4 as dv4
 from dspark_jax.errors import CheckpointError, ConfigError
 from dspark_jax.target import deepseek_v4 as v4
@@ -169,7 +169,7 @@ def test_generate_command_reads_the_module_and_decodes_on_an_expert_mesh(tmp_pat
 PROMPT = [1, 6, 2, 5]
 N_TOKENS = 3
 N = 4000  # requests in one batch; the power argument is test_decode_lossless's
-SPS = S.SPSTable((1, N, 3 * N), (1.0, 1.0, 0.4))  # flat to N tokens, then each one costs
+SPS = tables.SPSTable((1, N, 3 * N), (1.0, 1.0, 0.4))  # flat to N tokens, then each one costs
 
 
 @functools.lru_cache(maxsize=None)

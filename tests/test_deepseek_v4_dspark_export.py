@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from dspark_jax.convert import checkpoint, dspark_v4, engines, quant, safetensors_io
+from dspark_jax.convert import checkpoint, dspark_v4, engines, engines_v4, export, formats, quant, safetensors_io
 from dspark_jax.errors import CheckpointError, ConfigError
 from dspark_jax.params import Quant
 
@@ -21,8 +21,8 @@ FIX = Path(__file__).parent / "fixtures" / "deepseek_v4_tiny"
 SRC = FIX / "target_dspark"
 
 
-def _facts(path) -> engines.V4Facts:
-    return engines.v4_facts(json.loads((Path(path) / "config.json").read_text()),
+def _facts(path) -> engines_v4.V4Facts:
+    return engines_v4.v4_facts(json.loads((Path(path) / "config.json").read_text()),
                             safetensors_io.TensorReader(Path(path)).infos)
 
 
@@ -42,7 +42,7 @@ def test_export_writes_the_module_into_the_target_checkpoint(tmp_path, engine):
     dst = tmp_path / engine
     rc = cli.main(["export", str(tmp_path / "module"), str(dst), "--engine", engine, "--target", str(SRC)])
     assert rc in (0, None)
-    assert engines.v4_violations(_facts(dst), engine) == []
+    assert engines_v4.v4_violations(_facts(dst), engine) == []
     got, want = safetensors_io.read_tensors(dst), safetensors_io.read_tensors(SRC)
     assert set(got) == set(want)
     module = dspark_v4.module_tensors(cfg, params)
@@ -61,7 +61,7 @@ def test_export_refusals(tmp_path):
     cfg, params = _trained_module()
     dspark_v4.save_module(tmp_path / "module", cfg, params)
     with pytest.raises(CheckpointError, match="--target"):
-        engines.export_draft(tmp_path / "module", tmp_path / "a", "vllm")
+        export.export_draft(tmp_path / "module", tmp_path / "a", "vllm")
     # a module directory that also holds the target's embedding and head (a train export) is no target
     tensors = {**dspark_v4.module_tensors(cfg, params),
                **{k: v for k, v in safetensors_io.read_tensors(SRC).items() if k in ("embed.weight", "head.weight")}}
@@ -69,12 +69,12 @@ def test_export_refusals(tmp_path):
     safetensors_io.write_tensors(tmp_path / "with_shared", tensors)
     (tmp_path / "with_shared" / "config.json").write_text((tmp_path / "module" / "config.json").read_text())
     with pytest.raises(CheckpointError, match="--target"):
-        engines.export_draft(tmp_path / "with_shared", tmp_path / "a", "sglang")
+        export.export_draft(tmp_path / "with_shared", tmp_path / "a", "sglang")
     with pytest.raises(ConfigError, match="served by"):
-        engines.export_draft(SRC, tmp_path / "b", "sglang-jax")
+        export.export_draft(SRC, tmp_path / "b", "sglang-jax")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
     # a whole V4 checkpoint exports itself (--target defaults to DRAFT)
-    summary = engines.export_draft(SRC, tmp_path / "c", "vllm")
+    summary = export.export_draft(SRC, tmp_path / "c", "vllm")
     assert summary["target"] == str(SRC) and summary["warnings"] == []
 
 
@@ -82,7 +82,7 @@ def _mutated(change):
     f = _facts(SRC)
     hf, tensors = dict(f.hf), dict(f.tensors)
     change(hf, tensors)
-    return engines.V4Facts(hf, tensors)
+    return engines_v4.V4Facts(hf, tensors)
 
 
 def _drop(name):
@@ -122,18 +122,18 @@ NEGATIVE = [  # (engine, rule, change): each rule refuses (or warns on) a checkp
 
 @pytest.mark.parametrize("engine, rule, change", NEGATIVE, ids=[f"{e}-{r}-{i}" for i, (e, r, _) in enumerate(NEGATIVE)])
 def test_every_v4_rule_refuses_a_checkpoint(engine, rule, change):
-    assert engines.v4_violations(_facts(SRC), engine) == []
-    r = next(r for r in engines.V4_RULES if r.engine == engine and r.name == rule)
-    assert engines.V4_SOURCES[engine].split("/")[-1] in r.source or "dspark_config.py" in r.source
-    fired = {x.name for x, _ in engines.v4_violations(_mutated(change), engine, r.severity)}
+    assert engines_v4.v4_violations(_facts(SRC), engine) == []
+    r = next(r for r in engines_v4.V4_RULES if r.engine == engine and r.name == rule)
+    assert engines_v4.V4_SOURCES[engine].split("/")[-1] in r.source or "dspark_config.py" in r.source
+    fired = {x.name for x, _ in engines_v4.v4_violations(_mutated(change), engine, r.severity)}
     assert rule in fired, fired
 
 
 def test_every_v4_rule_has_a_negative_case():
     covered = {(e, r) for e, r, _ in NEGATIVE}
-    assert covered == {(r.engine, r.name) for r in engines.V4_RULES}
+    assert covered == {(r.engine, r.name) for r in engines_v4.V4_RULES}
     # the stage count is the config's n_mtp_layers when it names one
-    named = engines.v4_violations(_mutated(lambda hf, t: _two_stages(hf, t, n_mtp=2)), "vllm")
+    named = engines_v4.v4_violations(_mutated(lambda hf, t: _two_stages(hf, t, n_mtp=2)), "vllm")
     assert "stage-count" not in {r.name for r, _ in named}
 
 
@@ -146,7 +146,7 @@ def test_sts_and_sps_files_travel_to_sglang(tmp_path, capsys):
     from dspark_jax.pipelines.calibrate import _save_draft_with_sts
     temps = [1.1, 1.2, 1.3, 1.4, 1.5]
     _save_draft_with_sts(SRC, tmp_path / "cal", temps)
-    assert checkpoint.sts_temperatures(tmp_path / "cal") == temps
+    assert formats.sts_temperatures(tmp_path / "cal") == temps
     (tmp_path / "sps.json").write_text(json.dumps({"batch_sizes": [4, 1, 2], "sps": [20.0, 40.0, 38.0]}))
     args = ["--target", str(SRC), "--sps", str(tmp_path / "sps.json")]
     assert cli.main(["export", str(tmp_path / "cal"), str(tmp_path / "sg"), "--engine", "sglang", *args]) == 0
@@ -155,12 +155,12 @@ def test_sts_and_sps_files_travel_to_sglang(tmp_path, capsys):
     assert json.loads((tmp_path / "sg" / engines.STS_FILE).read_text())["temperatures"] == temps
     assert json.loads((tmp_path / "sg" / engines.SPS_FILE).read_text()) == {
         "sample_batch_tokens": [6, 12, 24], "sample_steps_per_sec": [40.0, 38.0, 20.0], "max_batch_tokens": 24}
-    summary = engines.export_draft(tmp_path / "cal", tmp_path / "vl", "vllm", target=SRC, sps=tmp_path / "sps.json")
+    summary = export.export_draft(tmp_path / "cal", tmp_path / "vl", "vllm", target=SRC, sps=tmp_path / "sps.json")
     assert summary["sidecars"] == [] and "--sps is not written" in summary["warnings"][0]
     assert not (tmp_path / "vl" / engines.STS_FILE).exists() and not (tmp_path / "vl" / engines.SPS_FILE).exists()
     (tmp_path / "bad.json").write_text(json.dumps({"batch_sizes": [1, 2], "sps": [1.0]}))
     with pytest.raises(ConfigError, match="equal length"):
-        engines.export_draft(tmp_path / "cal", tmp_path / "bad", "sglang", target=SRC, sps=tmp_path / "bad.json")
+        export.export_draft(tmp_path / "cal", tmp_path / "bad", "sglang", target=SRC, sps=tmp_path / "bad.json")
     assert not (tmp_path / "bad").exists()
 
 
@@ -174,7 +174,7 @@ def export_into_fp8(tmp_path, engine="vllm"):
     _write_quantized(tmp_path / "q")
     cfg, params = _trained_module()
     dspark_v4.save_module(tmp_path / "module", cfg, params)
-    summary = engines.export_draft(tmp_path / "module", tmp_path / engine, engine, target=tmp_path / "q")
+    summary = export.export_draft(tmp_path / "module", tmp_path / engine, engine, target=tmp_path / "q")
     return (cfg, params), tmp_path / "q", tmp_path / engine, summary
 
 
@@ -187,7 +187,7 @@ def test_export_into_an_fp8_target_stores_the_module_as_its_layers(tmp_path):
     (cfg, params), q, dst, summary = export_into_fp8(tmp_path)
     assert summary["stored_dtypes"]["float8_e4m3fn"] > 0 and summary["stored_dtypes"]["int8"] > 0
     for engine in ("vllm", "sglang"):
-        assert engines.v4_violations(_facts(dst), engine) == [], engine
+        assert engines_v4.v4_violations(_facts(dst), engine) == [], engine
     got, target = safetensors_io.read_tensors(dst), safetensors_io.read_tensors(q)
     assert all(got[n].dtype == t.dtype and got[n].tobytes() == t.tobytes() for n, t in target.items())
     module, fmts = dspark_v4.module_tensors(cfg, params), {}
@@ -233,5 +233,5 @@ def test_fp8_export_refusals(tmp_path):
                                  "weight_block_size": [128, 128]}
     (tmp_path / "cfg" / "config.json").write_text(json.dumps(hf))
     with pytest.raises(ConfigError, match="module-storage"):
-        engines.export_draft(tmp_path / "cfg", tmp_path / "out", "vllm")
+        export.export_draft(tmp_path / "cfg", tmp_path / "out", "vllm")
     assert not (tmp_path / "out").exists()

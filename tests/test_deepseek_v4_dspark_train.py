@@ -56,7 +56,7 @@ def test_train_pipeline_then_export_into_the_target(tmp_path):
     each layer's output) gives the same losses; `export --engine vllm --target` writes the module
     into the target checkpoint."""
     from dspark_jax import cli
-    from dspark_jax.convert import engines, safetensors_io
+    from dspark_jax.convert import engines_v4, safetensors_io
     from dspark_jax.data.sample import sample_sequences, write_jsonl
     from train_tiny import tiny_config
     tcfg, tparams = checkpoint.load_target(PAIR)
@@ -79,8 +79,8 @@ def test_train_pipeline_then_export_into_the_target(tmp_path):
     assert cli.main(["export", str(tmp_path / "run" / "export"), str(dst), "--engine", "vllm",
                      "--target", str(PAIR)]) in (0, None)
     reader = safetensors_io.TensorReader(dst)
-    facts = engines.v4_facts(json.loads((dst / "config.json").read_text()), reader.infos)
-    assert engines.v4_violations(facts, "vllm") == []
+    facts = engines_v4.v4_facts(json.loads((dst / "config.json").read_text()), reader.infos)
+    assert engines_v4.v4_violations(facts, "vllm") == []
     _, trained = checkpoint.load_draft(tmp_path / "run" / "export")
     _, served = checkpoint.load_draft(dst)
     assert float(abs(served["main_proj"] - trained["main_proj"]).max()) == 0.0

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from dspark_jax import cli
-from dspark_jax.convert import checkpoint, quant
+from dspark_jax.convert import checkpoint, formats, quant
 from dspark_jax.params import Quant
 from test_deepseek_v4 import FIX
 
@@ -166,7 +166,7 @@ def test_mtp_tensors_are_kept_aside_byte_for_byte(tmp_path, capsys):
     assert "mtp." in capsys.readouterr().err
     assert cli.main(["convert", str(tmp_path / "jax"), str(tmp_path / "torch"), "--to", "torch"]) == 0
     for out in ("jax", "torch"):
-        with safe_open(str(tmp_path / out / checkpoint.ASIDE_NAME), "pt") as f:
+        with safe_open(str(tmp_path / out / formats.ASIDE_NAME), "pt") as f:
             assert sorted(f.keys()) == sorted(mtp)
             for k, v in mtp.items():
                 assert f.get_tensor(k).dtype == v.dtype and torch.equal(f.get_tensor(k).view(torch.uint8),

@@ -74,8 +74,8 @@ def test_training_data_is_target_continuations_of_train_split(quick_demo):
         assert row["input_ids"][1:n_prompt] == list(p["text"].encode())
         assert row["loss_mask"] == [0] * n_prompt + [1] * cfg.continuation_tokens
     from dspark_jax.data.eval_datasets import load_dataset
-    from dspark_jax.embedded import pretrain
-    _, heldout = pretrain.split_files(pretrain.stdlib_files(), pretrain.PretrainConfig().heldout_fraction)
+    from dspark_jax.embedded import corpus, pretrain
+    _, heldout = corpus.split_files(corpus.stdlib_files(), pretrain.PretrainConfig().heldout_fraction)
     used = {p["source"].rsplit(":", 1)[0] for p in prompts}
     assert used and not used & set(heldout)
     # the decoded prompts are the held-out ones
@@ -86,8 +86,8 @@ def test_training_data_is_target_continuations_of_train_split(quick_demo):
 
 
 def test_train_prompts_never_use_heldout_files():
-    from dspark_jax.embedded import pretrain
-    _, heldout = pretrain.split_files(pretrain.stdlib_files(), pretrain.PretrainConfig().heldout_fraction)
+    from dspark_jax.embedded import corpus, pretrain
+    _, heldout = corpus.split_files(corpus.stdlib_files(), pretrain.PretrainConfig().heldout_fraction)
     texts = train_prompt_texts(40, min_bytes=16, max_bytes=64, seed=3)
     assert len(texts) == 40
     assert all(16 <= len(t["text"].encode()) <= 64 for t in texts)
@@ -170,7 +170,7 @@ def test_report_has_both_tables_degeneracy_and_samples(quick_demo):
     assert "temperature 1 (headline" in text and "temperature 0 (greedy" in text
     assert "degen" in text and " ws" in text and "distinct-4-gram" in text
     # three continuations, each round's accepted draft span marked
-    from dspark_jax.pipelines.demo import SPAN_CLOSE, SPAN_OPEN
+    from dspark_jax.pipelines.demo_report import SPAN_CLOSE, SPAN_OPEN
     samples = report["samples"]
     assert len(samples) == cfg.num_samples == 3
     for smp in samples:
@@ -185,7 +185,7 @@ def test_report_has_both_tables_degeneracy_and_samples(quick_demo):
 
 def test_round_spans_mark_accepted_drafts_and_bonus():
     from dspark_jax.decode import Result
-    from dspark_jax.pipelines.demo import round_spans
+    from dspark_jax.pipelines.demo_report import round_spans
 
     ids = list(b"abcdefgh")
     # prefill token 'a'; round 1 accepts 2 drafts 'bc' + bonus 'd'; round 2 none + bonus 'e';

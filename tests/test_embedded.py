@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.convert.checkpoint import load_target
-from dspark_jax.embedded import default, pretrain
+from dspark_jax.embedded import corpus, default, pretrain
 from dspark_jax.errors import InputError
 from dspark_jax.target import qwen3
 from dspark_jax.tokenizer import ByteTokenizer, load_tokenizer
@@ -50,21 +50,21 @@ def test_shipped_layout(shipped):
 def test_shipped_heldout_split_is_reproducible(shipped):
     _, _, _, meta = shipped
     if (meta["data"]["python_version"] != platform.python_version()
-            or meta["data"]["stdlib_dir"] != str(pretrain.stdlib_dir())):
+            or meta["data"]["stdlib_dir"] != str(corpus.stdlib_dir())):
         pytest.skip("trained on a different Python's standard library")
-    train_files, held = pretrain.split_files(pretrain.stdlib_files(), meta["pretrain_config"]["heldout_fraction"])
+    train_files, held = corpus.split_files(corpus.stdlib_files(), meta["pretrain_config"]["heldout_fraction"])
     assert held == meta["data"]["heldout_files"] and not set(train_files) & set(held)
 
 
 def test_shipped_is_a_real_lm_on_heldout_files(shipped):
     """Re-measure bits/byte on held-out stdlib text: far below the 8 bits of a uniform byte guess."""
     _, cfg, params, meta = shipped
-    root = pretrain.stdlib_dir()
+    root = corpus.stdlib_dir()
     files = [f for f in meta["data"]["heldout_files"] if (root / f).is_file()][:40]
     if len(files) < 5:
         pytest.skip("held-out files are not in this Python's standard library")
-    stream, _ = pretrain.build_stream(root, files, ByteTokenizer())
-    windows = jnp.asarray(pretrain.eval_windows(stream, 4, 256))
+    stream, _ = corpus.build_stream(root, files, ByteTokenizer())
+    windows = jnp.asarray(corpus.eval_windows(stream, 4, 256))
     hidden, _, _ = qwen3.forward(params, cfg, windows[:, :-1])
     logits = qwen3.compute_logits(params, hidden)
     logp = jax.nn.log_softmax(logits, -1)
@@ -121,7 +121,7 @@ def _fake_stdlib(root):
 
 def test_pretrain_smoke(tmp_path):
     root = _fake_stdlib(tmp_path / "lib")
-    files = pretrain.stdlib_files(root)
+    files = corpus.stdlib_files(root)
     assert "test/test_skip.py" not in files and "pkg/mod0.py" in files
     pc = pretrain.PretrainConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                  num_attention_heads=2, num_key_value_heads=1, head_dim=16,
@@ -162,7 +162,7 @@ def test_sample_batch_chat_rows():
     tok = ByteTokenizer()
     stream = np.concatenate([[tok.bos_token_id], np.frombuffer(b"abcdefgh" * 40, np.uint8), [tok.eos_token_id]])
     rng = np.random.default_rng(0)
-    batch = pretrain.sample_batch(rng, stream.astype(np.int32), np.array([0]), tok, 8, 32, chat_fraction=1.0)
+    batch = corpus.sample_batch(rng, stream.astype(np.int32), np.array([0]), tok, 8, 32, chat_fraction=1.0)
     assert batch.shape == (8, 33)
     user, end, assistant = (tok.token_to_id(t) for t in ("<|user|>", "<|end|>", "<|assistant|>"))
     for row in batch:
@@ -218,13 +218,13 @@ def test_pretrain_time_bound_and_partial_checkpoints(tmp_path):
 
 def test_split_is_deterministic_and_disjoint():
     files = [f"m{i}.py" for i in range(200)]
-    a = pretrain.split_files(files, 0.1)
+    a = corpus.split_files(files, 0.1)
     train, held = a
-    r_train, r_held = pretrain.split_files(files[::-1], 0.1)  # membership does not depend on order
+    r_train, r_held = corpus.split_files(files[::-1], 0.1)  # membership does not depend on order
     assert set(r_train) == set(train) and set(r_held) == set(held)
     assert set(train) | set(held) == set(files) and not set(train) & set(held)
     assert 5 <= len(held) <= 40
-    assert pretrain.split_files(files, 0.1) == a
+    assert corpus.split_files(files, 0.1) == a
 
 
 def test_pretrain_cli_help_and_errors(capsys, tmp_path):

@@ -11,7 +11,7 @@ import warnings
 import numpy as np
 import pytest
 
-from dspark_jax.compiles import COMPILES
+from dspark_jax.costs.compiles import COMPILES
 from dspark_jax.decode import ThresholdPolicy, autoregressive_generate, engine, sharded, speculative_generate
 from dspark_jax.errors import ConfigError, InputError
 

@@ -10,7 +10,7 @@ import pytest
 
 import decode_pairs as testing
 from dspark_jax.decode import FullPolicy, ThresholdPolicy, engine, summarize
-from dspark_jax.decode import scheduler as S
+from dspark_jax.decode import scheduler as S, tables
 
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 
@@ -29,7 +29,7 @@ def pair():
 # Rounds/s at verification widths 1, 2, 3 (the pair's block size is 2), set so that the
 # width-aware scheduler's choice varies with the round's confidences: first rounds of the scored
 # requests verified 0, 1 and 2 drafts (214 / 3428 / 358 of 4000 when written).
-ROUNDS = S.RoundTable((1, SLOTS), (1, 2, 3), ((100.0, 65.0, 54.0), (100.0, 65.0, 54.0)))
+ROUNDS = tables.RoundTable((1, SLOTS), (1, 2, 3), ((100.0, 65.0, 54.0), (100.0, 65.0, 54.0)))
 
 
 def _policy(name):
@@ -37,7 +37,7 @@ def _policy(name):
         return FullPolicy()
     if name == "threshold":
         return ThresholdPolicy(0.5)
-    table = S.SPSTable((1, SLOTS, 3 * SLOTS), (1.0, 1.0, 0.4)) if name == "scheduler" else ROUNDS
+    table = tables.SPSTable((1, SLOTS, 3 * SLOTS), (1.0, 1.0, 0.4)) if name == "scheduler" else ROUNDS
     return S.make_policy("scheduler", table)
 
 

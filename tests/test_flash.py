@@ -1,4 +1,4 @@
-"""dspark_jax.flash: the flash-decoding kernel (Pallas interpret mode on CPU) against the XLA path of
+"""dspark_jax.kernels.flash: the flash-decoding kernel (Pallas interpret mode on CPU) against the XLA path of
 ``nn.attention`` / the drafter's block attention; its CUDA compile where the CUDA plugin is installed."""
 
 import functools
@@ -9,7 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dspark_jax import flash, hardware, hlo_cost, nn
+from dspark_jax import nn
+from dspark_jax.costs import hardware, hlo_cost
+from dspark_jax.kernels import flash, partials
 from dspark_jax.draft import backbone
 
 
@@ -70,7 +72,7 @@ def test_partials_and_empty_rows(interpreted):
     assert np.all(m[1, :, :, 2] == np.float32(nn.NEG_INF)) and not np.any(l[1, :, :, 2]) and not np.any(o[1, :, :, 2])
     scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32)
     block_vis = jnp.ones((b, 1, 1, nq, nq), bool).at[1, :, :, 2].set(False)
-    out, probs = flash.merge(o, m, l, scores, block_vis, 0.3)
+    out, probs = partials.merge(o, m, l, scores, block_vis, 0.3)
     assert not np.any(out[1, :, :, 2]) and not np.any(probs[1, :, :, 2])
     assert np.all(np.isfinite(out)) and np.all(np.isfinite(probs))
     empty = flash.cache_partials(qg, k_pre, v_pre, vis[..., :0], 0.3)             # S = 0: no kernel call
@@ -98,7 +100,7 @@ def test_dispatch_gradient_is_the_xla_paths():
     kernel = lambda x, y: jnp.sum(jnp.sin(x) * y) + 0.0 * jnp.sum(x)  # same values, its own (unused) grad
     x, y = jnp.arange(4.0), jnp.ones(4)
     with jax.default_device(jax.devices("cpu")[0]):
-        assert np.allclose(jax.grad(lambda x: flash.dispatch(xla, kernel, x, y))(x), np.cos(x))
+        assert np.allclose(jax.grad(lambda x: partials.dispatch(xla, kernel, x, y))(x), np.cos(x))
 
 
 def test_applies(monkeypatch):

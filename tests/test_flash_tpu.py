@@ -1,4 +1,4 @@
-"""The TPU flash-decoding kernel (``dspark_jax.flash_tpu``): its partials in Pallas interpret mode
+"""The TPU flash-decoding kernel (``dspark_jax.kernels.flash_tpu``): its partials in Pallas interpret mode
 against the XLA attention path, and a TPU-compiled decode round reading the stacked cache in place."""
 
 import dataclasses
@@ -8,7 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dspark_jax import flash_tpu, hardware, hlo_cost, nn
+from dspark_jax import nn
+from dspark_jax.costs import hardware, hlo_cost
+from dspark_jax.kernels import flash_tpu
 
 
 @pytest.mark.parametrize("nq, span, capacity, tile", [(1, 300, 384, 128), (3, 130, 136, None)])

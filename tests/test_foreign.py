@@ -22,7 +22,7 @@ from safetensors.numpy import load_file, save_file
 
 from dspark_jax.cli import main as cli_main
 from dspark_jax.config import DraftConfig, LossConfig
-from dspark_jax.convert import checkpoint, foreign, mapping
+from dspark_jax.convert import checkpoint, foreign, formats, mapping
 from dspark_jax.data import cache as cache_lib
 from dspark_jax.data import reference_cache
 from dspark_jax.data.sources import TokenSequences
@@ -125,7 +125,7 @@ def test_cli_convert_from_specforge(tmp_path, fixture):
     assert rc == 0
     got_cfg, params = checkpoint.load_draft(tmp_path / "ours")
     assert got_cfg == cfg.replace(num_anchors=512)
-    assert checkpoint.read_extras(tmp_path / "ours") == {"imported_from": "specforge"}
+    assert formats.read_extras(tmp_path / "ours") == {"imported_from": "specforge"}
     rc = cli_main(["convert", str(tmp_path / "sf"), str(tmp_path / "ours2"), "--from", "specforge"])
     assert rc == 2 and not (tmp_path / "ours2").exists()  # no embed_tokens / lm_head without --target
 

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from dspark_jax import hardware
+from dspark_jax.costs import hardware
 from dspark_jax.errors import InputError
 
 

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from dspark_jax import hardware, hlo_cost
+from dspark_jax.costs import hardware, hlo_cost
 
 L, INNER, H, B = 3, 2, 64, 4
 

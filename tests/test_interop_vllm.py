@@ -33,7 +33,7 @@ from vllm.config import (DeviceConfig, ModelConfig, ParallelConfig, SpeculativeC
 
 from dspark_jax.cli import main as cli_main  # noqa: E402
 from dspark_jax.config import DraftConfig  # noqa: E402
-from dspark_jax.convert import checkpoint, engines, mapping, safetensors_io  # noqa: E402
+from dspark_jax.convert import checkpoint, engines, export, mapping, safetensors_io  # noqa: E402
 from dspark_jax.draft import model as draft_model  # noqa: E402
 
 TINY = Path(__file__).parent / "fixtures" / "dspark_qwen3_tiny"
@@ -120,7 +120,7 @@ def test_layer_id_minus_1_is_served(vllm_env, tmp_path):
     src = checkpoint.save_draft(tmp_path / "src", cfg, draft_model.init_params(cfg, jax.random.key(1)),
                                 format="jax")
     dst = tmp_path / "vllm"
-    engines.export_draft(src, dst, "vllm")
+    export.export_draft(src, dst, "vllm")
     assert get_eagle3_aux_layers_from_config(spec_config(vllm_env, dst, cfg.block_size)) == (0, 3, 5)
     m = vllm_load(vllm_env, dst)
     want = load_file(str(dst / "model.safetensors"))["fc.weight"]
@@ -205,7 +205,7 @@ def test_gemma4_load_weights_every_tensor_lands(vllm_env, tmp_path):
     """The Gemma4 drafter builds on CPU; every exported tensor lands equal (gate/up fused),
     the confidence head included (vllm 0.33.0 loads it: no 'drops' warning in our rules)."""
     dst = tmp_path / "vllm"
-    engines.export_draft(G4 / "draft", dst, "vllm")
+    export.export_draft(G4 / "draft", dst, "vllm")
     cfg, _ = checkpoint.load_draft(G4 / "draft")
     assert engines.violations(cfg, "vllm", "warning") == []
     tensors = load_file(str(dst / "model.safetensors"))

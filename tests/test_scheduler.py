@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dspark_jax.decode import scheduler as S
+from dspark_jax.decode import scheduler as S, tables
 from dspark_jax.errors import ConfigError, InputError
 
 _schedule = jax.jit(S.schedule, static_argnums=(2, 3))
@@ -53,9 +53,9 @@ def is_unimodal(th):
 
 # Smoothly decaying capacity curves (SPS(B) for B = 1..64): flat-then-1/B and exponential.
 SMOOTH_TABLES = [
-    S.SPSTable(tuple(range(1, 65)), tuple(100.0 / max(1.0, b / 3.0) for b in range(1, 65))),
-    S.SPSTable(tuple(range(1, 65)), tuple(100.0 * np.exp(-0.25 * b) for b in range(1, 65))),
-    S.SPSTable(tuple(range(1, 65)), tuple(50.0 / (1 + 0.1 * b * b) for b in range(1, 65))),
+    tables.SPSTable(tuple(range(1, 65)), tuple(100.0 / max(1.0, b / 3.0) for b in range(1, 65))),
+    tables.SPSTable(tuple(range(1, 65)), tuple(100.0 * np.exp(-0.25 * b) for b in range(1, 65))),
+    tables.SPSTable(tuple(range(1, 65)), tuple(50.0 / (1 + 0.1 * b * b) for b in range(1, 65))),
 ]
 
 
@@ -83,7 +83,7 @@ def test_matches_brute_force_when_unimodal(shape):
 
 def test_inactive_rows_consume_no_budget():
     rng = np.random.default_rng(0)
-    table = S.SPSTable(tuple(range(1, 41)), tuple(100.0 / max(1.0, b / 8.0) for b in range(1, 41)))
+    table = tables.SPSTable(tuple(range(1, 41)), tuple(100.0 / max(1.0, b / 8.0) for b in range(1, 41)))
     conf = rng.uniform(0.3, 1.0, size=(6, 5)).astype(np.float32)
     active = np.array([True, False, True, True, False, True])
     full = np.asarray(_schedule(jnp.asarray(conf), jnp.asarray(active), table, "early_stop"))
@@ -102,7 +102,7 @@ def _admissions(fn, conf):
     return np.arange(1, conf.shape[1] + 1)[None, :] <= lengths[:, None]
 
 
-JAGGED = S.SPSTable((1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12),
+JAGGED = tables.SPSTable((1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12),
                     (10.0, 9.9, 9.8, 6.0, 5.9, 5.8, 5.7, 5.6, 5.55, 3.0, 2.9, 2.8))
 
 
@@ -129,7 +129,7 @@ def test_admission_never_depends_on_later_confidences(policy_name):
 
 def test_early_stop_is_what_keeps_it_causal():
     """Appendix A numbers: without the break the choice for x_1 depends on c_2 (i.e. on x_1)."""
-    table = S.SPSTable((1, 2, 3), (1.0, 0.5, 0.45))
+    table = tables.SPSTable((1, 2, 3), (1.0, 0.5, 0.45))
     active = jnp.ones(1, bool)
     for c2, retro in [(0.9, 2), (0.0, 0)]:
         conf = jnp.asarray([[0.8, c2]], jnp.float32)
@@ -170,7 +170,7 @@ def first_token_distribution(policy, state, p_t, p_d, c1, c2_table):
     return out
 
 
-APPENDIX_SPS = S.SPSTable((1, 2, 3), (1.0, 0.5, 0.45))
+APPENDIX_SPS = tables.SPSTable((1, 2, 3), (1.0, 0.5, 0.45))
 
 
 def test_appendix_a_counterexample():
@@ -235,29 +235,29 @@ def test_async_uses_old_capacity_and_current_ranking():
 
 
 def test_sps_table_interp_json_and_errors(tmp_path):
-    t = S.SPSTable((1, 4, 8), (10.0, 7.0, 4.0), meta={"device": "cpu"})
+    t = tables.SPSTable((1, 4, 8), (10.0, 7.0, 4.0), meta={"device": "cpu"})
     np.testing.assert_allclose(t([1, 2, 4, 6, 8, 16]), [10, 9, 7, 5.5, 4, 2])
     path = tmp_path / "sps.json"
     t.save(path)
     with pytest.raises(InputError, match="exists"):
         t.save(path)
-    t2 = S.SPSTable.load(path)
+    t2 = tables.SPSTable.load(path)
     assert t2 == t and hash(t2) == hash(t) and t2.meta["device"] == "cpu"
     assert json.loads(path.read_text())["batch_sizes"] == [1, 4, 8]
     with pytest.raises(ConfigError, match="increasing"):
-        S.SPSTable((2, 1), (1.0, 1.0))
+        tables.SPSTable((2, 1), (1.0, 1.0))
     with pytest.raises(ConfigError, match="> 0"):
-        S.SPSTable((1,), (0.0,))
+        tables.SPSTable((1,), (0.0,))
     bad = tmp_path / "bad.json"
     bad.write_text('{"batch_sizes": [1]}')
     with pytest.raises(InputError, match="sps"):
-        S.SPSTable.load(bad)
+        tables.SPSTable.load(bad)
     with pytest.raises(InputError, match="does not exist"):
-        S.SPSTable.load(tmp_path / "nope.json")
+        tables.SPSTable.load(tmp_path / "nope.json")
 
 
 def test_make_policy(tmp_path):
-    t = S.SPSTable((1, 2), (2.0, 1.5))
+    t = tables.SPSTable((1, 2), (2.0, 1.5))
     path = tmp_path / "s.json"
     t.save(path)
     assert isinstance(S.make_policy("scheduler", str(path)), S.PrefixScheduler)
@@ -278,7 +278,7 @@ def test_profile_sps_command(tmp_path, tiny_dir):
     assert main(["profile-sps", "--target", str(tiny_dir / "target"), "--out", str(out),
                  "--batch-sizes", "1,3", "--cache-length", "8", "--iters", "1",
                  "--min-seconds", "0", "--warmup", "1"]) == 0
-    table = S.SPSTable.load(out)
+    table = tables.SPSTable.load(out)
     assert table.batch_sizes == (1, 3) and all(s > 0 for s in table.sps)
     assert table.meta["cache_length"] == 8 and table.meta["model"]["num_hidden_layers"] == 6
     assert main(["profile-sps", "--target", str(tiny_dir / "target"), "--out", str(out)]) == 2
@@ -289,13 +289,13 @@ def test_profile_sps_command(tmp_path, tiny_dir):
     assert main(["profile-sps", "--target", str(tiny_dir / "target"), "--out", str(raw_out),
                  "--batch-sizes", "2", "--cache-length", "8", "--iters", "1", "--repeats", "2",
                  "--min-seconds", "0", "--warmup", "1", "--fit", "none"]) == 0
-    raw = S.SPSTable.load(raw_out)
+    raw = tables.SPSTable.load(raw_out)
     assert raw.meta["fit"] == "none" and raw.interp == "sps" and list(raw.sps) == raw.meta["raw_sps"]
     assert raw.batch_sizes == (2,) and raw.meta["repeats"] == 2
 
 
 def test_isotonic_fit():
-    from dspark_jax.decode.profile import isotonic_decreasing
+    from dspark_jax.decode.tables import isotonic_decreasing
     np.testing.assert_allclose(isotonic_decreasing([5, 4, 6, 3, 3.5, 1]), [5, 5, 5, 3.25, 3.25, 1])
     y = np.random.default_rng(0).normal(size=30)
     fit = isotonic_decreasing(y)
@@ -324,7 +324,7 @@ def _is_convex_nondecreasing(lat, tol=1e-9):
 def test_fit_gives_convex_nondecreasing_latency(method):
     for seed in range(6):
         sizes, sps = _noisy_table(seed)
-        table = S.fit_sps(sizes, sps, method, meta={"device": "x"})
+        table = tables.fit_sps(sizes, sps, method, meta={"device": "x"})
         assert table.interp == "latency" and table.meta["fit"] == method and table.meta["device"] == "x"
         np.testing.assert_allclose(table.meta["raw_sps"], sps)
         b = np.arange(1, 3 * sizes[-1])  # inside the measured range and extrapolated past it
@@ -339,39 +339,39 @@ def test_fit_recovers_linear_latency_and_other_methods():
     true = 0.8 + 0.05 * sizes
     noisy = true * np.random.default_rng(1).lognormal(0, 0.03, sizes.size)  # noise within +-4%
     for method in ("linear", "convex"):
-        t = S.fit_sps(sizes, 1.0 / noisy, method)
+        t = tables.fit_sps(sizes, 1.0 / noisy, method)
         np.testing.assert_allclose(t.latency(sizes), true, rtol=0.06)
-    t = S.fit_sps(sizes, 1.0 / true, "linear")
+    t = tables.fit_sps(sizes, 1.0 / true, "linear")
     np.testing.assert_allclose(t.latency(np.arange(1, 33)), 0.8 + 0.05 * np.arange(1, 33), rtol=1e-6)
     # past the largest size: never more optimistic than a constant token rate (2.4 s / 32 tokens)
     np.testing.assert_allclose(t.latency([40, 64]), [2.4 + 8 * 0.075, 4.8], rtol=1e-6)
     jag = (10.0, 9.9, 11.0, 6.0, 5.9)
-    none = S.fit_sps((1, 2, 3, 4, 5), jag, "none")
+    none = tables.fit_sps((1, 2, 3, 4, 5), jag, "none")
     assert none.sps == jag and none.interp == "sps"
-    mono = S.fit_sps((1, 2, 3, 4, 5), jag, "monotone")
+    mono = tables.fit_sps((1, 2, 3, 4, 5), jag, "monotone")
     assert mono.sps[0] == mono.sps[1] == mono.sps[2] == pytest.approx(10.3) and mono.interp == "sps"
     with pytest.raises(ConfigError, match="fit"):
-        S.fit_sps((1, 2), (1.0, 0.5), "cubic")
+        tables.fit_sps((1, 2), (1.0, 0.5), "cubic")
 
 
 def test_fitted_table_json_roundtrip_and_refit_on_load(tmp_path):
     sizes, sps = _noisy_table(11)
-    raw = S.fit_sps(sizes, sps, "none", meta={"device": "cpu"})
+    raw = tables.fit_sps(sizes, sps, "none", meta={"device": "cpu"})
     path = tmp_path / "raw.json"
     raw.save(path)
-    assert S.SPSTable.load(path) == raw
-    conv = S.SPSTable.load(path, fit="convex")
-    assert conv == S.fit_sps(sizes, sps, "convex") and conv != raw
+    assert tables.SPSTable.load(path) == raw
+    conv = tables.SPSTable.load(path, fit="convex")
+    assert conv == tables.fit_sps(sizes, sps, "convex") and conv != raw
     assert conv.meta["device"] == "cpu" and conv.meta["fit"] == "convex"
     conv.save(tmp_path / "conv.json")
-    again = S.SPSTable.load(tmp_path / "conv.json")
+    again = tables.SPSTable.load(tmp_path / "conv.json")
     assert again == conv and hash(again) == hash(conv) and again.interp == "latency"
     # refitting a fitted table starts from its raw measurements, not from the fit
     assert again.fitted("none") == raw and again.fitted("convex") == conv
     with pytest.raises(ConfigError, match="fit"):
-        S.SPSTable.load(path, fit="spline")
+        tables.SPSTable.load(path, fit="spline")
     with pytest.raises(ConfigError, match="interp"):
-        S.SPSTable((1,), (1.0,), interp="cubic")
+        tables.SPSTable((1,), (1.0,), interp="cubic")
 
 
 @jax.jit
@@ -388,7 +388,7 @@ def test_algorithm1_equals_brute_force_on_fitted_curves(method):
     rng = np.random.default_rng(5)
     for seed, shape in [(0, (1, 4)), (1, (2, 3)), (2, (3, 2)), (3, (3, 3)), (4, (2, 3))]:
         sizes, sps = _noisy_table(seed, n_max=16)
-        table = S.fit_sps(sizes, sps * 100, method)
+        table = tables.fit_sps(sizes, sps * 100, method)
         dense = jnp.asarray(table.dense(shape[0] * (shape[1] + 1) + 1))
         if seed == 0:  # the traced helper is the same computation as the public entry point
             conf = jnp.asarray(rng.uniform(0.3, 1.0, shape), jnp.float32)
@@ -408,7 +408,7 @@ def test_algorithm1_equals_brute_force_on_fitted_curves(method):
 
 def test_raw_noisy_curve_can_trap_the_early_stop():
     """Why fitting matters: on a raw curve with a false cliff Algorithm 1 stops at the cliff."""
-    table = S.SPSTable((1, 2, 3, 4, 5), (100.0, 40.0, 95.0, 93.0, 91.0))  # spike at B = 2
+    table = tables.SPSTable((1, 2, 3, 4, 5), (100.0, 40.0, 95.0, 93.0, 91.0))  # spike at B = 2
     conf = jnp.asarray([[0.99, 0.99, 0.99, 0.99]], jnp.float32)
     active = jnp.ones(1, bool)
     assert int(_schedule(conf, active, table, "early_stop")[0]) == 0

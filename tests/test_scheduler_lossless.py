@@ -13,7 +13,7 @@ import warnings
 import numpy as np
 import pytest
 
-from dspark_jax.decode import scheduler as S
+from dspark_jax.decode import scheduler as S, tables
 import decode_pairs as testing
 from dspark_jax.decode import speculative_generate, summarize
 
@@ -23,7 +23,7 @@ PROMPT = [1, 6, 2]
 N_TOKENS = 3
 N = 4000  # same batch as test_decode_lossless (shared prefill compile); power argument there
 # flat up to N tokens (one per request), then each extra verification token costs throughput
-SPS = S.SPSTable((1, N, 3 * N), (1.0, 1.0, 0.4))
+SPS = tables.SPSTable((1, N, 3 * N), (1.0, 1.0, 0.4))
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from safetensors import safe_open
 
 from dspark_jax.cli import main as cli_main
 from dspark_jax.config import DraftConfig
-from dspark_jax.convert import checkpoint, engines, mapping, safetensors_io
+from dspark_jax.convert import checkpoint, engines, export, mapping, safetensors_io
 from dspark_jax.draft import model
 from dspark_jax.errors import ConfigError
 
@@ -225,11 +225,11 @@ def test_export_passes_checker_or_is_refused(tmp_path, drafters, engine, head):
     reason = engines.check(cfg, engine)
     dst = tmp_path / "out"
     if reason is None:
-        engines.export_draft(src, dst, engine)
+        export.export_draft(src, dst, engine)
         CHECKERS[engine](dst)  # the engine's loader rules accept it
     else:
         with pytest.raises(ConfigError, match=f"{engine} rule"):
-            engines.export_draft(src, dst, engine)
+            export.export_draft(src, dst, engine)
         assert not dst.exists()
         naive_export(src, tmp_path / "naive", engine)
         with pytest.raises(Refused):  # and the engine's loader would indeed refuse it
@@ -339,7 +339,7 @@ def good_exports(tmp_path_factory):
     out = {}
     for engine in engines.ENGINES:
         out[engine] = root / engine
-        engines.export_draft(src, out[engine], engine, sps=sps)
+        export.export_draft(src, out[engine], engine, sps=sps)
         CHECKERS[engine](out[engine])
     return out
 
@@ -590,12 +590,12 @@ def test_gemma4_export_passes_checker_or_is_refused(tmp_path, g4_drafters, engin
     reason = engines.check(cfg, engine)
     dst = tmp_path / "out"
     if reason is None:
-        engines.export_draft(src, dst, engine)
+        export.export_draft(src, dst, engine)
         checker_for(dst, engine)(dst)
         assert all(stat.S_IMODE(f.stat().st_mode) == 0o644 for f in dst.iterdir())
     else:
         with pytest.raises(ConfigError, match=f"{engine} rule"):
-            engines.export_draft(src, dst, engine)
+            export.export_draft(src, dst, engine)
         assert not dst.exists()
         if engine in ("sglang", "sglang-jax"):  # no Gemma4 class: export_config itself refuses
             with pytest.raises(ConfigError, match="no gemma4"):
@@ -654,7 +654,7 @@ def g4_good_exports(tmp_path_factory):
     out = {}
     for engine in G4_BREAKS:
         out[engine] = root / engine
-        engines.export_draft(G4, out[engine], engine)
+        export.export_draft(G4, out[engine], engine)
         checker_for(out[engine], engine)(out[engine])
     return out
 

@@ -72,7 +72,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from dspark_jax.convert import bounded, checkpoint, safetensors_io
+    from dspark_jax.convert import bounded, checkpoint, formats, safetensors_io
     from dspark_jax.errors import InputError
     from dspark_jax.fileio import check_output
 
@@ -85,17 +85,16 @@ def run(args) -> int:
     if args.max_shard_size is not None:
         safetensors_io.parse_size(args.max_shard_size)  # fail fast on a bad size
     if args.from_format:
-        from dspark_jax.convert import foreign
         to = args.to or "jax"
-        foreign.convert_foreign(args.src, args.dst, args.from_format, target=args.target,
-                                num_target_layers=args.num_target_layers, to=to, force=args.force,
-                                dtype=args.dtype)
+        checkpoint.convert_foreign(args.src, args.dst, args.from_format, target=args.target,
+                                   num_target_layers=args.num_target_layers, to=to, force=args.force,
+                                   dtype=args.dtype)
         info = checkpoint.describe(args.dst)
         print(json.dumps({"event": "convert", "src": str(args.src), "src_format": args.from_format,
                           "dst": info["path"], "format": to, "kind": info["kind"],
                           "files": info["files"], "bytes": info["bytes"]}))
         return 0
-    src_format = checkpoint.detect_format(args.src)
+    src_format = formats.detect_format(args.src)
     if args.expert_dtype and not args.quantize:
         raise InputError("--expert-dtype goes with --quantize fp8")
     to = bounded.convert_bounded(args.src, args.dst, to=args.to, force=args.force, allow_pickle=args.allow_pickle,

@@ -33,7 +33,9 @@ def run_inspect(args) -> int:
         if not Path(source).is_dir():
             flag = "--tokenizer" if args.tokenizer else "--target"
             raise InputError(f"{flag} {str(source)!r} does not exist or is not a directory")
-        tokenizer = load_tokenizer(source, required=True)
+        # --tokenizer must hold one; a --target without one still reads token-id data (the ids
+        # are shown as numbers), chat rows then need a tokenizer (one line from inspect_data)
+        tokenizer = load_tokenizer(source, required=bool(args.tokenizer))
     info = inspect_data(args.file, tokenizer=tokenizer, fmt=args.format, thinking=args.thinking,
                         max_length=args.max_length, sample_rows=args.rows)
     print(report(info, color=sys.stdout.isatty()))

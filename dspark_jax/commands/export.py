@@ -54,12 +54,12 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from dspark_jax.convert import engines
+    from dspark_jax.convert import export
     from dspark_jax.fileio import check_output
 
     check_output(args.dst, force=args.force, kind="dir", flag="DST",
                  inputs={"DRAFT": args.draft, "--sps": args.sps, "--target": args.target})
-    summary = engines.export_draft(args.draft, args.dst, args.engine, force=args.force, sps=args.sps,
+    summary = export.export_draft(args.draft, args.dst, args.engine, force=args.force, sps=args.sps,
                                    target=args.target)
     print(f"wrote {args.engine} drafter ({summary['architecture']}, {summary['tensors']} tensors, "
           f"{summary['bytes']} bytes{', ' + ', '.join(summary['sidecars']) if summary['sidecars'] else ''}) "

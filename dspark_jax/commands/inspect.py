@@ -24,7 +24,7 @@ def describe_draft(path) -> dict:
 
     import numpy as np
 
-    from dspark_jax.convert import checkpoint, engines, mapping
+    from dspark_jax.convert import checkpoint, engines, formats, mapping
 
     p = Path(path)
     cfg, params = checkpoint.load_draft(p)
@@ -32,7 +32,7 @@ def describe_draft(path) -> dict:
     shapes = mapping.draft_tensor_shapes(cfg)
     itemsize = np.dtype(next(iter(_leaves(params))).dtype).itemsize
     nbytes = int(sum(int(np.prod(s)) for s in shapes.values()) * itemsize)
-    extras = checkpoint.read_extras(p)
+    extras = formats.read_extras(p)
     sidecars = {}
     if extras.get("sts_temperatures") is not None:
         sidecars["sts_temperatures"] = [round(float(t), 4) for t in extras["sts_temperatures"]]
@@ -46,7 +46,7 @@ def describe_draft(path) -> dict:
         per_engine[engine] = {"loadable": why is None, "why_not": why, "notes": notes,
                               "checked": engines.checked_against(engine, f.family) or ["read"]}
     arch = (cfg.to_hf().get("architectures") or ["?"])[0]
-    return {"path": str(p), "format": checkpoint.detect_format(p), "family": f.family, "architecture": arch,
+    return {"path": str(p), "format": formats.detect_format(p), "family": f.family, "architecture": arch,
             "head": f.head, "markov_rank": f.markov_rank, "confidence_head": f.enable_confidence_head,
             "target_layer_ids": list(f.target_layer_ids), "num_target_layers": f.num_target_layers,
             "block_size": f.block_size, "mask_token_id": f.mask_token_id,
@@ -60,8 +60,8 @@ def _leaves(tree):
 
 
 def run(args) -> int:
-    from dspark_jax.convert import checkpoint
-    if checkpoint.detect_kind(args.ckpt) == "target":
+    from dspark_jax.convert import formats
+    if formats.detect_kind(args.ckpt) == "target":
         return _print_target(args)
     info = describe_draft(args.ckpt)
     if args.json:

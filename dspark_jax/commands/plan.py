@@ -157,7 +157,7 @@ def _mesh(args, mesh_spec, devices=None):
 def _projection(plan, mode, hw, tcfg, target_cfg, draft_cfg, micro: int, devices: int) -> dict:
     """The compiled program's roofline on ``hw``'s chip; a train step's with tokens/s per chip and MFU
     (analytic model flops of the micro-batch's sequences, spread over the chips)."""
-    from dspark_jax import flops
+    from dspark_jax.costs import flops
     from dspark_jax.pipelines import plan as plan_lib
 
     if mode not in ("online", "cache"):
@@ -178,7 +178,7 @@ def _print_program(plan, sizes: dict, hw=None, proj=None) -> None:
               "inside the temporaries, summed, not all live at once; not made on GPU/TPU)")
     print(f"  {'donated (aliased)':<22}{_mib(plan.alias_bytes)}\n  {'peak estimate':<22}{_mib(plan.peak_bytes)}")
     if hw is not None:
-        from dspark_jax import hardware
+        from dspark_jax.costs import hardware
         verdict = "fits" if hardware.fits(plan.peak_bytes, hw.chip) else "DOES NOT FIT"
         print(f"  {verdict} in {hw.chip.name}'s {_mib(hw.chip.hbm_bytes).strip()} of HBM")
     if proj is not None:
@@ -239,7 +239,7 @@ def run(args) -> int:
     _check_args(args)
     hw = devices = None
     if args.hardware:
-        from dspark_jax import hardware
+        from dspark_jax.costs import hardware
         hw = hardware.parse(args.hardware)
         if args.devices is not None:
             raise InputError("--devices simulates CPU devices; --hardware brings its own: give one of them")

@@ -34,9 +34,9 @@ import numpy as np
 
 from dspark_jax import families
 from dspark_jax import params as params_lib
-from dspark_jax.convert import checkpoint as ckpt
-from dspark_jax.convert import quant, safetensors_io
+from dspark_jax.convert import formats, quant, safetensors_io
 from dspark_jax.errors import CheckpointError, InputError, warn
+from dspark_jax.fileio import atomic_dir
 
 
 WRITES_IN_FLIGHT = 8  # jax output: unit writes tensorstore may hold (a copy each) while earlier ones commit
@@ -74,12 +74,12 @@ class TorchSource:
     dequantized, in our leaf dtype."""
 
     def __init__(self, p: Path, kind: str, allow_pickle: bool = False):
-        hf, cfg, self.reader, self.names, self.infos, self.stored = ckpt.validated_torch(kind, p, allow_pickle=allow_pickle)
+        hf, cfg, self.reader, self.names, self.infos, self.stored = formats.validated_torch(kind, p, allow_pickle=allow_pickle)
         self.source_config = cfg
         if params_lib.quantized(families.declare(cfg)):  # the params are unquantized: so is the config written
             hf = {k: v for k, v in hf.items() if k not in ("quantization_config", "expert_dtype")}
             cfg = cfg.dequantized()
-        self.config, self.hf = cfg, ckpt._text_config(hf)
+        self.config, self.hf = cfg, formats.text_config(hf)
         self.extras = (hf.get("dspark_jax") or {}).get("extras") or {}
         self.specs = families.declare(cfg)
 
@@ -101,14 +101,14 @@ class JaxSource:
 
     def __init__(self, p: Path, kind: str, allow_pickle: bool = False):
         import orbax.checkpoint as ocp
-        meta = ckpt._read_meta(p)
+        meta = formats.read_meta(p)
         if meta["kind"] != kind:
-            raise CheckpointError(f"{p / ckpt.META_NAME}: field 'kind' is {meta['kind']!r}, not {kind!r}")
+            raise CheckpointError(f"{p / formats.META_NAME}: field 'kind' is {meta['kind']!r}, not {kind!r}")
         self.hf = meta["config"]
-        self.config = self.source_config = ckpt._config_from_hf(kind, self.hf, f"{p / ckpt.META_NAME} 'config'", p)
+        self.config = self.source_config = formats.config_from_hf(kind, self.hf, f"{p / formats.META_NAME} 'config'", p)
         self.extras = meta.get("extras") or {}
         self.specs = families.declare(self.config)
-        self.params_dir = (p / ckpt.PARAMS_DIR).absolute()
+        self.params_dir = (p / formats.PARAMS_DIR).absolute()
         if not self.params_dir.is_dir():
             raise CheckpointError(f"{self.params_dir}: params directory is missing")
         with ocp.StandardCheckpointer() as ckptr:
@@ -116,8 +116,8 @@ class JaxSource:
                 stored = ckptr.metadata(self.params_dir).item_metadata.tree
             except Exception as e:
                 raise CheckpointError(f"{self.params_dir}: cannot read orbax metadata ({e})") from e
-        ckpt.check_params(self.config, stored, str(self.params_dir))
-        self.dtypes = {k: np.dtype(v.dtype) for k, v in ckpt._flat(stored).items()}
+        formats.check_params(self.config, stored, str(self.params_dir))
+        self.dtypes = {k: np.dtype(v.dtype) for k, v in formats.flat_params(stored).items()}
         self._stores = {}
 
     def dtype(self, unit: _Unit) -> np.dtype:
@@ -140,7 +140,7 @@ class JaxSource:
 def open_source(p: Path, kind: str, *, allow_pickle: bool = False):
     """The checkpoint directory ``p`` (either format) as a source of units, validated from its
     headers / orbax metadata (no tensor data read; pickled weights only with ``allow_pickle``)."""
-    return (TorchSource if ckpt.detect_format(p) == "torch" else JaxSource)(Path(p), kind, allow_pickle)
+    return (TorchSource if formats.detect_format(p) == "torch" else JaxSource)(Path(p), kind, allow_pickle)
 
 
 def _leaf_spec(params_dir: Path, path: tuple) -> dict:
@@ -249,7 +249,7 @@ def _write_jax(tmp: Path, src, units, dtypes, *, stats, finite) -> None:
 
     leaf_dtype = {u.path: dtypes[u.name] for u in units}
     placeholder = {path: jnp.zeros((1,) * len(spec.shape), leaf_dtype[path]) for path, spec in src.specs.items()}
-    params_dir = (tmp / ckpt.PARAMS_DIR).absolute()
+    params_dir = (tmp / formats.PARAMS_DIR).absolute()
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(params_dir, traverse_util.unflatten_dict(placeholder))
         ckptr.wait_until_finished()
@@ -280,9 +280,9 @@ def _write_jax(tmp: Path, src, units, dtypes, *, stats, finite) -> None:
     float_dtypes = {d for p, d in leaf_dtype.items() if "/".join(p) not in fixed}
     hf["dtype"] = float_dtypes.pop().name if len(float_dtypes) == 1 else "float32"
     hf.pop("torch_dtype", None)
-    meta = {"format": "dspark-jax", "version": ckpt.FORMAT_VERSION, "kind": families.for_config(src.config).kind,
+    meta = {"format": "dspark-jax", "version": formats.FORMAT_VERSION, "kind": families.for_config(src.config).kind,
             "dtype": hf["dtype"], "config": hf, "extras": dict(src.extras)}
-    (tmp / ckpt.META_NAME).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    (tmp / formats.META_NAME).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
 
 # --------------------------------------------------------------------------- the conversion
@@ -294,7 +294,7 @@ def convert_bounded(src, dst, *, to: str | None = None, force: bool = False, all
     written. ``quantize="fp8"`` (torch output only): FP8 weights with ue8m0 128x128 block scales,
     routed experts in ``expert_dtype`` (default: the source config's, else "fp4" as released)."""
     src_p, dst_p = Path(src), Path(dst)
-    src_fmt = ckpt.detect_format(src_p)
+    src_fmt = formats.detect_format(src_p)
     to = to or ("jax" if src_fmt == "torch" else "torch")
     if to not in ("torch", "jax"):
         raise InputError(f"--to {to!r} is unknown; expected 'torch' or 'jax'")
@@ -302,9 +302,9 @@ def convert_bounded(src, dst, *, to: str | None = None, force: bool = False, all
         raise InputError("--quantize writes a PyTorch checkpoint: pass --to torch")
     if src_p.absolute().resolve() == dst_p.absolute().resolve():
         raise InputError(f"{dst_p}: destination is the source directory")
-    kind = ckpt.detect_family(src_p).kind
+    kind = formats.detect_family(src_p).kind
     source = open_source(src_p, kind, allow_pickle=allow_pickle)
-    cast = ckpt._np_dtype(dtype)
+    cast = formats.np_dtype(dtype)
     out_config, qplan = _quantized(source.config, quantize,
                                    expert_dtype or getattr(source.source_config, "expert_dtype", None) or "fp4")
     units = _units(source.specs)
@@ -320,14 +320,14 @@ def convert_bounded(src, dst, *, to: str | None = None, force: bool = False, all
                                       "(pass --allow-nonfinite to convert it unchanged)")
 
     family = families.for_config(source.config)
-    with ckpt.atomic_dir(dst_p, force=force) as tmp:
+    with atomic_dir(dst_p, force=force) as tmp:
         if to == "torch":
             _write_torch(tmp, source, units, dtypes, config=out_config, qplan=qplan, max_shard_size=max_shard_size,
                          stats=stats, finite=finite)
         else:
             _write_jax(tmp, source, units, dtypes, stats=stats, finite=finite)
-        ckpt._write_aside(tmp, src_p, family)
-        for name in ckpt.SIDECAR_FILES:
+        formats.write_aside(tmp, src_p, family)
+        for name in formats.SIDECAR_FILES:
             if (src_p / name).is_file() and not (tmp / name).exists():
                 shutil.copy2(src_p / name, tmp / name)
     if bad:

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from dspark_jax import families
-from dspark_jax.convert import checkpoint as ckpt
+from dspark_jax.convert import formats
 from dspark_jax.convert import bounded, safetensors_io
 
 
@@ -45,7 +45,7 @@ def _stored(source, family) -> dict:
         scales = {np.dtype(infos[source.names[s.scale]].dtype).name for s in source.stored.values()}
         n = len(infos)
     else:
-        file = source.params_dir.parent / ckpt.ASIDE_NAME
+        file = source.params_dir.parent / formats.ASIDE_NAME
         infos = safetensors_io.TensorReader._headers(file) if file.is_file() else {}
         aside, found, scales = list(infos), {}, set()
         dtypes, n = Counter(d.name for d in source.dtypes.values()), len(source.dtypes)
@@ -61,7 +61,7 @@ def describe_target(path) -> dict:
     p = Path(path)
     source = bounded.open_source(p, "target")
     cfg, family = source.source_config, families.for_config(source.source_config)
-    info = {"path": str(p), "format": ckpt.detect_format(p), "kind": family.kind, "family": family.name,
+    info = {"path": str(p), "format": formats.detect_format(p), "kind": family.kind, "family": family.name,
             "architecture": (cfg.to_hf().get("architectures") or ["?"])[0],
             "layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
             "params": _param_counts(cfg), **_stored(source, family)}

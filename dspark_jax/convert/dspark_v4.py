@@ -13,7 +13,6 @@ head are the target's: neither is read nor written as part of the module.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import os
@@ -23,13 +22,15 @@ from typing import Mapping
 
 import numpy as np
 
+from dspark_jax import families
 from dspark_jax import params as params_lib
 from dspark_jax.convert import mapping, quant, safetensors_io
-from dspark_jax.convert.checkpoint import read_extras, read_json_object, sts_temperatures
+from dspark_jax.convert.formats import read_json_object
 from dspark_jax.draft import deepseek_v4 as _dv4
+from dspark_jax.draft import deepseek_v41 as dv41
 from dspark_jax.draft.deepseek_v4 import KEYS, DeepseekV4DSparkConfig
 from dspark_jax.draft.deepseek_v4 import with_target  # noqa: F401 (load_draft's, beside load_module)
-from dspark_jax.errors import CheckpointError, ConfigError
+from dspark_jax.errors import CheckpointError
 from dspark_jax.fileio import atomic_dir
 
 PREFIX = "mtp."
@@ -38,7 +39,6 @@ PREFIX = "mtp."
 def _kind(hf: Mapping):
     """The draft module (``draft.deepseek_v4`` or ``draft.deepseek_v41``) whose DSpark keys ``hf``
     carries (V4: top level; V4.1: in ``text_config``), None when it carries none."""
-    from dspark_jax.draft import deepseek_v41 as dv41
     text = hf.get("text_config")
     if isinstance(text, Mapping) or hf.get("model_type") == "deepseek_v41_text":
         return dv41 if all((text or hf).get(k) is not None for k in dv41.KEYS) else None
@@ -61,7 +61,6 @@ def _with_module(hf: Mapping, cfg) -> dict:
 
 def _specs(cfg, shared: bool):
     """``declare`` (with the shared embed / head) or ``module_specs`` of ``cfg``'s module."""
-    from dspark_jax.draft import deepseek_v41 as dv41
     mod = dv41 if isinstance(cfg, dv41.DeepseekV41DSparkConfig) else _dv4
     return mod.declare(cfg) if shared else mod.module_specs(cfg)
 
@@ -150,7 +149,6 @@ def storage_plan(src, infos: Mapping, names) -> dict[str, quant.Quant]:
     target's expert dtype, e.g. MXFP4); not in the plan (float) where the target's are float or
     it has no such tensor. CheckpointError when the target's layers store one tensor in more than
     one format (then no format is the target's)."""
-    from dspark_jax import families
     hf = read_json_object(Path(src) / "config.json", "config.json")
     declared = params_lib.quantized(families.declare(families.for_hf(hf).config_from_hf(hf)))
     formats: dict[str, set] = {}
@@ -238,51 +236,3 @@ def _write(s: Path, dst, hf: Mapping, cfg: DeepseekV4DSparkConfig, tensors: Mapp
             (tmp / name).write_text(text)
     return Path(dst)
 
-
-def export(draft, dst, engine: str, *, target=None, force: bool = False, sps: Mapping | None = None) -> dict:
-    """``dspark-jax export`` of a V4 DSpark module: the V4 checkpoint ``target`` (default ``draft``
-    itself, when it is a whole V4 checkpoint) with its module replaced by ``draft``'s
-    (``write_checkpoint``), refused with the engine's rule (``engines.V4_RULES``) before anything is
-    written when the engine could not load the result. For SGLang, beside it the STS file (when
-    ``draft`` carries calibrated temperatures) and the SPS file of ``sps`` (a profile-sps table
-    {batch_sizes, sps}), as for the Qwen3 drafters; vLLM reads neither. Returns a summary."""
-    from dspark_jax.convert import engines
-
-    cfg, params = load_module(draft)
-    src = Path(target) if target is not None else Path(draft)
-    reader = safetensors_io.TensorReader(src)
-    shared = {s.torch for s in _specs(cfg, True).values() if not s.torch.startswith(PREFIX)}
-    if all(n.startswith(PREFIX) or n in shared for n in reader.infos):
-        raise CheckpointError(f"{src}: holds the DSpark module but not its target's layers; pass --target "
-                              f"(the V4 checkpoint it is written into)")
-    src_hf = _target_config(src, cfg)
-    tensors = stored_module(cfg, params, src, reader.infos)
-    hf = {**src_hf, **cfg.hf_fields()}
-    names = {n: i.dtype for n, i in reader.infos.items() if not n.startswith(PREFIX)}
-    names.update({n: t.dtype for n, t in tensors.items()})
-    facts = engines.v4_facts(hf, names)
-    why = engines.v4_check(facts, engine)
-    if why:
-        raise ConfigError(f"{draft}: cannot export for {why}")
-    sidecars = {}
-    temps = sts_temperatures(draft)
-    if temps is not None and engine == "sglang":  # SGLang's STS calibration file, as for Qwen3 drafters
-        if len(temps) != cfg.block_size:
-            raise ConfigError(f"{draft}: extras['sts_temperatures'] has {len(temps)} entries, "
-                              f"dspark_block_size is {cfg.block_size}")
-        sidecars[engines.STS_FILE] = json.dumps(engines.sts_sidecar(temps, read_extras(draft).get("sts_report")),
-                                                indent=1) + "\n"
-    notes = []
-    if sps is not None:
-        table = engines.sps_sidecar(sps, cfg.block_size)  # validated for every engine
-        if engine == "sglang":  # its planner's cost table (dspark_components/dspark_sps.py)
-            sidecars[engines.SPS_FILE] = json.dumps(table, indent=1) + "\n"
-        else:
-            notes.append(f"{engine} reads no SPS file: --sps is not written")
-    _write(src, dst, src_hf, cfg, tensors, reader, force, sidecars)
-    return {"event": "export", "engine": engine, "src": str(draft), "target": str(src), "dst": str(dst),
-            "architecture": hf["architectures"][0], "tensors": len(tensors),
-            "bytes": int(sum(t.nbytes for t in tensors.values())), "dtype": str(params["main_norm"].dtype),
-            "stored_dtypes": dict(sorted(collections.Counter(np.dtype(t.dtype).name for t in tensors.values()).items())),
-            "sidecars": sorted(sidecars), "warnings": notes + [f"{engine} will load it with a limitation: {why} [{r.source}]"
-                                                 for r, why in engines.v4_violations(facts, engine, "warning")]}

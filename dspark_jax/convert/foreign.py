@@ -48,7 +48,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from dspark_jax.config import DraftConfig
-from dspark_jax.convert.checkpoint import read_json_object
+from dspark_jax.convert.formats import read_json_object
 from dspark_jax.errors import CheckpointError, ConfigError
 
 FORMATS = ("specforge", "speculators")
@@ -232,21 +232,6 @@ def load_foreign(path, fmt: str | None = None, *, target=None, num_target_layers
         want = np.dtype(tensors[next(k for k in tensors if k.startswith("fc"))].dtype)
         ref = {k: (t if np.dtype(t.dtype) == want else t.astype(want)) for k, t in ref.items()}
     return cfg, mapping.draft_from_torch(cfg, ref), ref_hf
-
-
-def convert_foreign(src, dst, fmt: str | None = None, *, target=None, num_target_layers=None,
-                    to: str = "jax", force: bool = False, dtype=None) -> Path:
-    """Import a foreign drafter and save it in our format (or the reference torch layout)."""
-    import jax
-    import jax.numpy as jnp
-
-    from dspark_jax.convert import checkpoint
-
-    cfg, params, _ = load_foreign(src, fmt, target=target, num_target_layers=num_target_layers)
-    if dtype is not None:
-        params = jax.tree.map(lambda a: np.asarray(jnp.asarray(a, dtype)), params)
-    return checkpoint.save_draft(dst, cfg, params, format=to, force=force,
-                                 extras={"imported_from": fmt or detect(src)})
 
 
 # --------------------------------------------------------------------------- exports back

@@ -42,7 +42,8 @@ def iter_rows(path, fmt: str, tokenizer=None, *, thinking: bool | None = None
 
     if fmt == "chat":
         if tokenizer is None:
-            raise InputError("chat data needs a tokenizer (--tokenizer DIR or --target DIR)")
+            raise InputError(f"{path}: chat data needs a tokenizer (--tokenizer DIR, or a --target DIR "
+                             "that has one)")
         yield from iter_chat_rows(path, tokenizer, thinking=thinking)
         return
     vocab = len(tokenizer) if tokenizer is not None else None

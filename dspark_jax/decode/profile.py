@@ -29,7 +29,7 @@ round-robin over all sizes, each pass timing one chunk of at least ``iters`` cal
 processes only ever slow a chunk down), and interleaving the passes spreads a busy spell of
 the machine over all sizes instead of carving a false cliff into a few neighbouring ones.
 
-``fit`` (see ``dspark_jax.decode.scheduler``, default ``"convex"``) turns the measurements
+``fit`` (see ``dspark_jax.decode.tables``, default ``"convex"``) turns the measurements
 into the stored curve: ``none``, ``monotone`` (isotonic SPS), ``linear`` (latency a + b*B) or
 ``convex`` (non-decreasing convex piecewise-linear latency). Raw values: ``meta["raw_sps"]``.
 """
@@ -47,7 +47,7 @@ import numpy as np
 
 from dspark_jax import families, runtime, sampling
 from dspark_jax.config import TargetConfig
-from dspark_jax.decode.scheduler import DEFAULT_FIT, FITS, SPSTable, fit_sps, isotonic_decreasing  # noqa: F401
+from dspark_jax.decode.tables import DEFAULT_FIT, FITS, SPSTable, fit_sps
 from dspark_jax.errors import InputError
 from dspark_jax.decode import sharded
 
@@ -272,6 +272,75 @@ def _time_rounds(sizes, ws, prefill, reset, chunk, rounds, warmup, repeats, min_
     return np.minimum.accumulate(lat[::-1], axis=0)[::-1], raw
 
 
+def _round_sizes(target_cfg, draft_cfg, batch_sizes, cache_length, widths, rounds, warmup, repeats):
+    """(widths, sorted slot counts, cache capacity) of a round table: the compiled widths
+    ``shapes.verify_widths(G, widths)`` and a capacity holding ``cache_length`` positions plus
+    ``rounds + 1`` rounds of G + 1 tokens. InputError on bad sizes or a cache past the pair's
+    positions."""
+    from dspark_jax.decode import shapes
+
+    g = draft_cfg.block_size
+    ws = shapes.verify_widths(g, widths)
+    sizes = sorted(set(int(b) for b in batch_sizes))
+    if not sizes or sizes[0] < 1:
+        raise InputError(f"batch sizes must be positive ints, got {list(batch_sizes)}")
+    if rounds < 1 or warmup < 0 or repeats < 1:
+        raise InputError("rounds and repeats must be >= 1, warmup >= 0")
+    max_len = shapes.round_up(cache_length + (g + 1) * (rounds + 1), shapes.CACHE_BUCKET)
+    max_pos = min(target_cfg.max_position_embeddings, draft_cfg.max_position_embeddings)
+    if cache_length < 1 or max_len > max_pos:
+        raise InputError(f"cache length {cache_length} + {rounds} rounds of {g + 1} tokens needs "
+                         f"{max_len} positions; the pair has {max_pos}")
+    return ws, sizes, max_len
+
+
+def _replicate(mesh):
+    """x -> x placed whole on every device of ``mesh`` (the identity without a mesh)."""
+    if mesh is None:
+        return lambda x: x
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return lambda x: jax.device_put(x, whole)
+
+
+def _round_steps(prog, tp, dp, static, target_cfg, draft_cfg, mesh, cache_length, rounds, max_len):
+    """(prefill, reset, chunk) of the decode program ``prog`` for ``_time_rounds``:
+    ``prefill(B)`` a state of B random prompts of ``cache_length`` tokens; ``reset(state, B, w)``
+    every row rewound to that length with the forced width w; ``chunk(state)`` ``rounds`` rounds."""
+    from dspark_jax.decode import shapes
+
+    g = draft_cfg.block_size
+    rep = _replicate(mesh)
+    temp = rep(jnp.float32(sampling.GREEDY_EPS))
+    stop = rep(jnp.full((shapes.MAX_STOP_IDS,), -1, jnp.int32))
+    conf_t = rep(jnp.ones((g,), jnp.float32))
+    steps, until = rep(np.int32(rounds)), rep(np.bool_(False))
+    pre = dataclasses.replace(static, policy=None)
+    rng = np.random.default_rng(0)
+
+    def prefill(b):
+        if mesh is not None:
+            sharded.check_mesh(mesh, target_cfg, draft_cfg, b)
+        prompts = rng.integers(0, target_cfg.vocab_size, (b, cache_length)).astype(np.int32)
+        lens = np.full((b,), cache_length, np.int32)
+        budget = np.full((b,), (g + 1) * (rounds + 1), np.int32)
+        return prog.spec.prefill(tp, dp, prog.place(prompts), prog.place(lens),
+                                 prog.place(np.ones((b,), bool)), rep(jax.random.PRNGKey(0)), temp,
+                                 stop, static=pre, max_len=max_len, max_new=prog.place(budget))
+
+    def reset(state, b, w):
+        pos = np.full((b,), cache_length, np.int32)
+        # Timing only: a cache told it holds cache_length positions again (a family with folded
+        # state would be corrupted by this, but the round's cost does not depend on its values).
+        return state.replace(pos=prog.place(pos), active=prog.place(np.ones((b,), bool)),
+                             cache=state.cache.replace(lengths=prog.place(pos)),
+                             policy_state=rep(jnp.int32(w - 1)))
+
+    def chunk(state):
+        return prog.spec.chunk(tp, dp, state, temp, stop, conf_t, steps, until, static=static)
+
+    return prefill, reset, chunk
+
+
 def measure_rounds(
     target_cfg: TargetConfig,
     target_params: dict,
@@ -289,71 +358,31 @@ def measure_rounds(
     meta: dict | None = None,
     progress: Callable[[int, int, float], None] | None = None,
 ):
-    """Round table (``scheduler.RoundTable``) of the decode program for ``batch_sizes`` slot counts
+    """Round table (``tables.RoundTable``) of the decode program for ``batch_sizes`` slot counts
     at widths ``shapes.verify_widths(G, widths)``, from a cache of ``cache_length`` positions.
 
     ``progress(B, w, rps)`` is called per (B, w) after the last pass. InputError on bad sizes or
     a cache that does not fit."""
-    from dspark_jax.decode import programs, shapes
+    from dspark_jax.decode import programs
     from dspark_jax.decode.state import DecodeStatic
-    from dspark_jax.decode.scheduler import RoundTable
+    from dspark_jax.decode.tables import RoundTable
 
-    g = draft_cfg.block_size
-    ws = shapes.verify_widths(g, widths)
-    sizes = sorted(set(int(b) for b in batch_sizes))
-    if not sizes or sizes[0] < 1:
-        raise InputError(f"batch sizes must be positive ints, got {list(batch_sizes)}")
-    if rounds < 1 or warmup < 0 or repeats < 1:
-        raise InputError("rounds and repeats must be >= 1, warmup >= 0")
-    max_len = shapes.round_up(cache_length + (g + 1) * (rounds + 1), shapes.CACHE_BUCKET)
-    max_pos = min(target_cfg.max_position_embeddings, draft_cfg.max_position_embeddings)
-    if cache_length < 1 or max_len > max_pos:
-        raise InputError(f"cache length {cache_length} + {rounds} rounds of {g + 1} tokens needs "
-                         f"{max_len} positions; the pair has {max_pos}")
+    ws, sizes, max_len = _round_sizes(target_cfg, draft_cfg, batch_sizes, cache_length, widths,
+                                      rounds, warmup, repeats)
     if mesh is not None:
         sharded.check_mesh(mesh, target_cfg, draft_cfg, 1)
     prog = programs.build_decode(mesh, sharded.decode_rules(target_cfg))
-    tp = prog.place_params(target_params, target_cfg)
-    dp = prog.place_params(draft_params, draft_cfg)
-    policy = ForcedLength()
-    static = DecodeStatic(target_cfg, draft_cfg, policy, True, rounds, widths=ws)
-    pre = dataclasses.replace(static, policy=None)
-    rep = (lambda x: x) if mesh is None else (
-        lambda x: jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())))
-    temp = rep(jnp.float32(sampling.GREEDY_EPS))
-    stop = rep(jnp.full((shapes.MAX_STOP_IDS,), -1, jnp.int32))
-    conf_t = rep(jnp.ones((g,), jnp.float32))
-    steps, until = rep(np.int32(rounds)), rep(np.bool_(False))
-    rng = np.random.default_rng(0)
-
-    def reset(state, b, w):
-        pos = np.full((b,), cache_length, np.int32)
-        # Timing only: a cache told it holds cache_length positions again (a family with folded
-        # state would be corrupted by this, but the round's cost does not depend on its values).
-        return state.replace(pos=prog.place(pos), active=prog.place(np.ones((b,), bool)),
-                             cache=state.cache.replace(lengths=prog.place(pos)),
-                             policy_state=rep(jnp.int32(w - 1)))
-
-    def chunk(state):
-        return prog.spec.chunk(tp, dp, state, temp, stop, conf_t, steps, until, static=static)
-
-    def prefill(b):
-        if mesh is not None:
-            sharded.check_mesh(mesh, target_cfg, draft_cfg, b)
-        prompts = rng.integers(0, target_cfg.vocab_size, (b, cache_length)).astype(np.int32)
-        lens = np.full((b,), cache_length, np.int32)
-        budget = np.full((b,), (g + 1) * (rounds + 1), np.int32)
-        return prog.spec.prefill(tp, dp, prog.place(prompts), prog.place(lens),
-                                 prog.place(np.ones((b,), bool)), rep(jax.random.PRNGKey(0)), temp,
-                                 stop, static=pre, max_len=max_len, max_new=prog.place(budget))
-
-    lat, raw = _time_rounds(sizes, ws, prefill, reset, chunk, rounds, warmup, repeats, min_seconds)
+    tp, dp = prog.place_params(target_params, target_cfg), prog.place_params(draft_params, draft_cfg)
+    static = DecodeStatic(target_cfg, draft_cfg, ForcedLength(), True, rounds, widths=ws)
+    steps = _round_steps(prog, tp, dp, static, target_cfg, draft_cfg, mesh, cache_length, rounds, max_len)
+    lat, raw = _time_rounds(sizes, ws, *steps, rounds, warmup, repeats, min_seconds)
+    rps = [[float(1.0 / v) for v in row] for row in lat]
     if progress is not None:
-        for i, b in enumerate(sizes):
-            for j, w in enumerate(ws):
-                progress(b, w, float(1.0 / lat[i, j]))
+        for b, row in zip(sizes, rps):
+            for w, r in zip(ws, row):
+                progress(b, w, r)
     info = _table_meta(target_cfg, cache_length, "rounds", runtime.compute_dtype(target_params),
                        meta, rounds=rounds, warmup=warmup, min_seconds=min_seconds, repeats=repeats)
-    info.update(block_size=g, program="programs.build_decode().spec.chunk",
+    info.update(block_size=draft_cfg.block_size, program="programs.build_decode().spec.chunk",
                 raw_rps=[[float(1.0 / v) for v in row] for row in raw])
-    return RoundTable(tuple(sizes), ws, tuple(tuple(float(1.0 / v) for v in row) for row in lat), info)
+    return RoundTable(tuple(sizes), ws, tuple(tuple(row) for row in rps), info)

@@ -77,7 +77,8 @@ class ResolvedDecode:
 
 def resolve(options: DecodeOptions, target_dir, draft_dir=None, tokenizer=None) -> ResolvedDecode:
     """Policy, stop ids and STS temperatures of ``options`` for a target (and drafter) directory."""
-    from dspark_jax.convert.checkpoint import default_stop_ids, sts_temperatures
+    from dspark_jax.convert.checkpoint import default_stop_ids
+    from dspark_jax.convert.formats import sts_temperatures
     from dspark_jax.decode.policies import parse_policy
 
     stops = (default_stop_ids(Path(target_dir), tokenizer) if options.stop_token_ids is None
@@ -111,7 +112,7 @@ def advisories(options: DecodeOptions, policy, block_size: int | None = None) ->
             return [f"--verify {options.verify}: the drafter proposes {block_size} tokens per round, "
                     f"so fixed:{k} verifies {block_size} (clamped)"]
         return []
-    from dspark_jax.decode.scheduler import SPSTable  # jax: imported once a policy exists
+    from dspark_jax.decode.tables import SPSTable
 
     sps = getattr(policy, "sps", None)
     if isinstance(sps, SPSTable) and name.startswith("scheduler"):  # a token table

@@ -20,7 +20,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from dspark_jax import flash, nn
+from dspark_jax import nn
+from dspark_jax.kernels import flash, partials
 from dspark_jax.config import DraftConfig
 
 
@@ -90,8 +91,8 @@ def _block_attention(q, k_blk, v_blk, k_ctx, v_ctx, visible, scale=None):
     s_blk = jnp.einsum("bngjrd,bnkjd->bjrngk", q, k_blk, preferred_element_type=jnp.float32)
     args = (q, s_blk, v_blk, k_ctx, v_ctx, visible)
     scale = d ** -0.5 if scale is None else scale
-    if flash.applies(n * g, d, hq // hkv):  # a few queries: on CUDA the fused kernel (dspark_jax.flash)
-        out = flash.dispatch(functools.partial(_joint_xla, scale=scale),
+    if flash.applies(n * g, d, hq // hkv):  # a few queries: on CUDA the fused kernel (dspark_jax.kernels.flash)
+        out = partials.dispatch(functools.partial(_joint_xla, scale=scale),
                              functools.partial(_joint_flash, scale=scale), *args)
     else:
         out = _joint_xla(*args, scale=scale)
@@ -116,7 +117,7 @@ def _joint_flash(q, s_blk, v_blk, k_ctx, v_ctx, visible, scale):
     vis_ctx = jnp.broadcast_to(visible[:, 0, 0, :, :, :s], (b, n, g, s)).reshape(b, n * g, s)
     o, m, l = flash.cache_partials(q.reshape(b, n * g, hkv, r, d), k_ctx, v_ctx, vis_ctx, scale)
     unflat = lambda a: a.reshape(b, hkv, r, n, g, *a.shape[4:])
-    out_ctx, probs = flash.merge(unflat(o), unflat(m), unflat(l), s_blk, visible[..., s:], scale)
+    out_ctx, probs = partials.merge(unflat(o), unflat(m), unflat(l), s_blk, visible[..., s:], scale)
     return (out_ctx.astype(v_ctx.dtype).transpose(0, 3, 4, 1, 2, 5)
             + jnp.einsum("bjrngk,bnkjd->bngjrd", probs.astype(v_ctx.dtype), v_blk))
 

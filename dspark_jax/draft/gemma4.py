@@ -123,19 +123,19 @@ class Gemma4DraftConfig:
         arch = (hf.get("architectures") or [ARCHITECTURE])[0]
         if arch != ARCHITECTURE:
             raise ConfigError(f"{where}: architecture {arch!r} is not {ARCHITECTURE!r}")
-        rank = int(tg._get(hf, "markov_rank", where))
-        conf = bool(tg._get(hf, "enable_confidence_head", where))
+        rank = int(tg.config._get(hf, "markov_rank", where))
+        conf = bool(tg.config._get(hf, "enable_confidence_head", where))
         if rank > 0 and "markov_head_type" not in hf:
             raise ConfigError(f"{where}: markov_head_type is required when markov_rank > 0")
         if conf and "confidence_head_with_markov" not in hf:
             raise ConfigError(f"{where}: confidence_head_with_markov is required when enable_confidence_head is true")
         return cls(
             text=tg.Gemma4TargetConfig(**tg.gemma4_text_kwargs(hf, where)),
-            num_target_layers=int(tg._get(hf, "num_target_layers", where)),
-            target_layer_ids=tuple(tg._get(hf, "target_layer_ids", where)),
-            block_size=int(tg._get(hf, "block_size", where)),
-            mask_token_id=int(tg._get(hf, "mask_token_id", where)),
-            num_anchors=int(tg._get(hf, "num_anchors", where)),
+            num_target_layers=int(tg.config._get(hf, "num_target_layers", where)),
+            target_layer_ids=tuple(tg.config._get(hf, "target_layer_ids", where)),
+            block_size=int(tg.config._get(hf, "block_size", where)),
+            mask_token_id=int(tg.config._get(hf, "mask_token_id", where)),
+            num_anchors=int(tg.config._get(hf, "num_anchors", where)),
             markov_rank=rank,
             markov_head_type=str(hf.get("markov_head_type", "vanilla")).lower(),
             enable_confidence_head=conf,

@@ -448,15 +448,15 @@ def _save_draft_with_sts(draft, dst: Path, temperatures: list[float]) -> None:
     ``extras["sts_temperatures"]`` set; InputError when the block sizes differ."""
     import shutil
 
-    from dspark_jax.convert import checkpoint
+    from dspark_jax.convert import checkpoint, formats
 
     cfg, params = checkpoint.load_draft(draft)
     if len(temperatures) != cfg.block_size:
         raise InputError(f"logs have {len(temperatures)} confidence positions but --draft has "
                          f"block_size {cfg.block_size}")
-    extras = {**checkpoint.read_extras(draft), "sts_temperatures": list(temperatures)}
-    checkpoint.save_draft(dst, cfg, params, format=checkpoint.detect_format(draft), extras=extras)
-    for name in checkpoint.SIDECAR_FILES:
+    extras = {**formats.read_extras(draft), "sts_temperatures": list(temperatures)}
+    checkpoint.save_draft(dst, cfg, params, format=formats.detect_format(draft), extras=extras)
+    for name in formats.SIDECAR_FILES:
         src = Path(draft) / name
         if src.is_file():
             shutil.copy2(src, dst / name)

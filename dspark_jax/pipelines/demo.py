@@ -31,12 +31,13 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable
 
 import numpy as np
 
 from dspark_jax.errors import ConfigError, InputError, require_positive_int
 from dspark_jax.fileio import write_jsonl, write_text
+from dspark_jax.pipelines import demo_report
 
 STAGES = ("sample", "train", "decode", "report")
 DRAFTERS = ("dspark", "dflash")
@@ -231,16 +232,16 @@ def train_prompt_texts(count: int, *, min_bytes: int, max_bytes: int, seed: int 
     """``count`` prompts of whole consecutive lines cut from the standard library's TRAIN
     files (the held-out split of the default target's pretraining is excluded):
     ``[{"text": str, "source": "rel/path.py:LINE"}]``. Deterministic for a seed."""
-    from dspark_jax.embedded import pretrain
+    from dspark_jax.embedded import corpus, pretrain
 
-    root = Path(root) if root is not None else pretrain.stdlib_dir()
+    root = Path(root) if root is not None else corpus.stdlib_dir()
     heldout_fraction = pretrain.PretrainConfig().heldout_fraction
     try:
         from dspark_jax.embedded.default import default_metadata
         heldout_fraction = default_metadata().get("pretrain_config", {}).get("heldout_fraction", heldout_fraction)
     except Exception:  # metadata is optional; the default fraction is the recipe's
         pass
-    train_files, heldout = pretrain.split_files(pretrain.stdlib_files(root), heldout_fraction)
+    train_files, heldout = corpus.split_files(corpus.stdlib_files(root), heldout_fraction)
     assert not set(train_files) & set(heldout)
     rng = np.random.default_rng(seed)
     out: list[dict] = []
@@ -254,17 +255,9 @@ def train_prompt_texts(count: int, *, min_bytes: int, max_bytes: int, seed: int 
                 cache[rel] = (root / rel).read_text(encoding="utf-8").splitlines(keepends=True)
             except (OSError, UnicodeDecodeError):
                 cache[rel] = []
-        lines = cache[rel]
-        if len(lines) < 4:
-            continue
-        start = int(rng.integers(0, len(lines) - 2))
-        text, end = "", start
-        while end < len(lines) and len((text + lines[end]).encode()) <= max_bytes:
-            text += lines[end]
-            end += 1
-        if len(text.encode()) < min_bytes or not text.strip():
-            continue
-        out.append({"text": text, "source": f"{rel}:{start + 1}"})
+        cut = corpus.cut_lines(cache[rel], rng, min_bytes, max_bytes)
+        if cut is not None:
+            out.append({"text": cut[0], "source": f"{rel}:{cut[1] + 1}"})
     if len(out) < count:
         raise InputError(f"could only cut {len(out)} of {count} training prompts of {min_bytes}..{max_bytes} "
                          f"bytes from {root}")
@@ -440,85 +433,6 @@ def stage_decode(cfg: DemoConfig, *, modes=MODES, progress: bool = True,
 # --------------------------------------------------------------------------- report
 
 
-SPAN_OPEN, SPAN_CLOSE = "\u27e6", "\u27e7"   # ⟦draft tokens the target accepted in one round⟧
-
-
-def round_spans(result, detok: Callable[[Sequence[int]], str]) -> dict:
-    """What each round of a speculative ``Result`` committed: ``{"first": text of the prefill
-    token, "rounds": [{"accepted": draft text the target accepted, "bonus": the target's own
-    token}]}`` (cut at ``len(output_ids)``, like the output) and ``"marked"``: the continuation
-    with each round's accepted draft span (when not empty) as ``⟦accepted⟧`` followed by its bonus
-    token unmarked, so every unmarked token is the target's own (prefill, then one per round)."""
-    ids = list(result.output_ids)
-    drafts = list(result.accepted_drafts) or [a - 1 for a in result.acceptance_lengths]
-    pos = min(1, len(ids))
-    first = detok(ids[:pos])
-    rounds = []
-    for a, d in zip(result.acceptance_lengths, drafts):
-        if pos >= len(ids):
-            break
-        acc, bonus = ids[pos:pos + d], ids[pos + d:pos + a]
-        rounds.append({"accepted": detok(acc), "bonus": detok(bonus)})
-        pos += a
-    marked = first + "".join((f"{SPAN_OPEN}{r['accepted']}{SPAN_CLOSE}" if r["accepted"] else "") + r["bonus"]
-                             for r in rounds)
-    return {"first": first, "rounds": rounds, "marked": marked}
-
-
-def sample_continuations(cfg: DemoConfig, results, records, detok, mode: str = "dspark") -> list[dict]:
-    """The first ``cfg.num_samples`` held-out prompts and ``mode``'s continuations, rounds marked."""
-    out = []
-    for rec, res in list(zip(records, results))[:cfg.num_samples]:
-        spans = round_spans(res, detok)
-        out.append({"dataset": rec.dataset, "index": rec.index, "prompt": rec.text, "mode": mode,
-                    "text": detok(res.output_ids), "marked": spans["marked"],
-                    "acceptance_lengths": list(res.acceptance_lengths), "rounds": spans["rounds"]})
-    return out
-
-
-def format_samples(samples: Sequence[Mapping], temperature: float) -> str:
-    """The sample continuations as text: prompt, then the marked continuation."""
-    if not samples:
-        return ""
-    lines = [f"sample continuations ({samples[0]['mode']}, temperature {temperature:g}): "
-             f"{SPAN_OPEN}...{SPAN_CLOSE} = draft tokens the target accepted in one round; every other token "
-             "is the target's own (the prefill token, then one bonus token per round)"]
-    for i, smp in enumerate(samples, 1):
-        taus = smp["acceptance_lengths"]
-        lines.append(f"--- {i}. {smp['dataset']} #{smp['index']} ({len(taus)} rounds, "
-                     f"mean acceptance {sum(taus) / max(len(taus), 1):.2f})")
-        lines.append("prompt:")
-        lines.append(smp["prompt"].rstrip("\n"))
-        lines.append("\u2192 continuation:")
-        lines.append(smp["marked"])
-    return "\n".join(lines)
-
-
-def summary_rows(results: Mapping[str, Sequence], block: Mapping[str, int], tokenizer=None) -> dict:
-    """{mode: decode_summary + speedup over autoregressive + degeneracy} of one table."""
-    from dspark_jax.pipelines.evaluate import decode_summary
-
-    rows = {m: decode_summary(results[m], block.get(m), tokenizer=tokenizer) for m in MODES}
-    base_tps = rows["autoregressive"]["tokens_per_second"]
-    for m in MODES:
-        rows[m]["speedup"] = rows[m]["tokens_per_second"] / base_tps if base_tps else None
-    return rows
-
-
-TABLE_KEYS = ("tau", "mean_proposal", "verify_rate", "accept_rate", "conditional_accept", "tokens_per_second",
-              "speedup", "degenerate_fraction", "whitespace_fraction", "num_degenerate", "rounds",
-              "output_tokens", "requests")
-
-
-def _table_json(rows: Mapping[str, Mapping]) -> dict:
-    out = {}
-    for m, r in rows.items():
-        flat = dict(r, **{k: r["degeneracy"][k] for k in ("degenerate_fraction", "whitespace_fraction",
-                                                           "num_degenerate")})
-        out[m] = {k: flat[k] for k in TABLE_KEYS}
-    return out
-
-
 def stage_report(cfg: DemoConfig, *, log: Callable[[str], None] = print) -> dict:
     """The tables (stdout, table.txt), sample continuations, report.json, acceptance.png,
     reliability_<name>.png, tb/."""
@@ -526,7 +440,6 @@ def stage_report(cfg: DemoConfig, *, log: Callable[[str], None] = print) -> dict
     from dspark_jax.pipelines.evaluate import (DEGENERACY_NOTE, format_table, plot_acceptance, plot_reliability,
                                      read_results_jsonl, tensorboard_scalars, write_json_atomic)
     from dspark_jax.tokenizer import load_tokenizer
-    from dspark_jax.train.loss import EXPECTED_ACCEPT_LENGTH_NOTE
 
     _require(cfg, "report", "decode")
     p = paths(cfg)
@@ -535,7 +448,7 @@ def stage_report(cfg: DemoConfig, *, log: Callable[[str], None] = print) -> dict
     block = {m: load_draft(p[f"export_{m}"])[0].block_size for m in DRAFTERS}
     settings = decode_settings(cfg)
     results = {t: {m: read_results_jsonl(p[f"{pre}{m}"]) for m in MODES} for t, (pre, _) in settings.items()}
-    tables = {t: summary_rows(results[t], block, tok) for t in settings}
+    tables = {t: demo_report.summary_rows(results[t], block, tok) for t in settings}
     rows = tables["headline"]
     lossless = "greedy" if "greedy" in tables else "headline"
     ar_out = [r.output_ids for r in results[lossless]["autoregressive"]]
@@ -551,7 +464,7 @@ def stage_report(cfg: DemoConfig, *, log: Callable[[str], None] = print) -> dict
                    for t in settings]
     detok = lambda ids: tok.decode(list(ids), skip_special_tokens=True)
     records = eval_prompts(cfg)
-    samples = sample_continuations(cfg, results["headline"]["dspark"], records, detok)
+    samples = demo_report.sample_continuations(cfg.num_samples, results["headline"]["dspark"], records, detok)
     files = {"table": str(p["table"]),
              "acceptance_png": str(plot_acceptance({m: rows[m] for m in DRAFTERS}, p["acceptance_png"],
                                                    title=f"held-out prompts ({cfg.eval_dataset})",
@@ -564,42 +477,30 @@ def stage_report(cfg: DemoConfig, *, log: Callable[[str], None] = print) -> dict
             files[f"reliability_{m}"] = str(rel)
     tensorboard_scalars(p["tb"], rows)
     files["tensorboard"] = str(p["tb"])
-    train_info = {}
-    for m in DRAFTERS:
-        sf = p[f"run_{m}"] / "summary.json"
-        if sf.is_file():
-            s = json.loads(sf.read_text())
-            fin = s.get("final") or {}
-            train_info[m] = {"steps": s.get("steps"), "wall_s": s.get("wall_s"), "final_loss": fin.get("loss"),
-                             "final_expected_accept_length": fin.get("expected_accept_length"),
-                             "note": EXPECTED_ACCEPT_LENGTH_NOTE}
     commands = reproduce_commands(cfg, tdir)
     ratio = rows["dspark"]["tau"] / rows["dflash"]["tau"] if rows["dflash"]["tau"] else None
     report = {
         "temperature": cfg.temperature,
-        "table": _table_json(rows),
+        "table": demo_report.table_json(rows),
         "details": rows,
         "dspark_tau_minus_dflash_tau": rows["dspark"]["tau"] - rows["dflash"]["tau"],
         "dspark_tau_over_dflash_tau": ratio,
         "outputs_equal_to_autoregressive": agree,
         "outputs_equal_to_autoregressive_table": lossless,
         "samples": samples,
-        "train": train_info,
+        "train": demo_report.train_info({m: p[f"run_{m}"] / "summary.json" for m in DRAFTERS}),
         "config": cfg.to_dict(),
         "target": str(tdir),
         "commands": commands,
         "files": files,
     }
     if "greedy" in tables:
-        report["table_greedy"] = _table_json(tables["greedy"])
+        report["table_greedy"] = demo_report.table_json(tables["greedy"])
         report["details_greedy"] = tables["greedy"]
-    summary_line = (f"DSpark tau / DFlash tau = {ratio:.3f} at temperature {cfg.temperature:g} "
-                    f"(difference {report['dspark_tau_minus_dflash_tau']:+.3f}); outputs equal to autoregressive "
-                    f"({'temperature 0' if lossless == 'greedy' or cfg.temperature == 0 else 'sampling'}): "
-                    f"dflash {agree['dflash']:.0%}, dspark {agree['dspark']:.0%}"
-                    + (" (greedy: must be 100%)" if lossless == "greedy" or cfg.temperature == 0
-                       else " (sampling: may differ)")) if ratio is not None else ""
-    text = "\n\n".join(text_tables + [DEGENERACY_NOTE, summary_line, format_samples(samples, cfg.temperature)])
+    summary_line = demo_report.summary_line(ratio, report["dspark_tau_minus_dflash_tau"], agree, cfg.temperature,
+                                            lossless == "greedy" or cfg.temperature == 0)
+    text = "\n\n".join(text_tables + [DEGENERACY_NOTE, summary_line,
+                                      demo_report.format_samples(samples, cfg.temperature)])
     write_text(p["table"], text.rstrip("\n") + "\n")
     write_json_atomic(p["report"], report)
     log(text)

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from dspark_jax import families, hardware, hlo_cost
+from dspark_jax import families
+from dspark_jax.costs import hardware, hlo_cost
 from dspark_jax import params as params_lib
 from dspark_jax import sharding as shard_lib
 from dspark_jax.config import DraftConfig, TargetConfig

@@ -143,7 +143,7 @@ def build_requests(conversations: Sequence[Conversation], tokenizer, *, turns: s
 
 def generation_config(target_dir) -> dict:
     """The target's generation_config.json ({} when absent)."""
-    from dspark_jax.convert.checkpoint import read_json_object
+    from dspark_jax.convert.formats import read_json_object
 
     path = Path(target_dir) / "generation_config.json"
     return read_json_object(path, "generation_config.json") if path.is_file() else {}

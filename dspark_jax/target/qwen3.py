@@ -23,7 +23,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from dspark_jax import flash_tpu, nn
+from dspark_jax import nn
+from dspark_jax.kernels import flash_tpu
 from dspark_jax import params as params_lib
 from dspark_jax import runtime
 from dspark_jax.config import TargetConfig

@@ -37,7 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax import families, hardware, presets, sharding
+from dspark_jax import families, presets, sharding
+from dspark_jax.costs import hardware
 from dspark_jax.decode import programs, sharded
 
 GATHERED = {"target": {"embed_tokens"}, "draft": {"embed_tokens", "markov_w1"}}

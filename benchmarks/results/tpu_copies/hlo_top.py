@@ -1,7 +1,7 @@
 """The largest HBM byte consumers of one run of a compiled module, loops counted per trip.
 
 Reads an optimised HLO dump (``XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_as_text"``, file
-``*after_optimizations.txt``) with ``dspark_jax.hlo_cost``'s accounting (each top-level
+``*after_optimizations.txt``) with ``dspark_jax.costs.hlo_cost``'s accounting (each top-level
 instruction's bytes as ``step_cost`` charges them, a while body x its trip count, a conditional's
 costliest branch) and prints the total and the instructions with the most bytes x trips: their
 bytes per run, trips, op, result shape, operand shapes and JAX source (op_name metadata).
@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from dspark_jax import hlo_cost as hc  # noqa: E402
+from dspark_jax.costs import hlo_cost as hc  # noqa: E402
 
 
 def walk(comp, comps, by_name, mult, out, memo):

@@ -205,6 +205,15 @@ def attention_step(cfg, params, lp: dict, i: int, x: jax.Array, positions: jax.A
     return out, kv
 
 
+def forward(params: dict, cfg, tokens: jax.Array, cache: V41Cache | None = None, *, ctx: Any = None,
+            taps: Sequence = (), span=None):
+    """The runtime protocol's forward: without ``cache`` ``model.forward`` (a causal pass over
+    positions 0..T-1, delta None); with one ``forward_cached`` (the ``V41Delta`` of the T tokens)."""
+    if cache is None:
+        return model.forward(params, cfg, tokens, ctx=ctx, taps=taps)
+    return forward_cached(params, cfg, tokens, cache, ctx=ctx, taps=taps, span=span)
+
+
 def forward_cached(params: dict, cfg, tokens: jax.Array, cache: V41Cache, *, ctx: Any = None,
                    taps: Sequence = (), span=None):
     """The protocol's forward over a cache: tokens [B, T] at ``cache.lengths[b] + t`` -> (hidden,

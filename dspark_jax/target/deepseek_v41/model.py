@@ -217,15 +217,11 @@ def layer(cfg, params, i: int, streams, pre, hashes, want: set, tapped: dict, at
     return streams, pre
 
 
-def forward(params: dict, cfg: DeepseekV41Config, tokens: jax.Array, cache=None, *, ctx: Any = None,
-            taps: Sequence = (), span=None):
-    """The runtime protocol's forward: tokens [B, T] -> (hidden [B,T,H] after the final collapse
-    and norm, features [B, T, len(taps) * H] (each tap the mean over the N streams, ``tap_key``) or
-    None, delta). Without ``cache``: a causal pass over positions 0..T-1, delta None; with one:
-    ``cache.forward_cached`` (the ``V41Delta`` of the T tokens)."""
-    if cache is not None:
-        from dspark_jax.target.deepseek_v41 import cache as cache_lib
-        return cache_lib.forward_cached(params, cfg, tokens, cache, ctx=ctx, taps=taps, span=span)
+def forward(params: dict, cfg: DeepseekV41Config, tokens: jax.Array, *, ctx: Any = None, taps: Sequence = ()):
+    """The whole-sequence forward: tokens [B, T] -> (hidden [B,T,H] after the final collapse and
+    norm, features [B, T, len(taps) * H] (each tap the mean over the N streams, ``tap_key``) or
+    None, None), a causal pass over positions 0..T-1. The runtime protocol's forward, which also
+    runs over a cache, is ``cache.forward`` (the cache module sits above this one)."""
     dtype = v4._compute_dtype(params, ctx)
     b, s = tokens.shape
     positions = jnp.arange(s)

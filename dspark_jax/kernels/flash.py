@@ -6,7 +6,7 @@ scores [B, Hkv, G, Q, S] are an f32 array written and re-read per layer, and XLA
 values dot a copy of the layer's V slice (docs/performance.md section 0d,
 benchmarks/results/gpu_copies). This kernel reads K and V once, in place, and keeps the scores
 on chip: it returns the softmax *partials* over the cache -- the unnormalised output, the
-running max and the running sum of each query row -- which ``merge`` combines (in XLA: small
+running max and the running sum of each query row -- which ``partials.merge`` combines (in XLA: small
 arrays) with the scores of the block's own keys into the masked softmax of ``nn.masked_softmax``:
 masked entries weigh 0, a row with nothing visible anywhere returns zeros.
 
@@ -40,7 +40,8 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from dspark_jax import hardware, nn
+from dspark_jax.kernels.partials import NEG_INF, SMALL_QUERY
+from dspark_jax.kernels.plugins import has_extra
 
 # The kernel's name in the compiled HLO (``backend_config={... name = "..."}`` of the
 # ``__gpu$xla.gpu.triton`` custom call): ``hlo_cost`` counts its flops by it.
@@ -51,11 +52,11 @@ MAX_HEAD_DIM = 256       # beyond: the [Rp, D] f32 accumulator no longer fits in
 
 
 def applies(num_queries: int, head_dim: int, group: int) -> bool:
-    """Whether the kernel takes an attention of ``num_queries`` queries per row (<= ``nn.SMALL_QUERY``)
+    """Whether the kernel takes an attention of ``num_queries`` queries per row (<= ``SMALL_QUERY``)
     of ``group`` query heads per KV head over a cache of ``head_dim``-wide heads, in a jaxlib that
     can target CUDA at all (without the CUDA plugin the kernel branch is never lowered, and tracing
     it into every CPU decode program only slowed their compiles)."""
-    return (num_queries <= nn.SMALL_QUERY and 16 <= head_dim <= MAX_HEAD_DIM
+    return (num_queries <= SMALL_QUERY and 16 <= head_dim <= MAX_HEAD_DIM
             and head_dim & (head_dim - 1) == 0 and _rows(num_queries * group) <= 64  # Triton tiles: powers of 2
             and cuda_installed())
 
@@ -63,7 +64,7 @@ def applies(num_queries: int, head_dim: int, group: int) -> bool:
 @functools.cache
 def cuda_installed() -> bool:
     """Whether this JAX has its CUDA plugin (the ``cuda`` extra: a GPU or compile-only GPU targets)."""
-    return hardware.has_extra("cuda")
+    return has_extra("cuda")
 
 
 def _rows(r: int) -> int:
@@ -99,14 +100,14 @@ def _kernel(q_ref, k_ref, v_ref, vis_ref, o_ref, m_ref, l_ref, *, scale, group, 
         v = plgpu.load(v_ref.at[pl.ds(start + t * block_k, block_k), :], mask=inside[:, None], other=0)
         vis = plgpu.load(vis_ref.at[query_of_row[:, None], keys[None, :]], mask=inside[None, :],
                          other=False)                                               # [Rp, block_k]
-        s = jnp.where(vis, plgpu.dot(q, k, trans_b=True) * scale, nn.NEG_INF)
+        s = jnp.where(vis, plgpu.dot(q, k, trans_b=True) * scale, NEG_INF)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.where(vis, jnp.exp(s - m_new[:, None]), 0.0)
         correction = jnp.exp(m - m_new)
         o = o * correction[:, None] + plgpu.dot(p.astype(v.dtype), v)
         return o, m_new, l * correction + jnp.sum(p, axis=1)
 
-    init = (jnp.zeros(o_ref.shape, jnp.float32), jnp.full((rows,), nn.NEG_INF, jnp.float32),
+    init = (jnp.zeros(o_ref.shape, jnp.float32), jnp.full((rows,), NEG_INF, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
     o, m, l = jax.lax.fori_loop(0, chunk // block_k, tile, init)
     o_ref[...] = o
@@ -180,14 +181,14 @@ def cache_partials(qg: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array
     of which the first S = ``visible.shape[-1]`` slots are read (visible [B, Q, S], True = seen).
 
     Returns (o [B, Hkv, G, Q, D], m [B, Hkv, G, Q], l [B, Hkv, G, Q]), all f32: with the scores
-    s = scale * q.k over the visible slots, m = max s (``nn.NEG_INF`` where none is visible),
+    s = scale * q.k over the visible slots, m = max s (``NEG_INF`` where none is visible),
     l = sum exp(s - m), o = sum exp(s - m) v (zeros where none is visible). ``programs``
     overrides the number of S splits (tests); ``interpret`` runs the kernel in Pallas interpret
     mode (any backend)."""
     b, nq, hkv, g, d = qg.shape
     span, rows = visible.shape[-1], nq * g
     if span == 0:                                                                   # nothing to read
-        return (jnp.zeros((b, hkv, g, nq, d), jnp.float32), jnp.full((b, hkv, g, nq), nn.NEG_INF, jnp.float32),
+        return (jnp.zeros((b, hkv, g, nq, d), jnp.float32), jnp.full((b, hkv, g, nq), NEG_INF, jnp.float32),
                 jnp.zeros((b, hkv, g, nq), jnp.float32))
     rp = _rows(rows)
     block_k, chunk, splits = plan(b, hkv, span, d)
@@ -203,34 +204,6 @@ def cache_partials(qg: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array
     l = jnp.sum(l * w, axis=2)
     unflat = lambda a: jnp.moveaxis(a[:, :, :rows].reshape(b, hkv, nq, g, *a.shape[3:]), 3, 2)
     return unflat(o), unflat(top), unflat(l)
-
-
-def dispatch(xla_path, kernel_path, *args, platform: str = "cuda"):
-    """``xla_path(*args)`` on every backend but ``platform`` (CUDA; TPU for ``flash_tpu``), where
-    ``kernel_path(*args)`` (the same values, its cache part from a kernel's ``cache_partials``;
-    differentiated as ``xla_path``: the kernels have no backward). Only the matching branch is
-    lowered: other platforms' programs never see the kernel."""
-    @jax.custom_vjp
-    def kernel(*a):
-        return kernel_path(*a)
-
-    kernel.defvjp(lambda *a: (kernel_path(*a), a), lambda a, g: jax.vjp(xla_path, *a)[1](g))
-    return jax.lax.platform_dependent(*args, default=xla_path, **{platform: kernel})
-
-
-def merge(o: jax.Array, m: jax.Array, l: jax.Array, scores: jax.Array, visible: jax.Array,
-          scale: float) -> tuple[jax.Array, jax.Array]:
-    """One softmax over [cache ; block]: the cache's partials (o [..., D], m, l [...] from
-    ``cache_partials``) and the block's own raw f32 scores [..., K] (``visible`` broadcast to
-    them). Returns the cache part's output [..., D] and the block keys' probabilities [..., K],
-    both normalised f32; everything zero for a row with nothing visible (``nn.masked_softmax``)."""
-    s = jnp.where(visible, scores * scale, nn.NEG_INF)
-    top = jnp.maximum(m, jnp.max(s, axis=-1))
-    p = jnp.where(visible, jnp.exp(s - top[..., None]), 0.0)
-    w = jnp.exp(m - top)
-    total = w * l + jnp.sum(p, axis=-1)
-    inv = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
-    return o * (w * inv)[..., None], p * inv[..., None]
 
 
 def flops(q_shape, visible_shape) -> float:

@@ -37,8 +37,8 @@ from __future__ import annotations
 import math
 import re
 
-from dspark_jax import flash
-from dspark_jax.hardware import DTYPE_BYTES
+from dspark_jax.kernels import flash
+from dspark_jax.costs.hardware import DTYPE_BYTES
 
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
 _INSTR = re.compile(r"\s*(ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$")

@@ -5,7 +5,7 @@ as XLA ops, a decode step's attention over one layer's cache writes f32 scores [
 and re-reads them for the max, the sum, the probabilities and the values dot (~0.7 GB of a
 Qwen3-8B round at B = 8 on v5e, benchmarks/results/tpu_copies). This kernel reads the layer's K
 and V once, keeps the scores on chip, and returns the same softmax partials (o, m, l) as
-``flash.cache_partials``, which ``flash.merge`` combines with the block's own keys.
+``flash.cache_partials``, which ``partials.merge`` combines with the block's own keys.
 
 The stacked cache. On TPU the target's cache is one [L, B, Hkv, C, D] array per K / V and the
 forward scans over layers; a custom call whose operand is the layer's dynamic slice gets that
@@ -27,7 +27,7 @@ written. On a mesh it runs per shard of B and Hkv (``shard_map``).
 
 It is traced only into programs that target TPU (``applies``: the forward's ``Context``
 platform, from its mesh's devices) and lowered only in ``platform_dependent``'s ``tpu`` branch
-(``flash.dispatch``); ``interpret=True`` runs the kernel body on any backend (the tests).
+(``partials.dispatch``); ``interpret=True`` runs the kernel body on any backend (the tests).
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
-from dspark_jax import nn, sharding
+from dspark_jax import sharding
+from dspark_jax.kernels.partials import NEG_INF, SMALL_QUERY
 
 # The kernel's name in the compiled HLO (the ``tpu_custom_call``'s backend config): ``hlo_cost``
 # counts its bytes and flops by it.
@@ -52,12 +53,12 @@ MAX_TILE = 2048  # slots per grid step: K + V tiles double-buffered, 2 x 2 x 204
 
 def applies(platform: str, num_queries: int, head_dim: int, cache_dtype, compute_dtype) -> bool:
     """Whether a forward on ``platform`` (``runtime.Context.platform``) hands its stacked cache to
-    the kernel: a TPU program, a decode step's few queries (<= ``nn.SMALL_QUERY``), heads a
+    the kernel: a TPU program, a decode step's few queries (<= ``SMALL_QUERY``), heads a
     multiple of 128 lanes wide and a cache already in the compute dtype (a cast would copy the
     whole stack). Narrower heads: XLA:TPU lays the cache out with its slots minor, and the kernel's
     row-major operand then costs a relayout copy of the whole stack per round (the tiny fixture's
     16-wide heads: 2 x [6, 1, 1, 256, 16] copies)."""
-    return (platform == "tpu" and num_queries <= nn.SMALL_QUERY and head_dim % 128 == 0
+    return (platform == "tpu" and num_queries <= SMALL_QUERY and head_dim % 128 == 0
             and jnp.dtype(cache_dtype) == jnp.dtype(compute_dtype))
 
 
@@ -97,7 +98,7 @@ def _kernel(layer_ref, q_ref, k_ref, v_ref, vis_ref, o_ref, m_ref, l_ref, acc, m
     @pl.when(j == 0)
     def _():
         acc[...] = jnp.zeros(acc.shape, jnp.float32)
-        m_acc[...] = jnp.full(m_acc.shape, nn.NEG_INF, jnp.float32)
+        m_acc[...] = jnp.full(m_acc.shape, NEG_INF, jnp.float32)
         l_acc[...] = jnp.zeros(l_acc.shape, jnp.float32)
 
     rows, t = plan.rows, plan.tile
@@ -118,7 +119,7 @@ def _kernel(layer_ref, q_ref, k_ref, v_ref, vis_ref, o_ref, m_ref, l_ref, acc, m
     precision = None if k.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
     s = jax.lax.dot_general(q_ref[...], k, (((1,), (1,)), ((), ())), precision=precision,
                             preferred_element_type=jnp.float32)
-    s = jnp.where(vis, s * plan.scale, nn.NEG_INF)                                     # [R, T]
+    s = jnp.where(vis, s * plan.scale, NEG_INF)                                     # [R, T]
     m_prev = m_acc[...]
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
     p = jnp.where(vis, jnp.exp(s - m_new), 0.0)
@@ -224,14 +225,14 @@ def cache_partials(qg: jax.Array, k: jax.Array, v: jax.Array, layer: jax.Array, 
     """Softmax partials of queries qg [B, Q, Hkv, G, D] over layer ``layer`` (an int32 scalar) of a
     stacked cache k, v [L, B, Hkv, C, D], of which the first S = ``visible.shape[-1]`` slots are
     read (visible [B, Q, S], True = seen). Returns what ``flash.cache_partials`` returns for
-    ``k[layer], v[layer]``: (o [B, Hkv, G, Q, D], m, l [B, Hkv, G, Q]), f32, m = ``nn.NEG_INF``,
+    ``k[layer], v[layer]``: (o [B, Hkv, G, Q, D], m, l [B, Hkv, G, Q]), f32, m = ``NEG_INF``,
     l = 0 and o = 0 where nothing is visible. ``where``: the stacks' placement (``placement``;
     None: one device). ``tile`` overrides the slots per grid step (tests);
     ``interpret`` runs the kernel in Pallas interpret mode (any backend)."""
     b, nq, hkv, g, d = qg.shape
     span = visible.shape[-1]
     if span == 0:
-        return (jnp.zeros((b, hkv, g, nq, d), jnp.float32), jnp.full((b, hkv, g, nq), nn.NEG_INF, jnp.float32),
+        return (jnp.zeros((b, hkv, g, nq, d), jnp.float32), jnp.full((b, hkv, g, nq), NEG_INF, jnp.float32),
                 jnp.zeros((b, hkv, g, nq), jnp.float32))
     plan = Plan.make(nq, g, span, k.shape[3], scale, interpret, tile)
     q = jnp.pad(qg.transpose(0, 2, 3, 1, 4), ((0, 0),) * 3 + ((0, plan.qm - nq), (0, 0)))

@@ -22,6 +22,7 @@ import os
 import re
 
 from dspark_jax.errors import InputError
+from dspark_jax.kernels.plugins import EXTRAS, has_extra
 
 GiB = 2**30
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
@@ -56,8 +57,6 @@ CHIPS: dict[str, Chip] = {c.name: c for c in (
     Chip("h200", "cuda", 143771 * 2**20, 989e12, 4.8e12, description="NVIDIA H200"),
 )}
 
-EXTRAS = {"tpu": ("libtpu", 'pip install -e ".[tpu]"'),
-          "cuda": ("jax_cuda12_plugin", 'pip install -e ".[cuda]"')}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,10 +92,6 @@ def parse(spec: str) -> Hardware:
     if len(shape) not in want:
         raise InputError(f"--hardware {spec!r}: {chip.name} takes {' or '.join(map(str, want))} dims, got {len(shape)}")
     return Hardware(spec, chip, shape)
-
-
-def has_extra(platform: str) -> bool:
-    return importlib.util.find_spec(EXTRAS[platform][0]) is not None
 
 
 def _require_extra(hw: Hardware) -> None:

@@ -31,11 +31,12 @@ from dspark_jax import params as params_lib
 from dspark_jax.draft import deepseek_v4 as draft_deepseek_v4
 from dspark_jax.draft import deepseek_v4_mtp as draft_deepseek_v4_mtp
 from dspark_jax.draft import eagle3 as draft_eagle3
+from dspark_jax.draft import deepseek_v41 as draft_deepseek_v41
 from dspark_jax.draft import gemma4 as draft_gemma4
 from dspark_jax.draft import model as draft_model
 from dspark_jax.errors import CheckpointError, ConfigError
 from dspark_jax.params import Family
-from dspark_jax.target import deepseek_v4, gemma4, qwen3
+from dspark_jax.target import deepseek_v4, deepseek_v41, gemma4, qwen3
 
 _BUILTIN: tuple[Family, ...] = (
     qwen3.FAMILY,
@@ -47,6 +48,8 @@ _BUILTIN: tuple[Family, ...] = (
     draft_deepseek_v4_mtp.FAMILY,  # V4's in-checkpoint MTP-1 module (mtp.0.*), a chain drafter
     draft_eagle3.QWEN3_FAMILY,  # Eagle3 (DeepSpec's format), a chain drafter
     draft_eagle3.GEMMA4_FAMILY,
+    deepseek_v41.FAMILY,
+    draft_deepseek_v41.FAMILY,  # V4.1's in-checkpoint DSpark module (mtp.*, attention-input taps)
 )
 
 FAMILIES: dict[str, Family] = {}

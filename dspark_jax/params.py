@@ -183,6 +183,8 @@ class Family:
     shared_from_target: drafters: ``target params -> {name: array}``, the target arrays a fresh
                    drafter shares (``families.shared_with_target``); None: the target's
                    ``embed_tokens`` and LM head kernel (``lm_head``).
+    complete_config: ``(config, checkpoint directory) -> config``: facts a family reads from the
+                   checkpoint's other files (DeepSeek-V4.1: the Engram token map, tokenizer.json).
     """
 
     name: str
@@ -201,6 +203,7 @@ class Family:
     runtime: Any = None
     shared_from_target: Any = None
     draft_kind: str = "dspark"
+    complete_config: Any = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -208,8 +211,12 @@ class Family:
         if self.kind == "draft" and not self.pairs_with:
             raise ValueError(f"family {self.name}: a drafter family names the target family it pairs with")
 
-    def config_from_hf(self, hf: Mapping[str, Any]):
-        return self.config_cls.from_hf(hf)
+    def config_from_hf(self, hf: Mapping[str, Any], directory=None):
+        """The config of ``hf`` (completed from the checkpoint ``directory`` when given)."""
+        cfg = self.config_cls.from_hf(hf)
+        if directory is not None and self.complete_config is not None:
+            cfg = self.complete_config(cfg, directory)
+        return cfg
 
     def tied(self, config) -> tuple[str, str] | None:
         """(head, embedding) torch names when ``config`` ties the LM head, else None."""

@@ -16,13 +16,32 @@ from dspark_jax import families
 from dspark_jax.config import RELEASED_KINDS as KINDS
 from dspark_jax.config import TargetConfig
 from dspark_jax.errors import ConfigError
-from dspark_jax.target import deepseek_v4, gemma4
+from dspark_jax.target import deepseek_v4, deepseek_v41, gemma4
 
 _QWEN3_COMMON = dict(vocab_size=151936, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
                      max_position_embeddings=40960, num_key_value_heads=8)
 
 GEMMA4_12B = "google/gemma-4-12B-it"
 V4_FLASH, V4_PRO = "deepseek-ai/DeepSeek-V4-Flash", "deepseek-ai/DeepSeek-V4-Pro"
+V41_FLASH = "deepseek-ai/DeepSeek-V4.1-Flash"
+
+
+def _v41_flash() -> "deepseek_v41.DeepseekV41Config":
+    """DeepSeek-V4.1-Flash (transformers main's ``DeepseekV41TextConfig`` defaults, which name the
+    released checkpoint; DEEPSEEK_V4.md "DeepSeek-V4.1"). No tokenizer here: its Engram token map
+    is absent, so it plans shapes and counts parameters but does not run."""
+    return deepseek_v41.DeepseekV41Config(
+        vocab_size=129280, hidden_size=5120, moe_intermediate_size=2304, num_hidden_layers=40,
+        num_attention_heads=64, head_dim=512, q_lora_rank=1280, qk_rope_head_dim=64, o_groups=8, o_lora_rank=1024,
+        compress_ratios=(0, 0) + (2,) * 18 + (1,) * 20, kv_source_layer_ids=(2, 8, 14, 20),
+        index_source_layer_ids=(2, 8, 14, 20, 24, 28, 32, 36), candidate_source_layer_id=20,
+        candidate_topk_blocks=2048, candidate_block_size=8, n_routed_experts=384, num_experts_per_tok=6,
+        index_n_heads=32, index_head_dim=128, index_topk=512, sliding_window=128, yarn=(16.0, 65536, 32.0, 1.0),
+        engram_layer_ids=(1, 14), engram_num_embeddings=(384006168, 384016682), engram_max_ngram_size=4,
+        engram_vocab_size=16000000, engram_n_heads=8, engram_head_dim=256, engram_compressed_vocab_size=99092,
+        extra=(("dspark_block_size", "5"), ("dspark_markov_rank", "256"), ("dspark_n_routed_experts", "128"),
+               ("dspark_noise_token_id", "128799"), ("dspark_num_experts_per_tok", "3"),
+               ("dspark_target_layer_ids", "[37, 38, 39]")))
 
 
 def _v4(n_layers: int, **sizes) -> "deepseek_v4.DeepseekV4Config":
@@ -62,6 +81,7 @@ TARGETS: dict[str, object] = {
                   n_routed_experts=256, moe_intermediate_size=2048, routed_scaling_factor=1.5, index_topk=512),
     V4_PRO: _v4(61, hidden_size=7168, num_attention_heads=128, q_lora_rank=1536, o_groups=16, o_lora_rank=1024,
                 n_routed_experts=384, moe_intermediate_size=3072, routed_scaling_factor=2.5, index_topk=1024),
+    V41_FLASH: _v41_flash(),
 }
 
 # Qwen3 reserves ids past the tokenizer's 151669 used tokens; the reference uses 151669 as MASK.
@@ -98,7 +118,7 @@ def resolve_target(target: str):
         if family.kind != "target":
             raise ConfigError(f"{path / 'config.json'}: architectures {hf.get('architectures')!r} is a "
                               f"{family.kind}, not a target")
-        return family.config_from_hf(hf)
+        return family.config_from_hf(hf, path)
     if target in TARGETS:
         return TARGETS[target]
     raise ConfigError(f"target {target!r} is neither a checkpoint directory with config.json nor one "

@@ -18,7 +18,9 @@ Shapes: B rows, T new tokens, S cache capacity, H hidden size, n = len(taps), V 
 - ``forward(params, cfg, tokens [B, T], cache | None, *, ctx, taps, span) -> (hidden, features,
   delta)``: ``hidden [B, T, H]`` after the final norm; ``features [B, T, feature_dim]`` the
   concatenated outputs of layers ``taps`` (-1 = the embedding output; None when ``taps`` is
-  empty): the drafter's context features. Without a cache: a causal pass over positions 0..T-1,
+  empty): the drafter's context features. A tap may also be a tagged tuple that only its family
+  interprets (DeepSeek-V4.1: ``("attn_in", i)``, the stream mean entering layer i, which V4.1's
+  DSpark module reads); the drafter config's ``target_layer_ids`` holds what its family asks for. Without a cache: a causal pass over positions 0..T-1,
   ``delta`` None. With one: token t of row b sits at position ``cache.lengths[b] + t`` and sees
   the committed positions < ``lengths[b]`` plus the new tokens causally; ``delta`` holds what
   the T tokens would add to the cache. **forward never writes**: the caller commits (below),

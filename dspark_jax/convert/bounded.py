@@ -105,7 +105,7 @@ class JaxSource:
         if meta["kind"] != kind:
             raise CheckpointError(f"{p / formats.META_NAME}: field 'kind' is {meta['kind']!r}, not {kind!r}")
         self.hf = meta["config"]
-        self.config = self.source_config = formats.config_from_hf(kind, self.hf, f"{p / formats.META_NAME} 'config'")
+        self.config = self.source_config = formats.config_from_hf(kind, self.hf, f"{p / formats.META_NAME} 'config'", p)
         self.extras = meta.get("extras") or {}
         self.specs = families.declare(self.config)
         self.params_dir = (p / formats.PARAMS_DIR).absolute()

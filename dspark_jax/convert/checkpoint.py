@@ -69,7 +69,7 @@ def _load_jax(kind: str, p: Path):
     if meta["kind"] != kind:
         raise CheckpointError(f"{p / META_NAME}: field 'kind' is {meta['kind']!r}, not {kind!r}")
     hf = meta["config"]
-    cfg = config_from_hf(kind, hf, f"{p / META_NAME} 'config'")
+    cfg = config_from_hf(kind, hf, f"{p / META_NAME} 'config'", p)
     params_dir = (p / PARAMS_DIR).absolute()
     if not params_dir.is_dir():
         raise CheckpointError(f"{params_dir}: params directory is missing")

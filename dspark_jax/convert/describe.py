@@ -88,6 +88,19 @@ def describe_target(path) -> dict:
         from dspark_jax.draft import deepseek_v4_mtp
         info["mtp"] = deepseek_v4_mtp.describe(source.hf, _aside(source, family)[1])
         info["drafter_module"] = "dspark" if module["present"] else "mtp" if info["mtp"] else None
+    if family.name == "deepseek_v41":
+        info["compress_ratios"] = list(cfg.compress_ratios)
+        info["csa2"] = {"kv_source_layer_ids": list(cfg.kv_source_layer_ids),
+                        "index_source_layer_ids": list(cfg.index_source_layer_ids),
+                        "candidate_source_layer_id": cfg.candidate_source_layer_id, "index_topk": cfg.index_topk}
+        info["engram_layer_ids"] = list(cfg.engram_layer_ids)
+        info["moe"] = {"routed_experts": cfg.n_routed_experts, "top_k": cfg.num_experts_per_tok,
+                       "shared_experts": 1, "hash_layers": [], "expert_width": cfg.moe_intermediate_size}
+        info["quantization_config"] = ({"quant_method": cfg.quant, "block": list(cfg.quant_block),
+                                        "expert_dtype": cfg.expert_dtype} if cfg.quant else None)
+        from dspark_jax.draft import deepseek_v41 as dspark_v41
+        module = dspark_v41.describe(source.hf)
+        info["dspark"] = module if module["present"] else None
     from dspark_jax.convert import module_io
     info["module"] = module_io.describe_module(p)
     return info

@@ -22,22 +22,47 @@ from typing import Mapping
 
 import numpy as np
 
+from dspark_jax import families
 from dspark_jax import params as params_lib
 from dspark_jax.convert import mapping, quant, safetensors_io
 from dspark_jax.convert.formats import read_json_object
-from dspark_jax.draft.deepseek_v4 import KEYS, DeepseekV4DSparkConfig, declare, module_specs
+from dspark_jax.draft import deepseek_v4 as _dv4
+from dspark_jax.draft import deepseek_v41 as dv41
+from dspark_jax.draft.deepseek_v4 import KEYS, DeepseekV4DSparkConfig
 from dspark_jax.draft.deepseek_v4 import with_target  # noqa: F401 (load_draft's, beside load_module)
-from dspark_jax.target import deepseek_v4 as v4
-from dspark_jax.target.deepseek_v4.config import DeepseekV4Config
 from dspark_jax.errors import CheckpointError
 from dspark_jax.fileio import atomic_dir
 
 PREFIX = "mtp."
 
 
+def _kind(hf: Mapping):
+    """The draft module (``draft.deepseek_v4`` or ``draft.deepseek_v41``) whose DSpark keys ``hf``
+    carries (V4: top level; V4.1: in ``text_config``), None when it carries none."""
+    text = hf.get("text_config")
+    if isinstance(text, Mapping) or hf.get("model_type") == "deepseek_v41_text":
+        return dv41 if all((text or hf).get(k) is not None for k in dv41.KEYS) else None
+    return _dv4 if all(hf.get(k) is not None for k in KEYS) else None
+
+
 def read_config(path) -> DeepseekV4DSparkConfig:
-    """The module's config from ``path/config.json`` (ConfigError when it has no DSpark keys)."""
-    return DeepseekV4DSparkConfig.from_hf(read_json_object(Path(path) / "config.json", "config.json"))
+    """The module's config from ``path/config.json`` (V4's or V4.1's; ConfigError when it has no
+    DSpark keys)."""
+    hf = read_json_object(Path(path) / "config.json", "config.json")
+    return (_kind(hf) or _dv4).FAMILY.config_cls.from_hf(hf)
+
+
+def _with_module(hf: Mapping, cfg) -> dict:
+    """config.json ``hf`` carrying ``cfg``'s module keys (V4: top level; V4.1: in ``text_config``)."""
+    if isinstance(hf.get("text_config"), Mapping):
+        return {**hf, "text_config": {**hf["text_config"], **cfg.hf_fields()}}
+    return {**hf, **cfg.hf_fields()}
+
+
+def module_specs_of(cfg, shared: bool = False):
+    """``declare`` (with the shared embed / head) or ``module_specs`` of ``cfg``'s module."""
+    mod = dv41 if isinstance(cfg, dv41.DeepseekV41DSparkConfig) else _dv4
+    return mod.declare(cfg) if shared else mod.module_specs(cfg)
 
 
 def load_module(path, *, shared: bool = False) -> tuple[DeepseekV4DSparkConfig, dict]:
@@ -47,10 +72,9 @@ def load_module(path, *, shared: bool = False) -> tuple[DeepseekV4DSparkConfig, 
     Quantized tensors come back float (the checkpoint's widest plain float dtype) and the config
     unquantized, as the target's conversion does."""
     cfg = read_config(path)
-    specs = declare(cfg) if shared else module_specs(cfg)
-    tensors = read_module(path, specs, "DSpark module", "dspark_* keys")
+    tensors = read_module(path, module_specs_of(cfg, shared), "DSpark module", "dspark_* keys")
     cfg = dataclasses.replace(cfg, target=cfg.target.dequantized())
-    return cfg, params_lib.from_torch(declare(cfg) if shared else module_specs(cfg), tensors)
+    return cfg, params_lib.from_torch(module_specs_of(cfg, shared), tensors)
 
 
 def read_module(path, specs, what: str, marks: str) -> dict[str, np.ndarray]:
@@ -91,18 +115,17 @@ def module_headers(path, specs, what: str = "DSpark module", marks: str = "dspar
 
 
 def holds_module(path) -> bool:
-    """Whether ``path`` is a V4 checkpoint (safetensors) whose config.json has the ``dspark_*`` keys."""
+    """Whether ``path`` is a V4 / V4.1 checkpoint whose config.json has the ``dspark_*`` keys."""
     p = Path(path) / "config.json"
     if not p.is_file():
         return False
-    hf = read_json_object(p, "config.json")
-    return all(hf.get(k) is not None for k in KEYS)
+    return _kind(read_json_object(p, "config.json")) is not None
 
 
 def module_tensors(cfg: DeepseekV4DSparkConfig, params: Mapping) -> dict[str, np.ndarray]:
     """The module's ``mtp.*`` tensors (torch layout, upstream names) of ``params`` (a tree with or
     without the target's ``embed`` / ``head``; they are not written)."""
-    specs = module_specs(cfg)
+    specs = module_specs_of(cfg, False)
     host = {k: v for k, v in params.items() if k not in ("embed", "head")}
     out = params_lib.to_torch(specs, host)
     mapping.check_tensors(out, params_lib.torch_shapes(specs), "DSpark module params",
@@ -142,8 +165,8 @@ def storage_plan(src, infos: Mapping, names) -> dict[str, quant.Quant]:
     target's expert dtype, e.g. MXFP4); not in the plan (float) where the target's are float or
     it has no such tensor. CheckpointError when the target's layers store one tensor in more than
     one format (then no format is the target's)."""
-    tcfg = DeepseekV4Config.from_hf(read_json_object(Path(src) / "config.json", "config.json"))
-    declared = params_lib.quantized(v4.declare(tcfg))
+    hf = read_json_object(Path(src) / "config.json", "config.json")
+    declared = params_lib.quantized(families.declare(families.for_hf(hf).config_from_hf(hf)))
     formats: dict[str, set] = {}
     for name, info in infos.items():
         if name.startswith("layers."):
@@ -190,7 +213,7 @@ def write_checkpoint(src, dst, cfg: DeepseekV4DSparkConfig, params: Mapping, *, 
 def _target_config(src: Path, cfg: DeepseekV4DSparkConfig) -> dict:
     """``src``'s config.json; CheckpointError unless it is the model ``cfg``'s module was built on."""
     hf = read_json_object(src / "config.json", "config.json")
-    if _model(DeepseekV4DSparkConfig.from_hf({**hf, **cfg.hf_fields()}).target) != _model(cfg.target):
+    if _model(type(cfg).from_hf(_with_module(hf, cfg)).target) != _model(cfg.target):
         raise CheckpointError(f"{src}: the module's target config differs from this checkpoint's")
     return hf
 
@@ -220,7 +243,7 @@ def _write(s: Path, dst, hf: Mapping, cfg: DeepseekV4DSparkConfig, tensors: Mapp
         total = sum((tmp / f).stat().st_size for f in set(weight_map.values()))
         (tmp / safetensors_io.INDEX_NAME).write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
-        (tmp / "config.json").write_text(json.dumps({**hf, **cfg.hf_fields()}, indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(_with_module(hf, cfg), indent=2) + "\n")
         for other in s.iterdir():
             if other.is_file() and other.suffix != ".safetensors" and other.name not in (
                     "config.json", safetensors_io.INDEX_NAME):
@@ -228,3 +251,4 @@ def _write(s: Path, dst, hf: Mapping, cfg: DeepseekV4DSparkConfig, tensors: Mapp
         for name, text in (sidecars or {}).items():
             (tmp / name).write_text(text)
     return Path(dst)
+

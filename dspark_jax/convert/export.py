@@ -124,7 +124,7 @@ def export_v4_module(draft, dst, engine: str, *, target=None, force: bool = Fals
     cfg, params = dspark_v4.load_module(draft)
     src = Path(target) if target is not None else Path(draft)
     reader = safetensors_io.TensorReader(src)
-    shared = {s.torch for s in dspark_v4.declare(cfg).values() if not s.torch.startswith(dspark_v4.PREFIX)}
+    shared = {s.torch for s in dspark_v4.module_specs_of(cfg, True).values() if not s.torch.startswith(dspark_v4.PREFIX)}
     if all(n.startswith(dspark_v4.PREFIX) or n in shared for n in reader.infos):
         raise CheckpointError(f"{src}: holds the DSpark module but not its target's layers; pass --target "
                               f"(the V4 checkpoint it is written into)")

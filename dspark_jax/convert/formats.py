@@ -192,12 +192,12 @@ def check_params(config, params, what: str) -> None:
 
 # --------------------------------------------------------------------------- torch format
 
-def config_from_hf(kind: str, hf: Mapping[str, Any], where: str):
+def config_from_hf(kind: str, hf: Mapping[str, Any], where: str, directory=None):
     family = _family_of_hf(hf, where)
     if family.kind != kind:
         raise ConfigError(f"{where}: architectures {hf.get('architectures')!r} is a {family.kind}, "
                           f"not a {kind} checkpoint")
-    return family.config_from_hf(hf)
+    return family.config_from_hf(hf, directory)
 
 
 def validated_torch(kind: str, p: Path, *, allow_pickle: bool = False):
@@ -205,7 +205,7 @@ def validated_torch(kind: str, p: Path, *, allow_pickle: bool = False):
     the dequantized shape and dtype}, {declared: quant.Stored} of the quantized ones) of a HF
     directory, validated from its headers only: no tensor data is read."""
     hf = read_json_object(p / "config.json", "config.json")
-    cfg = config_from_hf(kind, hf, str(p / "config.json"))
+    cfg = config_from_hf(kind, hf, str(p / "config.json"), p)
     family = families.for_config(cfg)
     reader = safetensors_io.TensorReader(p, allow_pickle=allow_pickle)
     what = f"{p}"

@@ -34,9 +34,18 @@ def module_dir(path) -> Path | None:
     ``path/MODULE_DIR`` in the project format), else None."""
     p = Path(path)
     for d in (p, p / MODULE_DIR):
-        if dspark_v4.holds_module(d):
+        if dspark_v4.holds_module(d) and _has_module_tensors(d):
             return d
     return None
+
+
+def _has_module_tensors(d: Path) -> bool:
+    """Whether ``d``'s safetensors headers name any ``mtp.*`` tensor (a V4.1 config carries the
+    ``dspark_*`` keys by default, with or without a module)."""
+    try:
+        return any(n.startswith(dspark_v4.PREFIX) for n in safetensors_io.TensorReader(d).infos)
+    except CheckpointError:
+        return False
 
 
 def read_module(src, finite: Callable[[str, np.ndarray], None]):
@@ -102,7 +111,7 @@ def describe_module(path) -> dict | None:
         return None
     out = {"where": str(d), "tensors": 0, "bytes": 0, "problem": None}
     try:
-        reader, infos, _ = dspark_v4.module_headers(d, dspark_v4.module_specs(dspark_v4.read_config(d)))
+        reader, infos, _ = dspark_v4.module_headers(d, dspark_v4.module_specs_of(dspark_v4.read_config(d)))
     except CheckpointError as e:
         out["problem"] = str(e)
         return out

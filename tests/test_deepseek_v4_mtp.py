@@ -222,6 +222,64 @@ def test_sampling_at_t1_is_lossless(name):
     assert 0.05 < s["accept_rate"][0] < 0.95, s  # drafts were both accepted and rejected
 
 
+# ----------------------------------------------------------------------------- training
+
+
+@pytest.mark.slow  # compiles the module's gradient; 200 steps
+def test_training_raises_mtp1_acceptance(pair):
+    """Fine-tuning a fresh module on the frozen fixture target (``chain.teacher_forced_loss``: CE
+    at position t on the token after next; here the target's own argmax there, what greedy MTP-1
+    is verified against) raises its held-out MTP-1 acceptance over the untrained module; the loss
+    from online features (the target inside the step) equals the cached features' one. Trained:
+    the block, e_proj / h_proj, the norms and hc_head; frozen: the target, its embed / head (the
+    module shares them) and the gate bias (selection only; V4 sets it outside backprop)."""
+    import optax
+    from dspark_jax import params as params_lib
+    from dspark_jax.draft import chain
+    from dspark_jax.train.optim import merge_params
+    tcfg, tparams, dcfg, _ = pair
+    rng = np.random.default_rng(0)
+    train, held = (jnp.asarray(rng.integers(2, 512, shape), jnp.int32) for shape in ((512, 18), (64, 18)))
+    target = jax.jit(lambda t: v4.forward(tparams, tcfg, t, taps=(v4.STREAMS,)))
+
+    def data(tokens):  # features, and the target's argmax for the token after next
+        hidden, x, _ = target(tokens)
+        return x, jnp.argmax(v4.compute_logits(tparams, tcfg, hidden[:, 1:-1]), axis=-1)
+
+    (x_train, y_train), (x_held, y_held) = data(train), data(held)
+    fresh = mtp.init_params(dcfg, jax.random.PRNGKey(1), embed=tparams["embed"], head=tparams["head"])
+    trainable, frozen = params_lib.split_frozen(mtp.declare(dcfg), fresh)
+    assert sorted(frozen) == ["embed", "head", "moe"] and "layers" in trainable and "e_proj" in trainable
+
+    def loss(tp, x, tokens, labels):
+        total, n = chain.teacher_forced_loss(mtp.MODULE, merge_params(tp, frozen), dcfg, x, tokens,
+                                             jnp.ones_like(tokens), labels)
+        return total / n
+
+    online = jax.jit(lambda tp, tokens: loss(tp, *data(tokens)[:1], tokens, data(tokens)[1]))
+    np.testing.assert_allclose(float(online(trainable, held)), float(loss(trainable, x_held, held, y_held)),
+                               rtol=1e-6)
+    opt = optax.adam(3e-3)
+
+    @jax.jit
+    def step(tp, state, i):
+        rows = jax.lax.dynamic_slice_in_dim(jnp.arange(512), (i % 16) * 32, 32)
+        value, grads = jax.value_and_grad(loss)(tp, x_train[rows], train[rows], y_train[rows])
+        updates, state = opt.update(grads, state, tp)
+        return optax.apply_updates(tp, updates), state, value
+
+    def acceptance(tp):
+        logits, _, _ = mtp.forward(merge_params(tp, frozen), dcfg, x_held[:, :-2], held[:, 1:-1])
+        return float(jnp.mean(jnp.argmax(logits, -1) == y_held))
+
+    before, state, tp = acceptance(trainable), opt.init(trainable), trainable
+    for i in range(200):
+        tp, state, value = step(tp, state, i)
+    after = acceptance(tp)
+    print(f"held-out MTP-1 acceptance {before:.3f} -> {after:.3f}, train loss {float(value):.3f}")
+    assert after > before + 0.05, (before, after)
+
+
 # ----------------------------------------------------------------------------- bad input
 
 

@@ -178,6 +178,26 @@ def test_the_chain_proposes_the_reference_drafts(pair):
         assert np.asarray(got).tolist() == want, name
 
 
+@pytest.mark.slow  # an 8-device SPMD compile of the continuous engine's round
+def test_generate_command_runs_mtp3_on_an_expert_mesh(ckpt, tmp_path):
+    """`dspark-jax generate --target D --draft D --draft-steps 3`, continuously batched through 2
+    slots on a data=2 x expert=4 mesh (the module's MoE expert-parallel too): the target's tokens,
+    3 drafts verified every round, mtp_greedy.json's MTP-3 acceptance lengths."""
+    rows = _greedy()["mtp_3"]["rows"]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": r["prompt"]}) + "\n" for r in rows))
+    out = tmp_path / "out.jsonl"
+    rc = cli.main(["generate", "--target", str(ckpt), "--draft", str(ckpt), "--draft-steps", "3", "--prompts",
+                   str(prompts), "--out", str(out), "--max-new-tokens", "24", "--batch-size", "2",
+                   "--mesh", "data=2,expert=4", "--stop-token-ids", "--max-cache-len", "256"])
+    assert rc in (0, None)
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [g["output_ids"] for g in got] == [r["output_ids"] for r in rows]
+    for g, r in zip(got, rows):
+        want = [x["acceptance_length"] for x in r["rounds"]]
+        assert g["acceptance_lengths"][:len(want)] == want and set(g["proposal_lengths"]) == {3}
+
+
 # ----------------------------------------------------------------------------- losslessness at T = 1
 
 PROMPT = [1, 6, 2, 5]

@@ -43,7 +43,8 @@ class ChainModule:
         module's hidden input (MTP: the streams themselves; Eagle3: its fc).
     forward(params, cfg, hidden [B, T, Fh], tokens [B, T], cache, *, ctx, span) -> (logits
         [B, T, V] float32, hidden out [B, T, Fh], delta): T positions at ``cache.lengths + t``
-        over the committed ones and each other causally; never writes (``cache.commit``).
+        over the committed ones and each other causally; never writes (``cache.commit``);
+        ``cache`` None: positions 0..T-1 of whole sequences (training), delta None.
     taps(cfg) -> tuple: what the target hands over (``runtime.TargetRuntime.forward``'s taps).
     """
 
@@ -123,6 +124,19 @@ def propose(module: ChainModule, params, cfg, state: ChainState, anchor, pos, ke
     drafts = jnp.concatenate([first[:, None], jnp.moveaxis(drafts, 0, 1)], axis=1)
     logits = jnp.concatenate([state.logits_last[:, None], jnp.moveaxis(logits, 0, 1)], axis=1)
     return drafts, logits, None, state
+
+
+def teacher_forced_loss(module: ChainModule, params, cfg, features, tokens, mask, labels=None):
+    """(summed cross-entropy, count) of the module over whole sequences, the loss an MTP module
+    trains with: position t takes (lift(features_t), token t+1) and predicts token t+2 (``labels``
+    [B, S-2] override, e.g. the target's own argmax there). features [B, S, F] from the frozen
+    target, tokens [B, S], mask [B, S] weights each label by its token's mask (positions 2..S-1)."""
+    hidden = module.lift(params, cfg, features[:, :-2])
+    logits, _, _ = module.forward(params, cfg, hidden, tokens[:, 1:-1], None, ctx=None, span=None)
+    labels = tokens[:, 2:] if labels is None else labels
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), labels[..., None], axis=-1)[..., 0]
+    m = mask[:, 2:].astype(jnp.float32)
+    return (nll * m).sum(), m.sum()
 
 
 def state_bytes(module: ChainModule, cfg, max_len: int, dtype, hidden: int, vocab: int) -> int:

@@ -1,7 +1,9 @@
 """DeepSeek-V4's own MTP-1 module (``mtp.0.*``) as a chain drafter (``draft.deepseek_v4_mtp``).
 
 The fixture checkpoint is ``target/``'s tensors plus the golden module's ``mtp.0.*`` tensors
-(``target_mtp/model-mtp.safetensors``; ``mtp_checkpoint`` puts them side by side as two shards).
+(``target_mtp/``: the module's shard ``model-mtp.safetensors``, ``target/``'s shard as a relative
+link and the index over both, which the README's command decodes; ``write_mtp_checkpoint`` builds
+the same two-shard checkpoint with a real file, or with a broken module for the error cases).
 Its module logits equal the reference's (``mtp_forward.npz``: transformers' own V4 blocks);
 greedy MTP-1 / MTP-3 decoding gives ``mtp_greedy.json``'s drafts, acceptance lengths and tokens
 (the target's), static and continuously batched; sampling at T = 1 is lossless (chi-square

@@ -119,6 +119,46 @@ def test_bad_round_tables_and_logs_one_line_exit_2(tmp_path, capsys):
         assert code == 2 and len(err) == 1 and needle in err[0], err
 
 
+def test_acceptance_profile_projects_named_drafters(tmp_path, capsys):
+    """--acceptance: rounds drawn from per-position conditional acceptance (tau near its
+    expectation), curves named by the profile, its source on every row; a drafter without a
+    confidence head gets no confidence-reading policy; a bad profile is one line, exit 2."""
+    from dspark_jax.pipelines import bench_acceptance as A
+
+    prof = {"source": "test numbers", "drafters": {
+        "blk": {"conditional_acceptance": [0.9, 0.8, 0.5]},
+        "one": {"conditional_acceptance": [0.7], "confidence_head": False}}}
+    logs = A.synthetic_logs(A.read_profiles(_write(tmp_path / "p.json", prof))["blk"], 64, 400)
+    drawn = np.mean([1 + a for lg in logs for a in lg.accepted])
+    assert drawn == pytest.approx(1 + 0.9 + 0.72 + 0.36, abs=0.05)
+    assert all(lg.length == 400 and lg.starts[-1] < 400 for lg in logs)
+    tables = [_write(tmp_path / f"{n}.json", {"batch_sizes": [1, 4], "widths": w, "block_size": g,
+                                               "rps": [[100.0] * len(w), [50.0] * len(w)],
+                                               "ar_rps": [200.0, 150.0]})
+              for n, w, g in (("blk", [1, 2, 4], 3), ("one", [1, 2], 1))]
+    argv = ["--target", str(FIXTURE / "target"), "--draft", "blk", "--draft", "one",
+            "--acceptance", str(tmp_path / "p.json"), "--verify", "full,scheduler",
+            "--concurrency", "1,4", "--max-new-tokens", "32", "--baseline", "one/full"]
+    code = cli.main(["bench", *argv, "--round-table", tables[0], "--round-table", tables[1],
+                     "--out", str(tmp_path / "o")])
+    assert code == 0 and "test numbers" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "o" / "bench.json").read_text())["rows"]
+    assert {r["curve"] for r in rows} == {"ar", "blk/full", "blk/scheduler", "one/full"}
+    for r in rows:
+        assert r["source"] == "projected" and "round table" in r["cost_source"]
+        if r["drafter"] != "ar":
+            assert "test numbers" in r["acceptance_source"]
+    one = [r for r in rows if r["curve"] == "one/full"]
+    assert all(r["verification_budget"] == 2.0 and 1.5 < r["tau"] < 1.9 for r in one)
+    prof["drafters"]["blk"]["conditional_acceptance"] = [0.9, 1.2]
+    code, err = _run(["--target", str(FIXTURE / "target"), "--draft", "blk", "--acceptance",
+                      _write(tmp_path / "bad.json", prof), "--round-table", tables[0]], capsys)
+    assert code == 2 and len(err) == 1 and "conditional_acceptance" in err[0], err
+    code, err = _run(["--target", str(FIXTURE / "target"), "--draft", "nope", "--acceptance",
+                      str(tmp_path / "p.json"), "--round-table", tables[0]], capsys)
+    assert code == 2 and len(err) == 1 and "profile" in err[0], err
+
+
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     """One measured bench of the tiny pair: AR and full verification at C = 1, 2."""

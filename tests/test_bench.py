@@ -99,6 +99,18 @@ def test_bad_flags_one_line_exit_2(extra, needle, capsys):
     assert code == 2 and len(err) == 1 and needle in err[0], err
 
 
+@pytest.mark.parametrize("argv, needle", [
+    (["--rates", "h200:8"], "--rates charges a --round-table"),
+    (["--round-table", "x.json"], "give --hardware"),
+    (["--round-table", "x.json", "--rates", "h200:1", "--draft-steps", "0"], "--draft-steps"),
+])
+def test_plan_round_table_flags_one_line_exit_2(argv, needle, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["plan", "--target", "deepseek-ai/DeepSeek-V4-Flash", "--kind", "mtp", *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and needle in err[0], err
+
+
 def test_bad_round_tables_and_logs_one_line_exit_2(tmp_path, capsys):
     target, draft = str(FIXTURE / "target"), str(FIXTURE / "draft")
     good = {"batch_sizes": [1], "widths": [1, 2, 4, 8], "rps": [[4.0, 3.0, 2.0, 1.0]],
@@ -235,8 +247,9 @@ def test_round_table_compiled_for_a_chip_feeds_the_projection():
     mesh = sharding.make_mesh("data=1", jax.devices()[:1])
     hw = hardware.parse("h200:1")
     table = compiled_round_table(dc, tc, mesh, hw, [2], max_len=64, dtype=jnp.float32,
-                                 log=lambda s: None)
+                                 cpu_compiled=True, log=lambda s: None)
     assert table["widths"] == [1, 2, 4] and table["block_size"] == 3
+    assert "XLA:CPU" in table["source"] and table["device"].startswith("h200 rates")
     rps = table["rps"][0]
     assert all(a >= b for a, b in zip(rps, rps[1:])) and table["ar_rps"][0] > rps[-1]
     progs = table["programs"]

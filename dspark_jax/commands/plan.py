@@ -82,6 +82,14 @@ def register(sub) -> None:
                         "decode round at every verification width for each --decode-batches slot count "
                         "and write a round table (rounds/s = 1 / max(bytes / bandwidth, flops / peak) "
                         "per program on one chip; projected) that `bench --round-table` reads")
+    p.add_argument("--no-ar-step", dest="ar_step", action="store_false",
+                   help="with --round-table: leave the AR step out (another drafter's table of the "
+                        "same target carries it; bench's AR curve reads the first table's)")
+    p.add_argument("--analytic", action="store_true",
+                   help="with --round-table --rates: compile nothing; each program's per-device "
+                        "bytes and flops from the declared shapes (costs/analytic.py: weights, "
+                        "routed experts touched on the --mesh's expert axis, KV cache), for a "
+                        "mixture-of-experts target whose CPU-compiled counts are not usable")
     p.add_argument("--rates", default=None, metavar="CHIP:GRID",
                    help="with --round-table and no --hardware (no compiler plugin for the chip "
                         "here): compile on simulated CPU devices (--mesh) and charge each "
@@ -237,6 +245,8 @@ def _check_args(args) -> None:
     if args.rates and (args.hardware or not args.round_table):
         raise InputError("--rates charges a --round-table compiled on simulated CPU devices: give "
                          "--round-table and no --hardware")
+    if args.analytic and not args.rates:
+        raise InputError("--analytic charges a --round-table at a chip's rates: give --rates CHIP:GRID")
     if args.draft_steps < 1:
         raise InputError(f"--draft-steps must be >= 1, got {args.draft_steps}")
     if args.round_table:
@@ -289,7 +299,36 @@ def _round_table(args, hw, mesh, draft_cfg, target_cfg, dtype) -> int:
     table = compiled_round_table(draft_cfg, target_cfg, mesh, hw,
                                  parse_ints(args.decode_batches, "--decode-batches"),
                                  max_len=args.decode_len, dtype=dtype, cpu_compiled=bool(args.rates),
+                                 ar=args.ar_step,
                                  log=lambda s: print(s, file=sys.stderr, flush=True))
+    write_json(args.round_table, table, force=args.force)
+    print(json.dumps({"out": args.round_table, "batch_sizes": table["batch_sizes"],
+                      "widths": table["widths"], "rps": table["rps"], "ar_rps": table["ar_rps"]}))
+    return 0
+
+
+def _analytic_table(args, hw) -> int:
+    """``--round-table --rates --analytic``: the table from declared shapes (``pipelines.plan_rounds
+    .analytic_round_table``) on the --mesh's expert axis, written atomically; nothing compiled."""
+    import json
+
+    from dspark_jax import sharding
+    from dspark_jax.errors import InputError
+    from dspark_jax.fileio import write_json
+    from dspark_jax.pipelines.bench_inputs import parse_ints
+    from dspark_jax.pipelines.plan_rounds import analytic_round_table
+
+    _, target_cfg, draft_cfg, mesh_spec = _configs(args)
+    if draft_cfg is None:
+        raise InputError("--round-table needs a drafter (--kind or a --config with one)")
+    sizes = sharding.parse_mesh_spec(mesh_spec) if mesh_spec else {}
+    if any(v != 1 for k, v in sizes.items() if k != "expert"):
+        raise InputError(f"--analytic models an expert-parallel mesh (expert=N, other axes 1), "
+                         f"got --mesh {mesh_spec!r}")
+    table = analytic_round_table(draft_cfg, target_cfg, hw,
+                                 parse_ints(args.decode_batches, "--decode-batches"),
+                                 max_len=args.decode_len, expert_shards=sizes.get("expert", 1),
+                                 ar=args.ar_step, log=lambda s: print(s, file=sys.stderr, flush=True))
     write_json(args.round_table, table, force=args.force)
     print(json.dumps({"out": args.round_table, "batch_sizes": table["batch_sizes"],
                       "widths": table["widths"], "rps": table["rps"], "ar_rps": table["ar_rps"]}))
@@ -304,6 +343,8 @@ def run(args) -> int:
     if args.rates:
         from dspark_jax.costs import hardware
         hw = hardware.parse(args.rates)
+    if args.analytic:
+        return _analytic_table(args, hw)
     if args.hardware:
         from dspark_jax.costs import hardware
         hw = hardware.parse(args.hardware)

@@ -260,3 +260,30 @@ def test_round_table_compiled_for_a_chip_feeds_the_projection():
     costs = P.costs_from_json(table, "compiled")
     served = P.project([_log([3] * 2, 3, 9)], 2, costs, policy=FullPolicy(), block_size=3)
     assert served.seconds == pytest.approx(2 / rps[-1])
+
+
+def test_analytic_costs_count_weights_touched_experts_and_cache():
+    """costs.analytic: dense weights read once and 2 x params x tokens FLOPs; a vocab table reads
+    its tokens' rows; routed experts split over the expert axis, read where tokens route
+    (1 - (1 - k/E)^T); a V4-Flash round costs more than its AR step and grows with B."""
+    from dspark_jax import presets
+    from dspark_jax.costs import analytic
+    from dspark_jax.params import ParamSpec
+
+    specs = {("w",): ParamSpec((8, 4), ("embed", "mlp"), "w"),
+             ("emb",): ParamSpec((100, 8), ("vocab", "embed"), "emb"),
+             ("ex",): ParamSpec((4, 8, 8), ("expert", "embed", "mlp"), "ex")}
+    flops, nbytes = analytic.weights_cost(specs, 3, experts=4, top_k=2, expert_shards=2)
+    touched = 1 - 0.5 ** 3
+    assert nbytes == pytest.approx(2 * (32 + 3 * 8 + 256 / 2 * touched))
+    assert flops == pytest.approx(2 * 32 * 3 + 2 * 64 * 2 * 3 / 2)
+    assert analytic.resident_bytes(specs, 2) == pytest.approx(2 * (32 + 800 + 128))
+    tc = presets.resolve_target(presets.V4_FLASH)
+    mtp = presets.v4_mtp_drafter(presets.V4_FLASH)
+    cost = {(b, d is None): analytic.program_cost(tc, d, batch=b, width=1 if d is None else 2,
+                                                  max_len=256, expert_shards=8)
+            for b in (1, 64) for d in (None, mtp)}
+    for b in (1, 64):
+        assert cost[(b, False)]["step_bytes"] > cost[(b, True)]["step_bytes"]
+    assert cost[(64, True)]["step_bytes"] > 2 * cost[(1, True)]["step_bytes"]
+    assert cost[(64, True)]["cache_bytes"] == pytest.approx(64 * cost[(1, True)]["cache_bytes"])

@@ -31,7 +31,9 @@ def register(sub) -> None:
             "  dspark-jax plan --target deepseek-ai/DeepSeek-V4-Flash --mesh expert=8 --modes forward\n"
             "  dspark-jax plan --config configs/dspark_deepseek_v4_flash.py --mesh fsdp=8,expert=8 --modes online\n"
             "  dspark-jax plan --config configs/dspark_qwen3_4b.py --hardware tpu-v5e:2x4   # pip install -e \".[tpu]\"\n"
-            "  dspark-jax plan --config configs/dspark_qwen3_8b.py --hardware h200:8        # pip install -e \".[cuda]\""))
+            "  dspark-jax plan --config configs/dspark_qwen3_8b.py --hardware h200:8        # pip install -e \".[cuda]\"\n"
+            "  dspark-jax plan --target deepseek-ai/DeepSeek-V4-Flash --kind mtp --rates h200:8 --analytic \\\n"
+            "      --mesh data=1,expert=8 --round-table mtp1.json --decode-batches 1,8,64   # no compile"))
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--config", help="training config file (configs/<name>.py); its target may be a "
                                       "checkpoint dir or a preset name such as Qwen/Qwen3-4B")

@@ -175,7 +175,7 @@ def bench(target, drafts: Sequence[str] = (), *, prompts=None, datasets=None, ve
 
 
     rows: list[dict] = []
-    meta: dict = {"target": str(target), "drafters": {d.name: {"path": str(d.path),
+    meta: dict = {"target": str(target), "drafters": {d.name: {"path": str(d.path) if d.path else None,
                   "fingerprint": d.fingerprint} for d in drafters},
                   "verify": specs, "concurrency": concs, "max_new_tokens": max_new_tokens,
                   "temperature": 0.0, "requests_per_slot": requests_per_slot,

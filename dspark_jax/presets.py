@@ -103,6 +103,17 @@ def target_layer_ids(target: str) -> tuple[int, ...] | None:
     return _LAYER_IDS.get(target) or _V4_DSPARK_LAYER_IDS.get(target)
 
 
+def v4_mtp_drafter(target: str, steps: int = 1):
+    """DeepSeek-V4's in-checkpoint MTP module (``mtp.0.*``) on preset ``target`` as a chain
+    drafter of ``steps`` drafts per round (MTP-k; the production baseline is MTP-1)."""
+    from dspark_jax.draft.deepseek_v4_mtp import DeepseekV4MTPConfig
+
+    if target not in _V4_DSPARK_LAYER_IDS:
+        raise ConfigError(f"an MTP module exists for DeepSeek-V4 presets only "
+                          f"({', '.join(_V4_DSPARK_LAYER_IDS)}), not {target!r}")
+    return DeepseekV4MTPConfig(target=TARGETS[target], num_steps=steps)
+
+
 def mask_token_id(target: str) -> int:
     """MASK id of the released drafters of preset ``target``."""
     return _MASK_TOKEN_IDS.get(target, QWEN3_MASK_TOKEN_ID)

@@ -99,6 +99,18 @@ def test_bad_flags_one_line_exit_2(extra, needle, capsys):
     assert code == 2 and len(err) == 1 and needle in err[0], err
 
 
+@pytest.mark.parametrize("argv, needle", [
+    (["--rates", "h200:8"], "--rates charges a --round-table"),
+    (["--round-table", "x.json"], "give --hardware"),
+    (["--round-table", "x.json", "--rates", "h200:1", "--draft-steps", "0"], "--draft-steps"),
+])
+def test_plan_round_table_flags_one_line_exit_2(argv, needle, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["plan", "--target", "deepseek-ai/DeepSeek-V4-Flash", "--kind", "mtp", *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and needle in err[0], err
+
+
 def test_bad_round_tables_and_logs_one_line_exit_2(tmp_path, capsys):
     target, draft = str(FIXTURE / "target"), str(FIXTURE / "draft")
     good = {"batch_sizes": [1], "widths": [1, 2, 4, 8], "rps": [[4.0, 3.0, 2.0, 1.0]],
@@ -117,6 +129,46 @@ def test_bad_round_tables_and_logs_one_line_exit_2(tmp_path, capsys):
         code, err = _run(["--target", target, "--draft", draft, "--round-table",
                           _write(tmp_path / f"t{i}.json", table), "--logs", str(logs)], capsys)
         assert code == 2 and len(err) == 1 and needle in err[0], err
+
+
+def test_acceptance_profile_projects_named_drafters(tmp_path, capsys):
+    """--acceptance: rounds drawn from per-position conditional acceptance (tau near its
+    expectation), curves named by the profile, its source on every row; a drafter without a
+    confidence head gets no confidence-reading policy; a bad profile is one line, exit 2."""
+    from dspark_jax.pipelines import bench_acceptance as A
+
+    prof = {"source": "test numbers", "drafters": {
+        "blk": {"conditional_acceptance": [0.9, 0.8, 0.5]},
+        "one": {"conditional_acceptance": [0.7], "confidence_head": False}}}
+    logs = A.synthetic_logs(A.read_profiles(_write(tmp_path / "p.json", prof))["blk"], 64, 400)
+    drawn = np.mean([1 + a for lg in logs for a in lg.accepted])
+    assert drawn == pytest.approx(1 + 0.9 + 0.72 + 0.36, abs=0.05)
+    assert all(lg.length == 400 and lg.starts[-1] < 400 for lg in logs)
+    tables = [_write(tmp_path / f"{n}.json", {"batch_sizes": [1, 4], "widths": w, "block_size": g,
+                                               "rps": [[100.0] * len(w), [50.0] * len(w)],
+                                               "ar_rps": [200.0, 150.0]})
+              for n, w, g in (("blk", [1, 2, 4], 3), ("one", [1, 2], 1))]
+    argv = ["--target", str(FIXTURE / "target"), "--draft", "blk", "--draft", "one",
+            "--acceptance", str(tmp_path / "p.json"), "--verify", "full,scheduler",
+            "--concurrency", "1,4", "--max-new-tokens", "32", "--baseline", "one/full"]
+    code = cli.main(["bench", *argv, "--round-table", tables[0], "--round-table", tables[1],
+                     "--out", str(tmp_path / "o")])
+    assert code == 0 and "test numbers" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "o" / "bench.json").read_text())["rows"]
+    assert {r["curve"] for r in rows} == {"ar", "blk/full", "blk/scheduler", "one/full"}
+    for r in rows:
+        assert r["source"] == "projected" and "round table" in r["cost_source"]
+        if r["drafter"] != "ar":
+            assert "test numbers" in r["acceptance_source"]
+    one = [r for r in rows if r["curve"] == "one/full"]
+    assert all(r["verification_budget"] == 2.0 and 1.5 < r["tau"] < 1.9 for r in one)
+    prof["drafters"]["blk"]["conditional_acceptance"] = [0.9, 1.2]
+    code, err = _run(["--target", str(FIXTURE / "target"), "--draft", "blk", "--acceptance",
+                      _write(tmp_path / "bad.json", prof), "--round-table", tables[0]], capsys)
+    assert code == 2 and len(err) == 1 and "conditional_acceptance" in err[0], err
+    code, err = _run(["--target", str(FIXTURE / "target"), "--draft", "nope", "--acceptance",
+                      str(tmp_path / "p.json"), "--round-table", tables[0]], capsys)
+    assert code == 2 and len(err) == 1 and "profile" in err[0], err
 
 
 @pytest.fixture(scope="module")
@@ -195,8 +247,9 @@ def test_round_table_compiled_for_a_chip_feeds_the_projection():
     mesh = sharding.make_mesh("data=1", jax.devices()[:1])
     hw = hardware.parse("h200:1")
     table = compiled_round_table(dc, tc, mesh, hw, [2], max_len=64, dtype=jnp.float32,
-                                 log=lambda s: None)
+                                 cpu_compiled=True, log=lambda s: None)
     assert table["widths"] == [1, 2, 4] and table["block_size"] == 3
+    assert "XLA:CPU" in table["source"] and table["device"].startswith("h200 rates")
     rps = table["rps"][0]
     assert all(a >= b for a, b in zip(rps, rps[1:])) and table["ar_rps"][0] > rps[-1]
     progs = table["programs"]
@@ -207,3 +260,30 @@ def test_round_table_compiled_for_a_chip_feeds_the_projection():
     costs = P.costs_from_json(table, "compiled")
     served = P.project([_log([3] * 2, 3, 9)], 2, costs, policy=FullPolicy(), block_size=3)
     assert served.seconds == pytest.approx(2 / rps[-1])
+
+
+def test_analytic_costs_count_weights_touched_experts_and_cache():
+    """costs.analytic: dense weights read once and 2 x params x tokens FLOPs; a vocab table reads
+    its tokens' rows; routed experts split over the expert axis, read where tokens route
+    (1 - (1 - k/E)^T); a V4-Flash round costs more than its AR step and grows with B."""
+    from dspark_jax import presets
+    from dspark_jax.costs import analytic
+    from dspark_jax.params import ParamSpec
+
+    specs = {("w",): ParamSpec((8, 4), ("embed", "mlp"), "w"),
+             ("emb",): ParamSpec((100, 8), ("vocab", "embed"), "emb"),
+             ("ex",): ParamSpec((4, 8, 8), ("expert", "embed", "mlp"), "ex")}
+    flops, nbytes = analytic.weights_cost(specs, 3, experts=4, top_k=2, expert_shards=2)
+    touched = 1 - 0.5 ** 3
+    assert nbytes == pytest.approx(2 * (32 + 3 * 8 + 256 / 2 * touched))
+    assert flops == pytest.approx(2 * 32 * 3 + 2 * 64 * 2 * 3 / 2)
+    assert analytic.resident_bytes(specs, 2) == pytest.approx(2 * (32 + 800 + 128))
+    tc = presets.resolve_target(presets.V4_FLASH)
+    mtp = presets.v4_mtp_drafter(presets.V4_FLASH)
+    cost = {(b, d is None): analytic.program_cost(tc, d, batch=b, width=1 if d is None else 2,
+                                                  max_len=256, expert_shards=8)
+            for b in (1, 64) for d in (None, mtp)}
+    for b in (1, 64):
+        assert cost[(b, False)]["step_bytes"] > cost[(b, True)]["step_bytes"]
+    assert cost[(64, True)]["step_bytes"] > 2 * cost[(1, True)]["step_bytes"]
+    assert cost[(64, True)]["cache_bytes"] == pytest.approx(64 * cost[(1, True)]["cache_bytes"])

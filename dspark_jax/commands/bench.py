@@ -34,7 +34,8 @@ relative to --baseline. CPU numbers on a shared machine are noisy: read them as 
 def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help=HELP, description=DESCRIPTION,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", required=True, metavar="DIR", help="target checkpoint directory")
+    p.add_argument("--target", required=True, metavar="DIR",
+                   help="target checkpoint directory (projected mode: or a preset name)")
     p.add_argument("--draft", action="append", default=[], metavar="[NAME=]DIR",
                    help="drafter directory (repeatable; any kind the decode round serves); the "
                         "curve is named NAME, else the directory's name (its parent's for a "
@@ -63,6 +64,13 @@ def register(subparsers) -> None:
     p.add_argument("--logs", action="append", default=[], metavar="FILE",
                    help="projected mode: logged rounds of real decoding under --verify full (a "
                         "bench's logs/, or generate / eval result JSONL), one per --draft")
+    p.add_argument("--acceptance", metavar="FILE",
+                   help="projected mode, instead of --logs: a per-position conditional acceptance "
+                        "profile ({'source': ..., 'drafters': {NAME: {'conditional_acceptance': "
+                        "[c1..cG], 'confidence_head': bool}}}); --draft then names its drafters; "
+                        "rows carry the profile's source as their acceptance source")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the rounds drawn from --acceptance (default 0)")
     p.add_argument("--compare", metavar="BENCH.json",
                    help="projected mode: a measured bench.json whose rows are set beside the "
                         "projection (table, figures, and the per-concurrency agreement)")
@@ -88,7 +96,7 @@ def run(args) -> int:
           out=args.out, force=args.force, requests_per_slot=args.requests_per_slot,
           min_requests=args.min_requests, max_prompts=args.max_prompts,
           max_prompt_tokens=args.max_prompt_tokens, quick=args.quick, compare=args.compare,
-          printer=lambda s: print(s, flush=True))
+          acceptance=args.acceptance, seed=args.seed, printer=lambda s: print(s, flush=True))
     if args.out:
         print(f"wrote {args.out}/bench.json, table.txt, frontier.png, budget.png", file=sys.stderr)
     return 0

@@ -31,7 +31,9 @@ def register(sub) -> None:
             "  dspark-jax plan --target deepseek-ai/DeepSeek-V4-Flash --mesh expert=8 --modes forward\n"
             "  dspark-jax plan --config configs/dspark_deepseek_v4_flash.py --mesh fsdp=8,expert=8 --modes online\n"
             "  dspark-jax plan --config configs/dspark_qwen3_4b.py --hardware tpu-v5e:2x4   # pip install -e \".[tpu]\"\n"
-            "  dspark-jax plan --config configs/dspark_qwen3_8b.py --hardware h200:8        # pip install -e \".[cuda]\""))
+            "  dspark-jax plan --config configs/dspark_qwen3_8b.py --hardware h200:8        # pip install -e \".[cuda]\"\n"
+            "  dspark-jax plan --target deepseek-ai/DeepSeek-V4-Flash --kind mtp --rates h200:8 --analytic \\\n"
+            "      --mesh data=1,expert=8 --round-table mtp1.json --decode-batches 1,8,64   # no compile"))
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--config", help="training config file (configs/<name>.py); its target may be a "
                                       "checkpoint dir or a preset name such as Qwen/Qwen3-4B")
@@ -39,8 +41,11 @@ def register(sub) -> None:
                                       "deepseek-ai/DeepSeek-V4-Flash, -Pro; not a checkpoint "
                                       "directory: give that as a config's target with --config); the "
                                       "drafter is the released shape (--kind); DeepSeek-V4 has none yet")
-    p.add_argument("--kind", default="dspark", choices=list(RELEASED_KINDS),
-                   help="released drafter shape with --target (default: dspark)")
+    p.add_argument("--kind", default="dspark", choices=list(RELEASED_KINDS) + ["mtp"],
+                   help="released drafter shape with --target (default: dspark); mtp: a "
+                        "DeepSeek-V4 preset's MTP module, --draft-steps drafts per round")
+    p.add_argument("--draft-steps", type=int, default=1, metavar="K",
+                   help="with --kind mtp: drafts per round (MTP-K, default 1)")
     p.add_argument("--mesh", default=None, help="mesh axes, e.g. data=2,fsdp=4,tensor=1; a mixture-of-experts "
                                                 "target (DeepSeek-V4) may add expert=N (expert parallelism) "
                                                 "(default: the config's mesh, else fsdp=<devices>)")
@@ -79,6 +84,19 @@ def register(sub) -> None:
                         "decode round at every verification width for each --decode-batches slot count "
                         "and write a round table (rounds/s = 1 / max(bytes / bandwidth, flops / peak) "
                         "per program on one chip; projected) that `bench --round-table` reads")
+    p.add_argument("--no-ar-step", dest="ar_step", action="store_false",
+                   help="with --round-table: leave the AR step out (another drafter's table of the "
+                        "same target carries it; bench's AR curve reads the first table's)")
+    p.add_argument("--analytic", action="store_true",
+                   help="with --round-table --rates: compile nothing; each program's per-device "
+                        "bytes and flops from the declared shapes (costs/analytic.py: weights, "
+                        "routed experts touched on the --mesh's expert axis, KV cache), for a "
+                        "mixture-of-experts target whose CPU-compiled counts are not usable")
+    p.add_argument("--rates", default=None, metavar="CHIP:GRID",
+                   help="with --round-table and no --hardware (no compiler plugin for the chip "
+                        "here): compile on simulated CPU devices (--mesh) and charge each "
+                        "program's XLA:CPU flops / bytes at CHIP's peak / bandwidth; the table's "
+                        "cost source says so")
     p.add_argument("--decode-batches", default="1,8,64", metavar="LIST",
                    help="slot counts of --round-table (default 1,8,64)")
     p.add_argument("--json", dest="json_out", default=None, metavar="FILE",
@@ -141,7 +159,8 @@ def _configs(args):
                              "pass --config")
         target_cfg = presets.resolve_target(args.target)
         try:
-            draft_cfg = presets.released_drafter(args.target, kind=args.kind)
+            draft_cfg = (presets.v4_mtp_drafter(args.target, args.draft_steps) if args.kind == "mtp"
+                         else presets.released_drafter(args.target, kind=args.kind))
         except ConfigError:  # no drafter for this target yet (DeepSeek-V4): its forward / AR step only
             draft_cfg = None
         mesh_spec = args.mesh
@@ -225,9 +244,17 @@ def _check_args(args) -> None:
     if args.json_out:
         check_output(args.json_out, force=args.force, flag="--json",
                      inputs={"--config": args.config})
+    if args.rates and (args.hardware or not args.round_table):
+        raise InputError("--rates charges a --round-table compiled on simulated CPU devices: give "
+                         "--round-table and no --hardware")
+    if args.analytic and not args.rates:
+        raise InputError("--analytic charges a --round-table at a chip's rates: give --rates CHIP:GRID")
+    if args.draft_steps < 1:
+        raise InputError(f"--draft-steps must be >= 1, got {args.draft_steps}")
     if args.round_table:
-        if not args.hardware:
-            raise InputError("--round-table compiles for a chip: give --hardware CHIP:GRID")
+        if not args.hardware and not args.rates:
+            raise InputError("--round-table compiles for a chip: give --hardware CHIP:GRID (or "
+                             "--rates CHIP:GRID to charge CPU-compiled programs at its rates)")
         if args.kind is None and args.config is None:
             raise InputError("--round-table needs a drafter (--kind or a --config with one)")
         check_output(args.round_table, force=args.force, flag="--round-table",
@@ -273,8 +300,37 @@ def _round_table(args, hw, mesh, draft_cfg, target_cfg, dtype) -> int:
 
     table = compiled_round_table(draft_cfg, target_cfg, mesh, hw,
                                  parse_ints(args.decode_batches, "--decode-batches"),
-                                 max_len=args.decode_len, dtype=dtype,
+                                 max_len=args.decode_len, dtype=dtype, cpu_compiled=bool(args.rates),
+                                 ar=args.ar_step,
                                  log=lambda s: print(s, file=sys.stderr, flush=True))
+    write_json(args.round_table, table, force=args.force)
+    print(json.dumps({"out": args.round_table, "batch_sizes": table["batch_sizes"],
+                      "widths": table["widths"], "rps": table["rps"], "ar_rps": table["ar_rps"]}))
+    return 0
+
+
+def _analytic_table(args, hw) -> int:
+    """``--round-table --rates --analytic``: the table from declared shapes (``pipelines.plan_rounds
+    .analytic_round_table``) on the --mesh's expert axis, written atomically; nothing compiled."""
+    import json
+
+    from dspark_jax import sharding
+    from dspark_jax.errors import InputError
+    from dspark_jax.fileio import write_json
+    from dspark_jax.pipelines.bench_inputs import parse_ints
+    from dspark_jax.pipelines.plan_rounds import analytic_round_table
+
+    _, target_cfg, draft_cfg, mesh_spec = _configs(args)
+    if draft_cfg is None:
+        raise InputError("--round-table needs a drafter (--kind or a --config with one)")
+    sizes = sharding.parse_mesh_spec(mesh_spec) if mesh_spec else {}
+    if any(v != 1 for k, v in sizes.items() if k != "expert"):
+        raise InputError(f"--analytic models an expert-parallel mesh (expert=N, other axes 1), "
+                         f"got --mesh {mesh_spec!r}")
+    table = analytic_round_table(draft_cfg, target_cfg, hw,
+                                 parse_ints(args.decode_batches, "--decode-batches"),
+                                 max_len=args.decode_len, expert_shards=sizes.get("expert", 1),
+                                 ar=args.ar_step, log=lambda s: print(s, file=sys.stderr, flush=True))
     write_json(args.round_table, table, force=args.force)
     print(json.dumps({"out": args.round_table, "batch_sizes": table["batch_sizes"],
                       "widths": table["widths"], "rps": table["rps"], "ar_rps": table["ar_rps"]}))
@@ -286,6 +342,11 @@ def run(args) -> int:
 
     _check_args(args)
     hw = devices = None
+    if args.rates:
+        from dspark_jax.costs import hardware
+        hw = hardware.parse(args.rates)
+    if args.analytic:
+        return _analytic_table(args, hw)
     if args.hardware:
         from dspark_jax.costs import hardware
         hw = hardware.parse(args.hardware)

@@ -89,8 +89,9 @@ def _project_curves(curves, requests, logs, costs_of, concurrencies, per_slot, m
 
 
 def drafter_temps(drafter: I.Drafter):
+    """The drafter's STS temperatures (None: a profile drafter, whose confidences are the profile)."""
     from dspark_jax.convert.formats import sts_temperatures
-    return sts_temperatures(drafter.path)
+    return None if drafter.path is None else sts_temperatures(drafter.path)
 
 
 def bench(target, drafts: Sequence[str] = (), *, prompts=None, datasets=None, verify: str = "full",
@@ -98,16 +99,25 @@ def bench(target, drafts: Sequence[str] = (), *, prompts=None, datasets=None, ve
           baseline: str = I.AR, round_tables: Sequence[str] = (), logs: Sequence[str] = (),
           out=None, force: bool = False, requests_per_slot: int = 2, min_requests: int = 8,
           max_prompts: int = 16, max_prompt_tokens: int = 64, quick: bool = False,
-          compare=None, printer: Callable[[str], None] = print) -> dict:
+          compare=None, acceptance=None, seed: int = 0, printer: Callable[[str], None] = print) -> dict:
     """Run the bench (measured, or projected when ``round_tables`` are given); returns the report
     (what bench.json holds). Every input is checked before a model is loaded or compiled."""
     from dspark_jax.convert.formats import read_json_object
 
-    drafters = I.parse_drafters(drafts)
+    from dspark_jax.pipelines import bench_acceptance as A
+
+    if acceptance is not None and (logs or not round_tables):
+        raise InputError("--acceptance replaces --logs in projected mode: give --round-table and "
+                         "no --logs")
+    profiles = A.read_profiles(acceptance) if acceptance is not None else {}
+    drafters = I.parse_drafters(drafts, list(profiles) if acceptance is not None else None)
     specs = I.parse_verify(verify)
     concs = I.parse_ints(concurrency, "--concurrency")
     slas = I.parse_floats(sla, "--sla")
-    curves = [(I.AR, None, None)] + [(f"{d.name}/{v}", d, v) for d in drafters for v in specs]
+    skipped = {d.name: A.skipped_policies(profiles[d.name], specs) for d in drafters
+               if d.name in profiles}
+    curves = [(I.AR, None, None)] + [(f"{d.name}/{v}", d, v) for d in drafters for v in specs
+                                     if v not in skipped.get(d.name, ())]
     I.check_baseline(baseline, [c for c, _, _ in curves])
     for flag, v in (("--max-new-tokens", max_new_tokens),
                     ("--requests-per-slot", requests_per_slot), ("--min-requests", min_requests),
@@ -132,8 +142,9 @@ def bench(target, drafts: Sequence[str] = (), *, prompts=None, datasets=None, ve
         tcfg = resolve_target(target_name)  # projected mode: a preset name serves (no weights read)
     except DSparkError as e:
         raise InputError(f"--target: {e}") from None
-    blocks = {d.name: int(read_json_object(d.path / "config.json", "--draft config.json")
-                          .get("block_size", 0)) for d in drafters}
+    blocks = {d.name: profiles[d.name].block_size if d.path is None else
+              int(read_json_object(d.path / "config.json", "--draft config.json")
+                  .get("block_size", 0)) for d in drafters}
     tables, logged = {}, {}
     if projected_only:
         files = I.pair_files(round_tables, drafters, "--round-table")
@@ -142,12 +153,18 @@ def bench(target, drafts: Sequence[str] = (), *, prompts=None, datasets=None, ve
             obj = I.read_json(f, "--round-table")
             I.check_round_table(obj, f, tcfg, blocks.get(d.name) if d else None, d)
             tables[d.name if d else I.AR] = (obj, P.costs_from_json(obj, f"round table {f}"))
-        if drafters:
+        if drafters and acceptance is not None:
+            for d in drafters:
+                prof = profiles[d.name]
+                logged[d.name] = (A.synthetic_logs(prof, max_prompts, max_new_tokens, seed),
+                                  A.describe(prof, max_prompts, max_new_tokens, seed))
+        elif drafters:
             for d, f in zip(drafters, I.pair_files(logs, drafters, "--logs")):
                 logged[d.name] = (read_logs(f, d, blocks[d.name]), f"logs {f}")
     if out is not None:
         out = Path(out)
-        check_not_input(out, {"--target": target, "--draft": [d.path for d in drafters],
+        check_not_input(out, {"--target": target,
+                              "--draft": [d.path for d in drafters if d.path is not None],
                               "--round-table": list(round_tables), "--logs": list(logs),
                               "--compare": compare})
         if (out / RESULT_FILE).exists() and not force:
@@ -158,11 +175,14 @@ def bench(target, drafts: Sequence[str] = (), *, prompts=None, datasets=None, ve
 
 
     rows: list[dict] = []
-    meta: dict = {"target": str(target), "drafters": {d.name: {"path": str(d.path),
+    meta: dict = {"target": str(target), "drafters": {d.name: {"path": str(d.path) if d.path else None,
                   "fingerprint": d.fingerprint} for d in drafters},
                   "verify": specs, "concurrency": concs, "max_new_tokens": max_new_tokens,
                   "temperature": 0.0, "requests_per_slot": requests_per_slot,
                   "min_requests": min_requests}
+    if acceptance is not None:
+        meta["acceptance"] = {"file": str(acceptance), "seed": seed,
+                              "skipped_policies": {k: v for k, v in skipped.items() if v}}
     if not projected_only:
         from dspark_jax.pipelines import bench_runs
         measured = bench_runs.measure(target, drafters, specs, concs, curves, max_new_tokens,
@@ -207,7 +227,7 @@ def bench(target, drafts: Sequence[str] = (), *, prompts=None, datasets=None, ve
 
 def _finish(rows, curves, baseline, slas, meta, projected_only, out, force, printer) -> dict:
     """Table, SLA report (from measured rows, else projected), agreement, files."""
-    for line in R.table(rows):
+    for line in R.table(rows) + R.source_lines(rows):
         printer(line)
     reports = {}
     for source in ("measured", "projected"):
@@ -234,7 +254,8 @@ def _finish(rows, curves, baseline, slas, meta, projected_only, out, force, prin
         title = (f"{Path(meta['target']).name}: "
                  + ("projected" if projected_only else "measured (solid) and projected (dashed)")
                  + f", max_new_tokens {meta['max_new_tokens']}")
-        files = {"table": str(write_text(out / "table.txt", "\n".join(R.table(rows)) + "\n"))}
+        files = {"table": str(write_text(out / "table.txt",
+                                         "\n".join(R.table(rows) + R.source_lines(rows)) + "\n"))}
         for name, fn in (("frontier", R.plot_frontier), ("budget", R.plot_budget)):
             p = fn(rows, out / f"{name}.png", title)
             if p is not None:

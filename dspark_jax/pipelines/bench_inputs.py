@@ -24,9 +24,12 @@ GENERIC_NAMES = ("export", "draft", "drafter", "model")
 
 @dataclasses.dataclass(frozen=True)
 class Drafter:
+    """A curve's drafter: a checkpoint directory, or (``path`` None) a name of an acceptance
+    profile (projected mode: no weights, the round table carries the costs)."""
+
     name: str
-    path: Path
-    fingerprint: str
+    path: Path | None
+    fingerprint: str | None
 
 
 def fingerprint(draft_dir: Path) -> str:
@@ -40,10 +43,17 @@ def fingerprint(draft_dir: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def parse_drafters(specs: Sequence[str]) -> list[Drafter]:
-    """``--draft`` values (``DIR`` or ``NAME=DIR``) -> Drafters with distinct names."""
+def parse_drafters(specs: Sequence[str], profiles: Sequence[str] | None = None) -> list[Drafter]:
+    """``--draft`` values (``DIR`` or ``NAME=DIR``) -> Drafters with distinct names. With
+    ``profiles`` (the names of an ``--acceptance`` profile) each value must be one of them."""
     out: list[Drafter] = []
     for spec in specs or ():
+        if profiles is not None:
+            if spec not in profiles:
+                raise InputError(f"--draft {spec!r}: with --acceptance name a drafter of the "
+                                 f"profile ({', '.join(profiles)})")
+            out.append(Drafter(spec, None, None))
+            continue
         name, sep, path = spec.partition("=")
         path = Path(path if sep else spec)
         if not path.is_dir():

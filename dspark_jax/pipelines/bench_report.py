@@ -29,6 +29,16 @@ def table(rows: Sequence[dict]) -> list[str]:
     return lines
 
 
+def source_lines(rows: Sequence[dict]) -> list[str]:
+    """Where each curve's projected numbers come from: its cost and acceptance sources, once."""
+    seen: dict[str, tuple] = {}
+    for r in rows:
+        if r["source"] == "projected":
+            seen.setdefault(r["curve"], (r.get("cost_source"), r.get("acceptance_source")))
+    return [f"projected {curve}: costs: {cost}; acceptance: {acc}"
+            for curve, (cost, acc) in seen.items()]
+
+
 def sla_lines(report: dict) -> list[str]:
     """The SLA report, one line per curve and SLA / matched throughput, gains vs the baseline."""
     def pct(g):

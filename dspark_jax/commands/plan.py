@@ -292,9 +292,6 @@ def _taps(args, target_cfg) -> tuple[int, ...]:
 
 def _round_table(args, hw, mesh, draft_cfg, target_cfg, dtype) -> int:
     """``--round-table``: the compiled round table (``pipelines.plan_rounds``), written atomically."""
-    import json
-
-    from dspark_jax.fileio import write_json
     from dspark_jax.pipelines.bench_inputs import parse_ints
     from dspark_jax.pipelines.plan_rounds import compiled_round_table
 
@@ -303,6 +300,15 @@ def _round_table(args, hw, mesh, draft_cfg, target_cfg, dtype) -> int:
                                  max_len=args.decode_len, dtype=dtype, cpu_compiled=bool(args.rates),
                                  ar=args.ar_step,
                                  log=lambda s: print(s, file=sys.stderr, flush=True))
+    return _write_round_table(args, table)
+
+
+def _write_round_table(args, table: dict) -> int:
+    """Write ``table`` to --round-table atomically and print its summary line (JSON)."""
+    import json
+
+    from dspark_jax.fileio import write_json
+
     write_json(args.round_table, table, force=args.force)
     print(json.dumps({"out": args.round_table, "batch_sizes": table["batch_sizes"],
                       "widths": table["widths"], "rps": table["rps"], "ar_rps": table["ar_rps"]}))
@@ -312,11 +318,9 @@ def _round_table(args, hw, mesh, draft_cfg, target_cfg, dtype) -> int:
 def _analytic_table(args, hw) -> int:
     """``--round-table --rates --analytic``: the table from declared shapes (``pipelines.plan_rounds
     .analytic_round_table``) on the --mesh's expert axis, written atomically; nothing compiled."""
-    import json
 
     from dspark_jax import sharding
     from dspark_jax.errors import InputError
-    from dspark_jax.fileio import write_json
     from dspark_jax.pipelines.bench_inputs import parse_ints
     from dspark_jax.pipelines.plan_rounds import analytic_round_table
 
@@ -331,10 +335,7 @@ def _analytic_table(args, hw) -> int:
                                  parse_ints(args.decode_batches, "--decode-batches"),
                                  max_len=args.decode_len, expert_shards=sizes.get("expert", 1),
                                  ar=args.ar_step, log=lambda s: print(s, file=sys.stderr, flush=True))
-    write_json(args.round_table, table, force=args.force)
-    print(json.dumps({"out": args.round_table, "batch_sizes": table["batch_sizes"],
-                      "widths": table["widths"], "rps": table["rps"], "ar_rps": table["ar_rps"]}))
-    return 0
+    return _write_round_table(args, table)
 
 
 def run(args) -> int:

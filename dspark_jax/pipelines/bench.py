@@ -227,7 +227,8 @@ def bench(target, drafts: Sequence[str] = (), *, prompts=None, datasets=None, ve
 
 def _finish(rows, curves, baseline, slas, meta, projected_only, out, force, printer) -> dict:
     """Table, SLA report (from measured rows, else projected), agreement, files."""
-    for line in R.table(rows) + R.source_lines(rows):
+    lines = R.table(rows) + R.source_lines(rows)
+    for line in lines:
         printer(line)
     reports = {}
     for source in ("measured", "projected"):
@@ -255,7 +256,7 @@ def _finish(rows, curves, baseline, slas, meta, projected_only, out, force, prin
                  + ("projected" if projected_only else "measured (solid) and projected (dashed)")
                  + f", max_new_tokens {meta['max_new_tokens']}")
         files = {"table": str(write_text(out / "table.txt",
-                                         "\n".join(R.table(rows) + R.source_lines(rows)) + "\n"))}
+                                         "\n".join(lines) + "\n"))}
         for name, fn in (("frontier", R.plot_frontier), ("budget", R.plot_budget)):
             p = fn(rows, out / f"{name}.png", title)
             if p is not None:

@@ -318,7 +318,6 @@ def _write_round_table(args, table: dict) -> int:
 def _analytic_table(args, hw) -> int:
     """``--round-table --rates --analytic``: the table from declared shapes (``pipelines.plan_rounds
     .analytic_round_table``) on the --mesh's expert axis, written atomically; nothing compiled."""
-
     from dspark_jax import sharding
     from dspark_jax.errors import InputError
     from dspark_jax.pipelines.bench_inputs import parse_ints
